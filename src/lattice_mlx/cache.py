@@ -1,0 +1,124 @@
+"""Per-layer caches behind one protocol: begin() marks a speculative region, rollback(n) drops its last n positions,
+commit() ends it; snapshot()/restore() copy everything (the replay oracle); nbytes. `.state` serves mlx-lm."""
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache as _MlxLmKVCache
+
+
+class KVCache(_MlxLmKVCache):
+    """mlx-lm's preallocated KV cache; rollback is a trim of the offset."""
+
+    def begin(self) -> None:
+        pass
+
+    def rollback(self, n: int) -> None:
+        self.trim(n)
+
+    def commit(self) -> None:
+        pass
+
+    def snapshot(self) -> tuple:
+        return self.keys, self.values, self.offset
+
+    def restore(self, snap: tuple) -> None:
+        self.keys, self.values, self.offset = snap
+
+
+class GDNCache:
+    """Conv window [B, K-1, C] and recurrent state [B, Hv, Dv, Dk] (fp32) of one Gated DeltaNet layer.
+
+    Inside a speculative region the layer records its conv inputs and the state after every step, so rollback(n) is
+    a pick of already-computed arrays: no replay of any forward.
+    """
+
+    def __init__(self):
+        self.conv: mx.array | None = None
+        self.ssm: mx.array | None = None
+        self.offset = 0
+        self.recording = False
+        self._base: tuple | None = None
+        self._qkv: list[mx.array] = []
+        self._states: list[mx.array] = []
+
+    @property
+    def state(self) -> list:
+        return [self.conv, self.ssm]
+
+    @state.setter
+    def state(self, v: list) -> None:
+        self.conv, self.ssm = v
+
+    def update(self, conv_in: mx.array, new_state: mx.array, *, window: int, stepwise: bool) -> None:
+        """Called by the layer: conv_in [B, window+T, C]; new_state final [B, Hv, Dv, Dk] or per-step [B, T, ...]."""
+        if stepwise:
+            if self._base is None:
+                self._base = (conv_in[:, :window], self.ssm)
+            self._qkv.append(conv_in[:, window:])
+            self._states.append(new_state)
+            new_state = new_state[:, -1]
+        self.conv = conv_in[:, -window:]
+        self.ssm = new_state
+        self.offset += conv_in.shape[1] - window
+
+    def begin(self) -> None:
+        self.recording = True
+        self._base, self._qkv, self._states = None, [], []
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        qkv = mx.concatenate(self._qkv, axis=1)  # [B, R, C]
+        states = mx.concatenate(self._states, axis=1)  # [B, R, Hv, Dv, Dk]
+        base_conv, base_state = self._base
+        keep = qkv.shape[1] - n
+        assert keep >= 0, "rollback past the start of the speculative region"
+        window = mx.concatenate([base_conv, qkv], axis=1)
+        self.conv = window[:, keep : keep + base_conv.shape[1]]
+        self.ssm = states[:, keep - 1] if keep > 0 else base_state
+        self._qkv = [qkv[:, :keep]]
+        self._states = [states[:, :keep]]
+        self.offset -= n
+
+    def commit(self) -> None:
+        self.recording = False
+        self._base, self._qkv, self._states = None, [], []
+
+    def snapshot(self) -> tuple:
+        return self.conv, self.ssm, self.offset
+
+    def restore(self, snap: tuple) -> None:
+        self.conv, self.ssm, self.offset = snap
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return self.ssm is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.ssm) if a is not None)
+
+
+def begin(cache: list) -> None:
+    for c in cache:
+        c.begin()
+
+
+def rollback(cache: list, n: int) -> None:
+    for c in cache:
+        c.rollback(n)
+
+
+def commit(cache: list) -> None:
+    for c in cache:
+        c.commit()
+
+
+def snapshot(cache: list) -> list:
+    return [c.snapshot() for c in cache]
+
+
+def restore(cache: list, snaps: list) -> None:
+    for c, s in zip(cache, snaps):
+        c.restore(s)

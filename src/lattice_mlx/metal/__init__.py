@@ -1,0 +1,15 @@
+"""GPU kernels (Metal primary, CUDA twin from the same body) and their plain-ops references.
+
+`LATTICE_KERNELS=ref` forces the references everywhere; on the CPU backend the references always run.
+"""
+
+import os
+
+import mlx.core as mx
+
+
+def use_kernels() -> bool:
+    """True when the custom kernels should run: a GPU backend and no `LATTICE_KERNELS=ref` override."""
+    if os.environ.get("LATTICE_KERNELS", "").lower() == "ref":
+        return False
+    return mx.default_device() == mx.gpu and (mx.metal.is_available() or mx.cuda.is_available())

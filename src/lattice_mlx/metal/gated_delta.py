@@ -1,0 +1,208 @@
+"""Gated DeltaNet recurrence: S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T, y_t = S_t q_t.
+
+Shapes: q, k [B, T, Hk, Dk] (raw, normalised here); v [B, T, Hv, Dv]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
+state [B, Hv, Dv, Dk] fp32. Key head of value head h is h // (Hv // Hk).
+"""
+
+import mlx.core as mx
+
+from lattice_mlx.metal import _dialect, use_kernels
+
+
+def gate_ref(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """Decay g = exp(-exp(A_log) * softplus(a + dt_bias)) and beta = sigmoid(b), both fp32 [B, T, Hv]."""
+    a = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    g = mx.exp(-mx.exp(A_log.astype(mx.float32)) * mx.logaddexp(a, 0.0))
+    return g, mx.sigmoid(b.astype(mx.float32))
+
+
+def normalize_qk_ref(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
+    """Per-head L2 norm in fp32 (HF's rsqrt(sum x^2 + eps)); q also scaled by Dk^-0.5."""
+    q = q.astype(mx.float32)
+    k = k.astype(mx.float32)
+    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True) + eps) * (q.shape[-1] ** -0.5)
+    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + eps)
+    return q, k
+
+
+def gated_delta_ref(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    *,
+    step_states: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """The specification: one step at a time, everything in fp32.
+
+    Returns y [B, T, Hv, Dv] in v's dtype and the final state [B, Hv, Dv, Dk], or with `step_states` the state
+    after every step [B, T, Hv, Dv, Dk] (index n-1 is the state after the first n tokens).
+    """
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    q, k = normalize_qk_ref(q, k)
+    if Hv != Hk:
+        q = mx.repeat(q, Hv // Hk, axis=2)  # [B, T, Hv, Dk]
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    g, beta = gate_ref(a, b, A_log, dt_bias)
+    vf = v.astype(mx.float32)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    ys, states = [], []
+    for t in range(T):
+        state = state * g[:, t, :, None, None]
+        kv = (state * k[:, t, :, None, :]).sum(-1)  # [B, Hv, Dv]
+        delta = (vf[:, t] - kv) * beta[:, t, :, None]
+        state = state + delta[..., None] * k[:, t, :, None, :]
+        ys.append((state * q[:, t, :, None, :]).sum(-1))
+        if step_states:
+            states.append(state)
+    y = mx.stack(ys, axis=1).astype(v.dtype)
+    return y, (mx.stack(states, axis=1) if step_states else state)
+
+
+# One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
+# Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
+# The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
+_BODY = """
+  constexpr int NK = Dk / 32;
+  const int lane = LX_TID_X;
+  const int dv = LX_GID_Y;
+  const int bh = LX_BID_Z;
+  const int bi = bh / Hv;
+  const int hv = bh % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int T = v_shape[1];
+  if (dv >= Dv) return;
+
+  const float neg_A = -LX_EXP(LX_F32(A_log[hv]));
+  const float dtb = LX_F32(dt_bias[hv]);
+  const float qscale = LX_RSQRT(float(Dk));
+
+  float S[NK];
+  const int srow = (bh * Dv + dv) * Dk;
+  for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
+
+  // Iteration t issues the loads of step t + 1, then computes step t from the registers loaded last time.
+  float qn[NK] = {0.0f}, kn[NK] = {0.0f}, vn = 0.0f, an = 0.0f, bn = 0.0f;
+  float qc[NK], kc[NK], vc = 0.0f, ac = 0.0f, bc = 0.0f;
+  for (int t = -1; t < T; ++t) {
+    for (int i = 0; i < NK; ++i) {
+      qc[i] = qn[i];
+      kc[i] = kn[i];
+    }
+    vc = vn;
+    ac = an + dtb;
+    bc = bn;
+    if (t + 1 < T) {
+      const int qk = ((bi * T + t + 1) * Hk + hk) * Dk + lane;
+      const int hvn = (bi * T + t + 1) * Hv + hv;
+      for (int i = 0; i < NK; ++i) {
+        qn[i] = LX_F32(q[qk + 32 * i]);
+        kn[i] = LX_F32(k[qk + 32 * i]);
+      }
+      vn = LX_F32(v[hvn * Dv + dv]);
+      an = LX_F32(a[hvn]);
+      bn = LX_F32(b[hvn]);
+    }
+    if (t < 0) continue;
+
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      qq += qc[i] * qc[i];
+      kk += kc[i] * kc[i];
+    }
+    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
+    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
+    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG1P(LX_EXP(-LX_FABS(ac)));
+    const float g = LX_EXP(neg_A * sp);
+    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
+
+    float kv = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      kc[i] *= kr;
+      S[i] *= g;
+      kv += S[i] * kc[i];
+    }
+    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
+    float out = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      S[i] += kc[i] * delta;
+      out += S[i] * qc[i];
+    }
+    out = LX_SIMD_SUM(out) * qr;
+    const int hvt = (bi * T + t) * Hv + hv;
+    if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
+    if (STEP) {
+      const int so = (hvt * Dv + dv) * Dk + lane;
+      for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[i];
+    }
+  }
+  if (!STEP) {
+    for (int i = 0; i < NK; ++i) state_out[srow + lane + 32 * i] = S[i];
+  }
+"""
+
+_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in")
+_OUTPUTS = ("y", "state_out")
+
+
+def supported(q: mx.array, v: mx.array) -> bool:
+    """Shapes the kernel handles: Dk a multiple of 32 up to 256, Dv a multiple of 4, Hv a multiple of Hk."""
+    Dk, Hk = q.shape[-1], q.shape[-2]
+    Dv, Hv = v.shape[-1], v.shape[-2]
+    return Dk % 32 == 0 and Dk <= 256 and Dv % 4 == 0 and Hv % Hk == 0 and v.shape[1] > 0
+
+
+def gated_delta_kernel(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    *,
+    step_states: bool = False,
+    init_value: float | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The GPU kernel (Metal or CUDA); same contract as `gated_delta_ref`. `init_value` poisons outputs (tests)."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    kernel = _dialect.build("lattice_gated_delta", _BODY, _INPUTS, _OUTPUTS)
+    s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
+    y, s = kernel(
+        inputs=[q, k, v, a, b, A_log, dt_bias, state.astype(mx.float32)],
+        template=[("YT", v.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("STEP", step_states)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[v.shape, s_shape],
+        output_dtypes=[v.dtype, mx.float32],
+        init_value=init_value,
+    )
+    return y, s
+
+
+def gated_delta_update(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    *,
+    step_states: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """The one entry point the model calls; same contract as `gated_delta_ref`."""
+    if use_kernels() and supported(q, v):
+        return gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
+    return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)

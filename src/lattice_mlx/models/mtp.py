@@ -1,0 +1,34 @@
+"""The multi-token-prediction head: x = fc([norm_e(embed(t+1)), norm_h(h_t)]) -> one attention layer -> norm.
+
+Its logits come from the target's lm_head; its input hidden is the target's final hidden at the position that
+produced t+1 (post-norm by default). The head's KV cache holds one row per target position (RoPE position t).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache
+from .qwen3_5 import DecoderLayer, ModelArgs
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = [DecoderLayer(args, "full_attention") for _ in range(max(1, args.mtp_num_hidden_layers))]
+        self.norm = nn.RMSNorm(H, eps=eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
+        """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.fc(x)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, c)
+        return x
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]

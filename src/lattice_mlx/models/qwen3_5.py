@@ -1,0 +1,251 @@
+"""Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import GDNCache, KVCache
+from ..metal.gated_delta import gated_delta_update
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "qwen3_5_text"
+    hidden_size: int = 1024
+    intermediate_size: int = 3584
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 248320
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+    rope_parameters: dict | None = None
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    eos_token_id: int | list[int] | None = None
+    mtp_num_hidden_layers: int = 0
+    # Derived in __post_init__: rotary dims of the attention head.
+    rope_dims: int = field(init=False, default=0)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        """Reads the text fields of a hub (`text_config`), text-only or mlx-community config; unknown keys dropped."""
+        text = dict(config.get("text_config") or config)
+        for key in ("tie_word_embeddings", "eos_token_id"):
+            if key not in text and key in config:
+                text[key] = config[key]
+        names = {f.name for f in fields(cls) if f.init}
+        return cls(**{k: v for k, v in text.items() if k in names})
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        rope = self.rope_parameters or {}
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
+        self.partial_rotary_factor = float(rope.get("partial_rotary_factor", self.partial_rotary_factor))
+        self.rope_dims = int(self.head_dim * self.partial_rotary_factor)
+        if self.layer_types is None:
+            interval = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+
+class RMSNormGated(nn.Module):
+    """rms(y) * w * silu(z); this norm's weight is stored as is (no +1 shift)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, z: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x, self.weight, self.eps)
+        return (y.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.Hk, self.Hv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.Dk, self.Dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = args.linear_conv_kernel_dim
+        H = args.hidden_size
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.Hv, bias=False)
+        self.in_proj_a = nn.Linear(H, self.Hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = mx.ones((self.Hv,))
+        self.A_log = mx.zeros((self.Hv,))
+        self.norm = RMSNormGated(self.Dv, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def __call__(self, x: mx.array, cache: GDNCache | None = None) -> mx.array:
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+
+        conv_state = cache.conv if cache is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
+        conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
+        conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, T, self.Hk, self.Dk)
+        k = k.reshape(B, T, self.Hk, self.Dk)
+        v = v.reshape(B, T, self.Hv, self.Dv)
+
+        state = cache.ssm if cache is not None else None
+        record = cache is not None and cache.recording
+        y, new_state = gated_delta_update(
+            q, k, v, a, b, self.A_log, self.dt_bias, state, step_states=record
+        )
+        if cache is not None:
+            cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
+        y = self.norm(y, z)
+        return self.out_proj(y.reshape(B, T, -1))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        H, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(H, 2 * self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None) -> mx.array:
+        B, T, _ = x.shape
+        qg = self.q_proj(x).reshape(B, T, self.n_heads, 2 * self.head_dim)
+        q, gate = mx.split(qg, 2, axis=-1)  # each [B, T, Hq, D]
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if mask is None and T > 1:
+            mask = "causal"
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden_dims: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
+        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None) -> mx.array:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, cache) if self.is_linear else self.self_attn(h, cache, mask)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None,
+                 mask: mx.array | str | None = None) -> mx.array:
+        """Returns the final hidden states before the last norm, [B, T, H]."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c, mask)
+        return h
+
+
+class Model(nn.Module):
+    """Qwen3.5 causal LM. Parameters are named as in HF's text-only checkpoint (`model.*`, `lm_head`, `mtp.*`)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None, *,
+                 return_hidden: str | None = None, mask: mx.array | str | None = None):
+        """Logits [B, T, V]; with return_hidden="post" (after the final norm) or "pre", also that hidden."""
+        pre = self.model(inputs, cache, input_embeddings, mask)
+        post = self.model.norm(pre)
+        logits = self.lm_logits(post)
+        if return_hidden is None:
+            return logits
+        return logits, (post if return_hidden == "post" else pre)
+
+    def lm_logits(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def make_cache(self) -> list:
+        return [GDNCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        from ..load import sanitize
+
+        return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)

@@ -1,0 +1,76 @@
+"""Samplers (temperature, top-p, top-k) and the speculative acceptance rules that must see the same distribution."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Turns logits [..., V] into tokens. temp == 0 is greedy; otherwise sample from `probs(logits)`."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The distribution actually sampled from (fp32): temperature, then top-k, then top-p, renormalised."""
+        logits = logits.astype(mx.float32) / self.temp
+        V = logits.shape[-1]
+        if 0 < self.top_k < V:
+            kth = mx.sort(logits, axis=-1)[..., V - self.top_k, None]
+            logits = mx.where(logits < kth, -mx.inf, logits)
+        p = mx.softmax(logits, axis=-1)
+        if self.top_p < 1.0:
+            order = mx.argsort(-p, axis=-1)
+            sorted_p = mx.take_along_axis(p, order, axis=-1)
+            # Keep a token when the mass before it is below top_p: the smallest set reaching top_p, at least one.
+            keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < self.top_p
+            keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+            p = mx.where(keep, p, 0.0)
+            p = p / p.sum(axis=-1, keepdims=True)
+        return p
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        return sample_from(self.probs(logits))
+
+
+def sample_from(p: mx.array) -> mx.array:
+    """One draw per row of the probability table p [..., V]."""
+    return mx.random.categorical(mx.log(p), axis=-1)
+
+
+def accept_greedy(target_tokens: list[int], drafts: list[int]) -> int:
+    """Number of leading drafts equal to the target's argmax at the same position."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_tokens[n]:
+        n += 1
+    return n
+
+
+def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int | None]:
+    """Exact speculative sampling (Leviathan et al. 2023): p [K or K+1, V] target, q [K, V] draft distributions.
+
+    Accept draft i with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from norm(max(0, p_i - q_i));
+    after K acceptances draw the bonus token from p_K when that row is given. Returns (accepted, next token or None).
+    """
+    K = len(drafts)
+    rows, d = mx.arange(K), mx.array(drafts)
+    ratio = p[rows, d] / mx.maximum(q[rows, d], 1e-30)
+    accepted = (mx.random.uniform(shape=(K,)) < ratio).tolist()
+    n = 0
+    while n < K and accepted[n]:
+        n += 1
+    if n == K:
+        return n, (sample_from(p[K]).item() if p.shape[0] > K else None)
+    residual = mx.maximum(p[n] - q[n], 0.0)
+    total = residual.sum()
+    # p == q leaves no residual mass, and then a draft is never rejected; guard the division all the same.
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
+    return n, sample_from(residual).item()

@@ -1,0 +1,244 @@
+"""MTP speculative decoding: draft K tokens with the MTP head, verify them in one target pass, accept, roll back.
+
+Indexing: y is the newest token (position p), not yet fed to the target; MTP slot j pairs embed(t_{j+1}) with the
+target hidden h_j at RoPE position j. A round drafts slots p-1 .. p+K-2, verifies [y, d1..dK] at positions p..p+K,
+keeps y, d1..dn, then trims the MTP cache to its true rows; the next round's first MTP call adds the n rows that
+now have true hiddens (d1..dn with h_p..h_{p+n-1}) together with its own first draft slot.
+"""
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from . import cache as caches
+from .generate import generate_step, prefill
+from .sample import Sampler, accept_greedy, accept_sampled
+
+log = logging.getLogger("lattice_mlx")
+ADAPTIVE_WARMUP_ROUNDS = 8
+
+
+@dataclass
+class SpecStats:
+    draft_tokens: int
+    verify: str
+    rounds: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    decisions: list[str] = field(default_factory=list)
+
+    def record(self, k: int, n: int) -> None:
+        grow = max(0, k - len(self.proposed_at))
+        self.proposed_at += [0] * grow
+        self.accepted_at += [0] * grow
+        for i in range(k):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < n
+        self.rounds += 1
+
+    def to_dict(self) -> dict:
+        drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
+        return {
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "accepted_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
+            "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
+            "draft_tokens": self.draft_tokens,
+            "verify": self.verify,
+            "rounds": self.rounds,
+            "draft_time_s": self.draft_s,
+            "verify_time_s": self.verify_s,
+            "rollback_time_s": self.rollback_s,
+            "decisions": self.decisions,
+        }
+
+
+@dataclass
+class Round:
+    """What the verifier decided: n drafts accepted, the next token, and the target hidden at positions p..p+n."""
+
+    n: int
+    token: int
+    hidden: mx.array  # [n+1, H]
+
+
+class MTPDrafter:
+    """Drafts with the checkpoint's MTP head; owns the head's KV cache (one row per verified target position)."""
+
+    def __init__(self, model, sampler: Sampler, mode: str = "post"):
+        self.model, self.sampler, self.mode = model, sampler, mode
+        self.cache = model.mtp.make_cache()
+
+    def propose(self, tokens: list[int], hidden: mx.array, k: int, pos: int) -> tuple[list[int], mx.array | None]:
+        """tokens/hidden: the catch-up slots plus this round's first slot ([S], [S, H]); pos: index of the first
+        draft in the generated sequence. Returns K drafts and, when sampling, their distributions q [K, V]."""
+        model, head = self.model, self.model.mtp
+        emb, h = model.model.embed_tokens(mx.array(tokens))[None], hidden[None]
+        drafts, qs = [], []
+        for _ in range(k):
+            x = head(emb, h, self.cache)[:, -1:]
+            post = head.norm(x)
+            logits = model.lm_logits(post)[0, -1]
+            if self.sampler.greedy:
+                d = mx.argmax(logits)
+            else:
+                qs.append(self.sampler.probs(logits))
+                d = mx.random.categorical(mx.log(qs[-1]))
+            drafts.append(d)
+            emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)
+        mx.eval(drafts, qs)
+        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
+
+    def rollback(self, k: int) -> None:
+        """Drops the rows built on the head's own hidden (all but the round's first slot)."""
+        caches.rollback(self.cache, k - 1)
+
+
+class OracleDrafter(MTPDrafter):
+    """Synthetic drafts for benchmarks and tests (greedy only): runs the MTP head for its cost, then proposes the
+    recorded greedy continuation with probability `p_correct` per position, else a token that is surely wrong."""
+
+    def __init__(self, model, sampler: Sampler, reference: list[int], p_correct: float, *, seed: int = 0,
+                 mode: str = "post"):
+        super().__init__(model, sampler, mode)
+        self.reference, self.p_correct = reference, p_correct
+        self.rng = random.Random(seed)
+        self.vocab = model.args.vocab_size
+
+    def propose(self, tokens: list[int], hidden: mx.array, k: int, pos: int) -> tuple[list[int], None]:
+        super().propose(tokens, hidden, k, pos)
+        truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
+        return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
+
+
+def verify_batched(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
+    """One target forward over [y, d1..dK]; GDN layers record per-step states so rollback is a pick."""
+    caches.begin(cache)
+    logits, hidden = model(mx.array([[y, *drafts]]), cache, return_hidden=mode)
+    logits, hidden = logits[0], hidden[0]  # [K+1, V], [K+1, H]
+    if sampler.greedy:
+        n = accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
+        token = mx.argmax(logits[n]).item()
+    else:
+        n, token = accept_sampled(sampler.probs(logits), q, drafts)
+    return Round(n, token, hidden[: n + 1])
+
+
+def verify_sequential(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
+    """One target step per token, stopping at the first rejection: the cache never holds a rejected token."""
+    caches.begin(cache)
+    hs, tokens = [], [y, *drafts]
+    for i, t in enumerate(tokens):
+        logits, h = model(mx.array([[t]]), cache, return_hidden=mode)
+        hs.append(h[0, -1])
+        if i == len(drafts):
+            token = (mx.argmax(logits[0, -1]) if sampler.greedy else mx.random.categorical(
+                mx.log(sampler.probs(logits[0, -1]))
+            )).item()
+            return Round(i, token, mx.stack(hs))
+        if sampler.greedy:
+            best = mx.argmax(logits[0, -1]).item()
+            ok, token = best == drafts[i], best
+        else:
+            n, token = accept_sampled(sampler.probs(logits[0, -1:]), q[i : i + 1], [drafts[i]])
+            ok = n == 1
+        if not ok:
+            return Round(i, token, mx.stack(hs))
+
+
+VERIFIERS = {"batched": verify_batched, "sequential": verify_sequential}
+
+
+class DepthTuner:
+    """Adaptive K: expected tokens per round from per-position acceptance, cost from measured round times.
+
+    cost(K) = t_verify(K+1) + K * t_draft with t_verify(T) = t1 + slope * (T - 1); speedup(K) = E(K) * t1 / cost(K).
+    """
+
+    def __init__(self, k_max: int, t1: float):
+        self.k_max, self.t1 = k_max, t1
+        self.slope = 0.1 * t1
+        self.t_draft = 0.2 * t1
+
+    def observe(self, k: int, t_draft: float, t_verify: float) -> None:
+        self.t_draft = 0.8 * self.t_draft + 0.2 * t_draft / k
+        self.slope = 0.8 * self.slope + 0.2 * max(0.0, (t_verify - self.t1) / k)
+
+    def speedup(self, k: int, rates: list[float]) -> float:
+        """rates[i]: share of rounds whose draft i was accepted, i.e. P(the first i+1 drafts all accepted); depths
+        not measured yet continue the last measured conditional rate."""
+        expected, last, ratio = 1.0, 1.0, 0.0
+        for i in range(k):
+            if i < len(rates):
+                ratio, last = (rates[i] / last if last > 0 else 0.0), rates[i]
+            else:
+                last *= ratio
+            expected += last
+        cost = self.t1 + self.slope * k + self.t_draft * k
+        return expected * self.t1 / cost
+
+    def best(self, rates: list[float]) -> tuple[int, float]:
+        return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
+
+
+def measure_plain_step(model, cache: list, y: int, sampler: Sampler, mode: str) -> tuple[float, int, mx.array]:
+    tic = time.perf_counter()
+    logits, h = model(mx.array([[y]]), cache, return_hidden=mode)
+    token = sampler(logits[0, -1]).item()
+    return time.perf_counter() - tic, token, h[0]
+
+
+def speculative_step(
+    model, ids: mx.array, *, sampler: Sampler, stats: SpecStats, draft_tokens: int = 2, verify: str = "batched",
+    mtp_hidden: str = "post", adaptive: bool = False, drafter: MTPDrafter | None = None,
+) -> Iterator[int]:
+    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy)."""
+    if not model.has_mtp:
+        raise ValueError("this checkpoint has no MTP weights (mtp.*): speculative decoding needs them")
+    verifier, k = VERIFIERS[verify], draft_tokens
+    drafter = drafter or MTPDrafter(model, sampler, mtp_hidden)
+    cache = model.make_cache()
+    logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
+    y = sampler(logits).item()
+    yield y
+    pending, pending_h, out = [*ids.tolist()[1:], y], hidden, 1  # catch-up MTP slots 0..p-1
+    tuner = None
+    if adaptive:
+        for _ in range(2):  # the first plain step warms up, the second is the timed reference t1
+            t1, y, h = measure_plain_step(model, cache, y, sampler, mtp_hidden)
+            pending, pending_h, out = [*pending, y], mx.concatenate([pending_h, h]), out + 1
+            yield y
+        tuner = DepthTuner(draft_tokens, t1)
+    while True:
+        tic = time.perf_counter()
+        drafts, q = drafter.propose(pending, pending_h, k, out)
+        t_draft = time.perf_counter() - tic
+        r = verifier(model, cache, y, drafts, q, sampler, mtp_hidden)
+        mx.eval(r.hidden)
+        t_verify = time.perf_counter() - tic - t_draft
+        tic = time.perf_counter()
+        if verify == "batched":
+            caches.rollback(cache, k - r.n)
+        caches.commit(cache)
+        drafter.rollback(k)
+        stats.rollback_s += time.perf_counter() - tic
+        stats.draft_s, stats.verify_s = stats.draft_s + t_draft, stats.verify_s + t_verify
+        stats.record(k, r.n)
+        yield from drafts[: r.n]
+        yield r.token
+        pending, pending_h, y, out = [*drafts[: r.n], r.token], r.hidden, r.token, out + r.n + 1
+        if tuner is not None:
+            tuner.observe(k, t_draft, t_verify)
+            if stats.rounds >= ADAPTIVE_WARMUP_ROUNDS:
+                k, gain = tuner.best(stats.to_dict()["accepted_per_position"])
+                if gain < 1.0:
+                    stats.decisions.append(f"MTP off after {stats.rounds} rounds: predicted speedup {gain:.2f}")
+                    log.info(stats.decisions[-1])
+                    yield from generate_step(model, mx.array([y]), sampler=sampler, cache=cache)
+                    return
