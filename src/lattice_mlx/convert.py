@@ -1,0 +1,116 @@
+"""HF checkpoint -> MLX checkpoint (optionally 4/8-bit), keeping `mtp.*`; `python -m lattice_mlx.convert`."""
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from .generate import ArgumentParser
+from .load import DTYPES, LoadError, build_model, check_weights, read_config, read_weights, resolve_path, sanitize
+
+DEFAULT_Q_BITS = 4
+DEFAULT_Q_GROUP_SIZE = 64
+SHARD_BYTES = 2 << 30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def quantize(model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
+    """Affine-quantizes every Linear/Embedding whose input width divides into groups (the MTP head only if asked)."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not hasattr(module, "to_quantized") or (path.startswith("mtp.") and not quantize_mtp):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+
+
+def save_weights(dst: Path, weights: dict[str, mx.array]) -> None:
+    shards, current, size = [], {}, 0
+    for k, v in weights.items():
+        if current and size + v.nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[k], size = v, size + v.nbytes
+    shards.append(current)
+    index = {}
+    for i, shard in enumerate(tqdm(shards, desc="writing", unit="shard")):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(dst / name), shard, metadata={"format": "mlx"})
+        index.update({k: name for k in shard})
+    if len(shards) > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
+
+
+def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, group_size: int = DEFAULT_Q_GROUP_SIZE,
+            quantize_mtp: bool = False, dtype: str | None = None, force: bool = False) -> Path:
+    dst = Path(mlx_path)
+    if dst.exists() and not force:
+        raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
+    src = resolve_path(hf_path)
+    config = read_config(src)
+    text = config.get("text_config") or config
+    weights = sanitize(read_weights(src), tie_word_embeddings=text.get("tie_word_embeddings", False))
+    model = build_model(config, weights)
+    check_weights(model, weights)
+    if dtype is not None:
+        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log")
+                   else v for k, v in weights.items()}
+    model.load_weights(list(weights.items()), strict=True)
+    if quantize_bits:
+        if config.get("quantization"):
+            raise LoadError(f"{src} is already quantized")
+        quantize(model, bits=quantize_bits, group_size=group_size, quantize_mtp=quantize_mtp)
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
+    out = dict(tree_flatten(model.parameters()))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_weights(tmp, out)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy(src / name, tmp / name)
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def setup_arg_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m lattice_mlx.convert", description="Convert a Qwen3.5 checkpoint for MLX.")
+    p.add_argument("--hf-path", required=True, help="local HF checkpoint directory or hub repo id")
+    p.add_argument("--mlx-path", required=True, help="output directory (written atomically)")
+    p.add_argument("-q", "--quantize", action="store_true", help="affine-quantize the linears and embeddings")
+    p.add_argument("--q-bits", type=int, choices=[4, 8], default=DEFAULT_Q_BITS)
+    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=DEFAULT_Q_GROUP_SIZE)
+    p.add_argument("--quantize-mtp", action="store_true", help="quantize the MTP head too (default: keep it as is)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the stored dtype)")
+    p.add_argument("--force", action="store_true", help="replace --mlx-path if it exists")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        dst = convert(args.hf_path, args.mlx_path, quantize_bits=args.q_bits if args.quantize else None,
+                      group_size=args.q_group_size, quantize_mtp=args.quantize_mtp, dtype=args.dtype, force=args.force)
+    except (LoadError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {dst}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The generate API and CLI: mlx-lm compatibility, JSON output, and one-line errors for everything a user can get wrong."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from lattice_mlx import generate, load, stream_generate
+
+
+def run_cli(*args, stdin: str | None = None, module: str = "lattice_mlx.generate"):
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_mlx_lm_stream_generate_runs_the_model_with_the_same_greedy_tokens(checkpoints):
+    import mlx_lm
+
+    model, tokenizer = load(checkpoints["untied"])
+    prompt = [5, 9, 33, 21, 7, 100]
+    ours = generate(model, tokenizer, prompt, max_tokens=24).tokens
+    theirs = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    assert theirs[: len(ours)] == ours
+
+
+def test_stream_generate_yields_pieces_that_join_to_the_text(checkpoints):
+    model, tokenizer = load(checkpoints["tied"])
+    pieces = list(stream_generate(model, tokenizer, "def f(x):", max_tokens=12, chat_template=False))
+    result = generate(model, tokenizer, "def f(x):", max_tokens=12, chat_template=False)
+    assert [p.token for p in pieces] == result.tokens
+    assert "".join(p.text for p in pieces) == result.text
+    assert pieces[-1].finish_reason in ("length", "stop")
+
+
+def test_cli_json_and_stdin_prompt(checkpoints):
+    out = run_cli("--model", str(checkpoints["tied"]), "--prompt", "-", "--max-tokens", "8", "--json",
+                  stdin="def main():")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("tokens", "text", "prompt_tokens", "generation_tokens", "prompt_tps", "generation_tps",
+                "peak_memory_gb"):
+        assert key in result
+    assert 1 <= result["generation_tokens"] == len(result["tokens"]) <= 8
+    assert "tok/s" in out.stderr
+
+
+def test_cli_mtp_json_stats_and_exactness(checkpoints):
+    base = ["--model", str(checkpoints["tied"]), "--prompt", "hello", "--max-tokens", "16", "--json"]
+    plain = json.loads(run_cli(*base).stdout.splitlines()[-1])
+    spec = run_cli(*base, "--mtp", "--draft-tokens", "3")
+    assert spec.returncode == 0, spec.stderr
+    result = json.loads(spec.stdout.splitlines()[-1])
+    assert result["tokens"] == plain["tokens"]
+    for key in ("acceptance_rate", "accepted_per_position", "mean_accepted_length", "draft_tokens", "verify",
+                "rounds"):
+        assert key in result
+    assert result["draft_tokens"] == 3 and result["verify"] == "batched"
+
+
+def _corrupt(src, dst, how):
+    shutil.copytree(src, dst)
+    if how == "truncated":
+        data = (dst / "model.safetensors").read_bytes()
+        (dst / "model.safetensors").write_bytes(data[: len(data) // 3])
+    elif how in ("wrong_shape", "missing_tensor"):
+        from safetensors.numpy import load_file, save_file
+
+        w = load_file(str(dst / "model.safetensors"))
+        key = "model.language_model.layers.0.mlp.up_proj.weight"
+        if how == "missing_tensor":
+            del w[key]
+        else:
+            w[key] = w[key][:, :-1].copy()
+        save_file(w, str(dst / "model.safetensors"))
+    elif how == "unknown_type":
+        config = json.loads((dst / "config.json").read_text())
+        config["model_type"] = config["text_config"]["model_type"] = "llama"
+        (dst / "config.json").write_text(json.dumps(config))
+    elif how == "no_config":
+        (dst / "config.json").unlink()
+    return dst
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated", "corrupt"), ("wrong_shape", "shape"), ("missing_tensor", "missing tensor"),
+    ("unknown_type", "unsupported model_type"), ("no_config", "no config.json"),
+])
+def test_cli_bad_checkpoint_is_one_line(checkpoints, tmp_path, how, message):
+    path = _corrupt(checkpoints["tied"], tmp_path / how, how)
+    out = run_cli("--model", str(path), "--max-tokens", "2")
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/dir"], "no such directory"),
+    (["--model", "nobody-xyz/not-a-real-repo-1234"], "pass a local checkpoint directory"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["--draft-tokens", "9"], "--draft-tokens"),
+    (["--verify", "tree"], "--verify"),
+])
+def test_cli_bad_flags_are_one_line(args, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = run_cli(*args)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_cli_mtp_without_mtp_weights(no_mtp_checkpoint):
+    out = run_cli("--model", str(no_mtp_checkpoint), "--mtp")
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: --mtp needs MTP weights (mtp.*), and this checkpoint has none: drop --mtp"
+    ]
+
+
+def test_convert_cli_bad_input_is_one_line(tmp_path):
+    out = run_cli("--hf-path", str(tmp_path / "missing"), "--mlx-path", str(tmp_path / "out"),
+                  module="lattice_mlx.convert")
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,81 @@
+"""Loading and conversion: names, the +1 norm shift applied exactly once, mtp.* kept, atomic output."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx.convert import convert, quantize
+from lattice_mlx.load import LoadError, load, read_weights, sanitize
+
+IDS = mx.array([[3, 17, 250, 9, 64, 128, 5, 77]])
+
+
+def test_sanitize_is_idempotent_and_shifts_norms_once(checkpoints):
+    raw = read_weights(checkpoints["tied"])
+    once = sanitize(raw, tie_word_embeddings=True)
+    twice = sanitize(once, tie_word_embeddings=True)
+    assert once.keys() == twice.keys()
+    for k in once:
+        assert mx.array_equal(once[k], twice[k]), k
+    shifted = ["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.3.self_attn.q_norm.weight",
+               "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+               "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+               "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight"]
+    for k in shifted:
+        hub = k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
+        assert mx.allclose(once[k], raw[hub] + 1.0).item(), k
+    gated = "model.layers.0.linear_attn.norm.weight"
+    assert mx.array_equal(once[gated], raw[gated.replace("model.", "model.language_model.", 1)])
+    assert once["model.layers.0.linear_attn.conv1d.weight"].shape[-1] == 1
+
+
+def test_mtp_weights_survive_load_and_convert(checkpoints, tmp_path):
+    model, _ = load(checkpoints["tied"])
+    assert model.has_mtp
+    dst = convert(str(checkpoints["tied"]), str(tmp_path / "out"))
+    again, _ = load(dst)
+    assert again.has_mtp
+    a = dict(__import__("mlx.utils").utils.tree_flatten(model.mtp.parameters()))
+    b = dict(__import__("mlx.utils").utils.tree_flatten(again.mtp.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+    assert mx.array_equal(model(IDS), again(IDS))
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_quantized_convert_reloads_to_same_logits(checkpoints, tmp_path, group_size):
+    src = checkpoints["untied"]
+    dst = convert(str(src), str(tmp_path / "q"), quantize_bits=4, group_size=group_size)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization"] == {"group_size": group_size, "bits": 4}
+    model, _ = load(dst)
+    assert model.has_mtp and "scales" not in model.mtp.fc  # MTP head kept unquantized by default
+    in_memory, _ = load(src)
+    quantize(in_memory, bits=4, group_size=group_size, quantize_mtp=False)
+    logits = model(IDS)
+    assert mx.array_equal(logits, in_memory(IDS))
+    converted_again = convert(str(dst), str(tmp_path / "copy"))
+    assert mx.array_equal(load(converted_again)[0](IDS), logits)
+
+
+def test_convert_refuses_existing_output_and_leaves_no_temp_dir(checkpoints, tmp_path):
+    dst = tmp_path / "exists"
+    dst.mkdir()
+    with pytest.raises(LoadError, match="already exists"):
+        convert(str(checkpoints["tied"]), str(dst))
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["tied"], broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(LoadError, match="corrupt"):
+        convert(str(broken), str(tmp_path / "never"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "exists"]
+
+
+def test_dtype_override(checkpoints):
+    model, _ = load(checkpoints["tied"], dtype="bfloat16")
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert model.layers[0].linear_attn.A_log.dtype == mx.float32
+    assert np.isfinite(np.array(model(IDS).astype(mx.float32))).all()

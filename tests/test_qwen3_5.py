@@ -1,0 +1,85 @@
+"""The model against HF transformers (torch, float64 reference) and against mlx-lm's own qwen3_5."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx.load import load
+
+IDS = [3, 17, 250, 9, 64, 128, 5, 77, 300, 12, 41, 199, 2, 8, 150, 33, 90]
+
+
+def hf_reference_logits(path, ids):
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
+    from safetensors.numpy import load_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
+    weights = load_file(str(path / "model.safetensors"))
+    state = {k.replace("model.language_model.", "model."): torch.from_numpy(v)
+             for k, v in weights.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    with torch.no_grad():
+        fp32 = model(torch.tensor([ids])).logits.numpy()
+        return model.double()(torch.tensor([ids])).logits.numpy(), fp32
+
+
+def test_logits_match_transformers(checkpoint):
+    ref, ref_fp32 = hf_reference_logits(checkpoint, IDS)
+    model, _ = load(checkpoint)
+    out = np.array(model(mx.array([IDS])))
+    err, hf_err = np.abs(out - ref).max(), np.abs(ref_fp32 - ref).max()
+    # Reference: transformers in float64. These random models amplify rounding (transformers' own fp32 is ~1e-4 off
+    # its float64 here), so the bound is 1e-4 or transformers' own fp32 error, whichever is larger.
+    assert err <= max(1e-4, hf_err), f"max |lattice - transformers| = {err:.2e}, transformers fp32: {hf_err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])  # mlx-lm reads full_attention_interval, not layer_types
+def test_logits_match_mlx_lm(checkpoints, name):
+    import mlx_lm
+
+    ref_model, _ = mlx_lm.load(str(checkpoints[name]))
+    model, _ = load(checkpoints[name])
+    ids = mx.array([IDS])
+    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    assert err <= 1e-5, f"max |lattice - mlx-lm| = {err:.2e}"
+
+
+def test_quantized_mlx_community_checkpoint_matches_mlx_lm(checkpoints, tmp_path):
+    import mlx_lm
+    from mlx_lm.convert import convert
+
+    dst = tmp_path / "q4"
+    convert(str(checkpoints["untied"]), str(dst), quantize=True, q_group_size=32, q_bits=4)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    ref_model, _ = mlx_lm.load(str(dst))
+    model, _ = load(dst)
+    assert not model.has_mtp  # mlx-lm drops mtp.*
+    ids = mx.array([IDS])
+    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    assert err <= 1e-5, f"max |lattice - mlx-lm| on a 4-bit checkpoint = {err:.2e}"
+
+
+def test_incremental_decode_equals_full_forward(checkpoint):
+    model, _ = load(checkpoint)
+    ids = mx.array([IDS])
+    full = model(ids)
+    cache = model.make_cache()
+    parts = [model(ids[:, :5], cache)] + [model(ids[:, i : i + 1], cache) for i in range(5, len(IDS))]
+    err = mx.abs(mx.concatenate(parts, axis=1) - full).max().item()
+    assert err <= 1e-4, err
+
+
+def test_chunked_prefill_equals_one_shot(checkpoint):
+    from lattice_mlx.generate import prefill
+
+    model, _ = load(checkpoint)
+    ids = mx.array(IDS)
+    one, _ = prefill(model, ids, model.make_cache(), step=len(IDS))
+    chunked, _ = prefill(model, ids, model.make_cache(), step=4)
+    assert mx.abs(one - chunked).max().item() <= 1e-4
