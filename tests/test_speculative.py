@@ -1,0 +1,205 @@
+"""MTP speculative decoding is exact: greedy equals plain greedy, samples keep the plain distribution."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import generate, load
+from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import OracleDrafter, SpecStats, speculative_step
+
+PROMPTS = [[5, 9, 33, 21, 7, 100], [250], [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]]
+
+
+def run_spec(model, prompt, n, **kw):
+    stats = SpecStats(kw.get("draft_tokens", 2), kw.get("verify", "batched"))
+    gen = speculative_step(model, mx.array(prompt), sampler=kw.pop("sampler", Sampler()), stats=stats, **kw)
+    return [next(gen) for _ in range(n)], stats.to_dict()
+
+
+@pytest.mark.parametrize("verify", ["batched", "sequential"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_mtp_equals_plain_greedy(checkpoints, k, verify):
+    for name, path in checkpoints.items():
+        model, tok = load(path)
+        for prompt in PROMPTS:
+            plain = generate(model, tok, prompt, max_tokens=40).tokens
+            spec, _ = run_spec(model, prompt, 40, draft_tokens=k, verify=verify)
+            assert spec == plain, (name, prompt)
+
+
+def test_adaptive_depth_is_exact_and_logs_its_decision(checkpoints):
+    model, tok = load(checkpoints["tied"])
+    plain = generate(model, tok, PROMPTS[0], max_tokens=60).tokens
+    spec, stats = run_spec(model, PROMPTS[0], 60, draft_tokens=4, adaptive=True)
+    assert spec == plain
+    # A random MTP head accepts ~nothing, so the tuner must turn MTP off, and say so once.
+    assert len(stats["decisions"]) == 1 and "MTP off" in stats["decisions"][0]
+
+
+@pytest.mark.parametrize("verify", ["batched", "sequential"])
+@pytest.mark.parametrize("p_correct, expected", [(1.0, 1.0), (0.0, 0.0)])
+def test_oracle_and_always_wrong_drafts(checkpoints, verify, p_correct, expected):
+    model, tok = load(checkpoints["untied"])
+    plain = generate(model, tok, PROMPTS[0], max_tokens=60).tokens  # longer than used: the last round drafts ahead
+    drafter = OracleDrafter(model, Sampler(), plain, p_correct)
+    spec, stats = run_spec(model, PROMPTS[0], 50, draft_tokens=3, verify=verify, drafter=drafter)
+    assert spec == plain[:50]
+    assert stats["acceptance_rate"] == expected
+    assert stats["accepted_per_position"] == [expected] * 3
+
+
+def test_partial_acceptance_is_exact_and_reports_per_position_rates(checkpoints):
+    model, tok = load(checkpoints["pattern"])
+    plain = generate(model, tok, PROMPTS[2], max_tokens=120).tokens
+    drafter = OracleDrafter(model, Sampler(), plain, 0.7, seed=3)
+    spec, stats = run_spec(model, PROMPTS[2], 110, draft_tokens=3, drafter=drafter)
+    assert spec == plain[:110]
+    rates = stats["accepted_per_position"]
+    assert 0.5 < rates[0] < 0.9 and rates[0] >= rates[1] >= rates[2] > 0
+
+
+def test_rollback_equals_recomputing_the_accepted_prefix(checkpoints):
+    model, _ = load(checkpoints["tied"])
+    prompt, extra = mx.array(PROMPTS[0]), [40, 41, 42, 43, 44]
+    for n_keep in range(len(extra) + 1):
+        cache = model.make_cache()
+        prefill(model, prompt, cache)
+        caches.begin(cache)
+        model(mx.array([extra]), cache)
+        caches.rollback(cache, len(extra) - n_keep)
+        caches.commit(cache)
+        ref = model.make_cache()
+        prefill(model, mx.array(PROMPTS[0] + extra[:n_keep]), ref, step=len(PROMPTS[0]))
+        for c, r in zip(cache, ref):
+            assert c.offset == r.offset
+            for a, b in zip(c.state[:2], r.state[:2]):
+                a = a[..., : c.offset, :] if isinstance(c, caches.KVCache) else a
+                b = b[..., : r.offset, :] if isinstance(r, caches.KVCache) else b
+                assert mx.allclose(a, b, atol=1e-5).item()
+        probe = mx.array([[7]])
+        assert mx.allclose(model(probe, cache), model(probe, ref), atol=1e-4).item()
+
+
+def test_snapshot_restore_oracle_matches_stepwise_rollback(checkpoints):
+    model, _ = load(checkpoints["pattern"])
+    cache = model.make_cache()
+    prefill(model, mx.array(PROMPTS[0]), cache)
+    snap = caches.snapshot(cache)
+    caches.begin(cache)
+    model(mx.array([[40, 41, 42]]), cache)
+    caches.rollback(cache, 2)
+    caches.commit(cache)
+    replay = model.make_cache()
+    caches.restore(replay, snap)
+    model(mx.array([[40]]), replay)
+    probe = mx.array([[9, 10]])
+    assert mx.allclose(model(probe, cache), model(probe, replay), atol=1e-4).item()
+
+
+def _mtp_numpy(weights, args, tokens, hidden, embed):
+    """The head's formula in plain numpy (one position at a time, causal attention by hand)."""
+    eps, D = args.rms_norm_eps, args.head_dim
+    nq, nkv = args.num_attention_heads, args.num_key_value_heads
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def rope(x, pos):  # x [T, heads, D], split-half pairing on the first rope_dims
+        r = args.rope_dims
+        inv = args.rope_theta ** (-np.arange(0, r, 2) / r)
+        ang = pos[:, None, None] * inv[None, None, :]
+        x1, x2 = x[..., : r // 2], x[..., r // 2 : r]
+        out = x.copy()
+        out[..., : r // 2] = x1 * np.cos(ang) - x2 * np.sin(ang)
+        out[..., r // 2 : r] = x2 * np.cos(ang) + x1 * np.sin(ang)
+        return out
+
+    p = lambda k: np.array(weights[k], dtype=np.float64)  # noqa: E731
+    e = embed[tokens]
+    x = np.concatenate([rms(e, p("mtp.pre_fc_norm_embedding.weight")), rms(hidden, p("mtp.pre_fc_norm_hidden.weight"))],
+                       -1) @ p("mtp.fc.weight").T
+    L = "mtp.layers.0."
+    h = rms(x, p(L + "input_layernorm.weight"))
+    T = len(tokens)
+    qg = (h @ p(L + "self_attn.q_proj.weight").T).reshape(T, nq, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
+    k = (h @ p(L + "self_attn.k_proj.weight").T).reshape(T, nkv, D)
+    v = (h @ p(L + "self_attn.v_proj.weight").T).reshape(T, nkv, D)
+    pos = np.arange(T, dtype=np.float64)
+    q, k = rope(rms(q, p(L + "self_attn.q_norm.weight")), pos), rope(rms(k, p(L + "self_attn.k_norm.weight")), pos)
+    k, v = np.repeat(k, nq // nkv, axis=1), np.repeat(v, nq // nkv, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D) + np.triu(np.full((T, T), -np.inf), 1)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    o = np.einsum("hts,shd->thd", a, v).reshape(T, -1) * (1 / (1 + np.exp(-gate)))
+    x = x + o @ p(L + "self_attn.o_proj.weight").T
+    m = rms(x, p(L + "post_attention_layernorm.weight"))
+    g, u = m @ p(L + "mlp.gate_proj.weight").T, m @ p(L + "mlp.up_proj.weight").T
+    x = x + (g / (1 + np.exp(-g)) * u) @ p(L + "mlp.down_proj.weight").T
+    return rms(x, p("mtp.norm.weight")) @ embed.T
+
+
+@pytest.mark.parametrize("converted", [False, True])
+def test_mtp_head_matches_numpy_formula_and_shifts_norms_once(checkpoints, tmp_path, converted):
+    from lattice_mlx.convert import convert
+    from safetensors.numpy import load_file
+
+    src = checkpoints["tied"]
+    model, _ = load(convert(str(src), str(tmp_path / "c")) if converted else src)
+    raw = load_file(str(src / "model.safetensors"))
+    # All seven MTP norms are zero-centred in the hub checkpoint; the formula applies x * (1 + w).
+    weights = {k: (v + 1.0 if k.startswith("mtp.") and "norm" in k else v) for k, v in raw.items()}
+    assert sum(k.startswith("mtp.") and "norm" in k for k in raw) == 7
+    embed = raw["model.language_model.embed_tokens.weight"].astype(np.float64)
+    tokens = np.array([5, 9, 33, 21, 7])
+    hidden = np.random.default_rng(0).normal(0, 1, (5, model.args.hidden_size))
+    ref = _mtp_numpy(weights, model.args, tokens, hidden, embed)
+    x = model.mtp(model.model.embed_tokens(mx.array(tokens))[None], mx.array(hidden, dtype=mx.float32)[None])
+    out = np.array(model.lm_logits(model.mtp.norm(x))[0])
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("temp, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (0.6, 0.9, 12)])
+def test_speculative_sampling_keeps_the_distribution(temp, top_p, top_k, tmp_path_factory):
+    """Chi-square over the first 3 tokens' joint outcome class, tiny vocabulary, fixed seeds."""
+    from scipy.stats import chi2_contingency
+
+    from lattice_mlx.synthetic import random_checkpoint
+
+    path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v", seed=5, vocab_size=16, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=4)
+    model, _ = load(path)
+    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k)
+    prompt, trials = [1, 2, 3], 400
+    mx.random.seed(1)
+    plain = model.make_cache()
+    logits, _ = prefill(model, mx.array(prompt), plain)
+    first = sampler.probs(logits)
+    counts_plain, counts_spec = np.zeros(16 * 16), np.zeros(16 * 16)
+    for i in range(trials):
+        mx.random.seed(1000 + i)
+        a = sampler(logits).item()
+        c = [cc for cc in model.make_cache()]
+        caches.restore(c, caches.snapshot(plain))
+        b = sampler(model(mx.array([[a]]), c)[0, -1]).item()
+        counts_plain[a * 16 + b] += 1
+        mx.random.seed(50_000 + i)
+        toks, _ = run_spec(model, prompt, 2, draft_tokens=2, sampler=sampler)
+        counts_spec[toks[0] * 16 + toks[1]] += 1
+    keep = (counts_plain + counts_spec) > 0
+    _, pvalue, _, _ = chi2_contingency(np.stack([counts_plain[keep], counts_spec[keep]]))
+    assert pvalue > 0.01, pvalue
+    assert first.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_long_greedy_run_has_no_drift(checkpoints):
+    model, tok = load(checkpoints["untied"])
+    steps = generate_step(model, mx.array(PROMPTS[0]), sampler=Sampler())  # no EOS stop: 2,000 tokens for sure
+    plain = [next(steps) for _ in range(2010)]
+    drafter = OracleDrafter(model, Sampler(), plain, 0.8, seed=7)
+    spec, stats = run_spec(model, PROMPTS[0], 2000, draft_tokens=3, drafter=drafter)
+    assert spec == plain[:2000]
+    assert stats["acceptance_rate"] > 0.3
