@@ -156,3 +156,25 @@ def write_checkpoint(path: str | Path, config: dict, weights: dict[str, np.ndarr
 def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, **text) -> Path:
     config = hub_config(mtp=mtp, **text)
     return write_checkpoint(path, config, hub_weights(config, seed=seed, mtp=mtp))
+
+
+def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, **text):
+    """A randomly initialised Model (MTP head attached) built in memory at any size, e.g. random_model(
+    **QWEN3_5_0_8B, bits=4): for timing only, since random weights make acceptance meaningless."""
+    import mlx.core as mx
+
+    from .convert import quantize
+    from .models.mtp import MTPHead
+    from .models.qwen3_5 import Model, ModelArgs
+
+    args = ModelArgs.from_dict(hub_config(mtp=mtp, **text))
+    model = Model(args)
+    if mtp:
+        model.mtp = MTPHead(args)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    if bits:
+        quantize(model, bits=bits, group_size=group_size, quantize_mtp=False)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
