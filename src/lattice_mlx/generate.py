@@ -91,8 +91,8 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
     return list(tokenizer.encode(prompt))
 
 
-def token_stream(model, ids: mx.array, sampler: Sampler, *, mtp: bool, spec_options: dict, stats) -> Iterator[int]:
-    if not mtp:
+def token_stream(model, ids: mx.array, sampler: Sampler, *, spec_options: dict | None, stats) -> Iterator[int]:
+    if spec_options is None:
         return generate_step(model, ids, sampler=sampler)
     from .speculative import speculative_step
 
@@ -103,23 +103,26 @@ def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, chat_template: bool = True, mtp: bool = False,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS, verify: str = "batched", mtp_hidden: str = "post",
-    adaptive: bool = False,
+    adaptive: bool = False, draft: str | None = None,
 ) -> Generator[GenerationResponse, None, None]:
-    """Yields one response per generated token (text piece and id); the last one carries finish_reason and stats."""
+    """Yields one response per generated token (text piece and id); the last one carries finish_reason and stats.
+    Speculative decoding: mtp=True (the MTP head) or draft='mtp' | 'self[:LAYERS]' | 'ngram' | 'mtp+ngram'."""
     from .speculative import SpecStats
 
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k)
-    stats = SpecStats(draft_tokens=draft_tokens, verify=verify) if mtp else None
-    spec_options = dict(draft_tokens=draft_tokens, verify=verify, mtp_hidden=mtp_hidden, adaptive=adaptive)
+    draft = draft or ("mtp" if mtp else None)
+    stats = SpecStats(draft_tokens=draft_tokens, verify=verify, source=draft) if draft else None
+    spec_options = dict(draft_tokens=draft_tokens, verify=verify, mtp_hidden=mtp_hidden, adaptive=adaptive,
+                        draft=draft) if draft else None
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    tokens = token_stream(model, mx.array(ids), sampler, mtp=mtp, spec_options=spec_options, stats=stats)
+    tokens = token_stream(model, mx.array(ids), sampler, spec_options=spec_options, stats=stats)
     for n, token in enumerate(tokens, start=1):
         if n == 1:
             prompt_time = time.perf_counter() - tic
@@ -141,12 +144,14 @@ def stream_generate(
             break
 
 
-def generate(model, tokenizer, prompt: str | list[int], **kwargs) -> GenerationResult:
-    """Runs `stream_generate` to the end; same keyword options."""
+def generate(model, tokenizer, prompt: str | list[int], *, on_text=None, **kwargs) -> GenerationResult:
+    """Runs `stream_generate` to the end (same keyword options); `on_text(piece)` sees the text as it streams."""
     tokens, pieces, last = [], [], None
     for last in stream_generate(model, tokenizer, prompt, **kwargs):
         tokens.append(last.token)
         pieces.append(last.text)
+        if on_text is not None:
+            on_text(last.text)
     return GenerationResult(
         tokens=tokens, text="".join(pieces), prompt_tokens=last.prompt_tokens, generation_tokens=len(tokens),
         prompt_tps=last.prompt_tps, generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb,
@@ -200,6 +205,7 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
     p.add_argument("--mtp", action="store_true", help="MTP speculative decoding (also LATTICE_MTP=1)")
+    p.add_argument("--draft", help="draft source: mtp, self[:LAYERS] (LATTICE_SELF_SPEC=1), ngram, mtp+ngram")
     p.add_argument("--draft-tokens", type=_positive_int(1, 8), default=DEFAULT_DRAFT_TOKENS, help="draft depth K")
     p.add_argument("--verify", choices=["batched", "sequential"], help="verifier (LATTICE_MTP_BATCH=0: sequential)")
     p.add_argument("--mtp-hidden", choices=["post", "pre"], default="post", help="target hidden fed to the MTP head")
@@ -210,33 +216,31 @@ def setup_arg_parser() -> ArgumentParser:
 def run(args: argparse.Namespace) -> GenerationResult:
     from .load import load
 
-    mtp = args.mtp or os.environ.get("LATTICE_MTP", "0") == "1"
+    draft = args.draft or ("mtp" if args.mtp or os.environ.get("LATTICE_MTP", "0") == "1" else None)
+    if draft is None and os.environ.get("LATTICE_SELF_SPEC", "0") == "1":
+        draft = "self"
     verify = args.verify or ("sequential" if os.environ.get("LATTICE_MTP_BATCH", "1") == "0" else "batched")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    if mtp and not model.has_mtp:
+    if draft == "mtp" and not model.has_mtp:
         raise ValueError("--mtp needs MTP weights (mtp.*), and this checkpoint has none: drop --mtp")
-    pieces, last, tokens = [], None, []
-    for last in stream_generate(
+    result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-        chat_template=not args.no_chat_template, mtp=mtp, draft_tokens=args.draft_tokens, verify=verify,
-        mtp_hidden=args.mtp_hidden, adaptive=args.adaptive,
-    ):
-        print(last.text, end="", flush=True)
-        pieces.append(last.text)
-        tokens.append(last.token)
+        chat_template=not args.no_chat_template, draft=draft, draft_tokens=args.draft_tokens, verify=verify,
+        mtp_hidden=args.mtp_hidden, adaptive=args.adaptive, on_text=lambda t: print(t, end="", flush=True),
+    )
     print()
     print(
-        f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | generation: {len(tokens)} tokens, "
-        f"{last.generation_tps:.1f} tok/s | peak memory: {last.peak_memory_gb:.3f} GB",
-        file=sys.stderr,
+        f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s | generation: "
+        f"{result.generation_tokens} tokens, {result.generation_tps:.1f} tok/s | peak memory: "
+        f"{result.peak_memory_gb:.3f} GB", file=sys.stderr,
     )
-    return GenerationResult(
-        tokens=tokens, text="".join(pieces), prompt_tokens=last.prompt_tokens, generation_tokens=len(tokens),
-        prompt_tps=last.prompt_tps, generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb,
-        finish_reason=last.finish_reason, mtp=last.mtp,
-    )
+    if result.mtp:
+        m = result.mtp
+        print(f"{m['draft_source']} drafts: acceptance {m['acceptance_rate']:.2f} per position "
+              f"{[round(a, 2) for a in m['accepted_per_position']]}, {m['rounds']} rounds", file=sys.stderr)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,8 @@ def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, in
     after K acceptances draw the bonus token from p_K when that row is given. Returns (accepted, next token or None).
     """
     K = len(drafts)
+    if K == 0:
+        return 0, sample_from(p[0]).item()
     rows, d = mx.arange(K), mx.array(drafts)
     ratio = p[rows, d] / mx.maximum(q[rows, d], 1e-30)
     accepted = (mx.random.uniform(shape=(K,)) < ratio).tolist()

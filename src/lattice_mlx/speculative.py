@@ -7,7 +7,6 @@ now have true hiddens (d1..dn with h_p..h_{p+n-1}) together with its own first d
 """
 
 import logging
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import cache as caches
+from .drafters import MTPDrafter, OracleDrafter, make_drafter  # noqa: F401  (OracleDrafter: public)
 from .generate import generate_step, prefill
 from .sample import Sampler, accept_greedy, accept_sampled
 
@@ -26,6 +26,7 @@ ADAPTIVE_WARMUP_ROUNDS = 8
 class SpecStats:
     draft_tokens: int
     verify: str
+    source: str = "mtp"
     rounds: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -51,6 +52,7 @@ class SpecStats:
             "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
             "draft_tokens": self.draft_tokens,
             "verify": self.verify,
+            "draft_source": self.source,
             "rounds": self.rounds,
             "draft_time_s": self.draft_s,
             "verify_time_s": self.verify_s,
@@ -68,63 +70,15 @@ class Round:
     hidden: mx.array  # [n+1, H]
 
 
-class MTPDrafter:
-    """Drafts with the checkpoint's MTP head; owns the head's KV cache (one row per verified target position)."""
-
-    def __init__(self, model, sampler: Sampler, mode: str = "post"):
-        self.model, self.sampler, self.mode = model, sampler, mode
-        self.cache = model.mtp.make_cache()
-
-    def propose(self, tokens: list[int], hidden: mx.array, k: int, pos: int) -> tuple[list[int], mx.array | None]:
-        """tokens/hidden: the catch-up slots plus this round's first slot ([S], [S, H]); pos: index of the first
-        draft in the generated sequence. Returns K drafts and, when sampling, their distributions q [K, V]."""
-        model, head = self.model, self.model.mtp
-        emb, h = model.model.embed_tokens(mx.array(tokens))[None], hidden[None]
-        drafts, qs = [], []
-        for _ in range(k):
-            x = head(emb, h, self.cache)[:, -1:]
-            post = head.norm(x)
-            logits = model.lm_logits(post)[0, -1]
-            if self.sampler.greedy:
-                d = mx.argmax(logits)
-            else:
-                qs.append(self.sampler.probs(logits))
-                d = mx.random.categorical(mx.log(qs[-1]))
-            drafts.append(d)
-            emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)
-        mx.eval(drafts, qs)
-        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
-
-    def rollback(self, k: int) -> None:
-        """Drops the rows built on the head's own hidden (all but the round's first slot)."""
-        caches.rollback(self.cache, k - 1)
-
-
-class OracleDrafter(MTPDrafter):
-    """Synthetic drafts for benchmarks and tests (greedy only): runs the MTP head for its cost, then proposes the
-    recorded greedy continuation with probability `p_correct` per position, else a token that is surely wrong."""
-
-    def __init__(self, model, sampler: Sampler, reference: list[int], p_correct: float, *, seed: int = 0,
-                 mode: str = "post"):
-        super().__init__(model, sampler, mode)
-        self.reference, self.p_correct = reference, p_correct
-        self.rng = random.Random(seed)
-        self.vocab = model.args.vocab_size
-
-    def propose(self, tokens: list[int], hidden: mx.array, k: int, pos: int) -> tuple[list[int], None]:
-        super().propose(tokens, hidden, k, pos)
-        truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
-        return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
-
-
 def verify_batched(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
     """One target forward over [y, d1..dK]; GDN layers record per-step states so rollback is a pick."""
     caches.begin(cache)
     logits, hidden = model(mx.array([[y, *drafts]]), cache, return_hidden=mode)
     logits, hidden = logits[0], hidden[0]  # [K+1, V], [K+1, H]
     if sampler.greedy:
-        n = accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
-        token = mx.argmax(logits[n]).item()
+        targets = mx.argmax(logits, axis=-1).tolist()
+        n = accept_greedy(targets, drafts)
+        token = targets[n]
     else:
         n, token = accept_sampled(sampler.probs(logits), q, drafts)
     return Round(n, token, hidden[: n + 1])
@@ -194,51 +148,61 @@ def measure_plain_step(model, cache: list, y: int, sampler: Sampler, mode: str) 
     return time.perf_counter() - tic, token, h[0]
 
 
+def one_hot_q(drafts: list[int], vocab: int) -> mx.array:
+    """A deterministic draft's distribution: all mass on the proposed token."""
+    return (mx.arange(vocab)[None, :] == mx.array(drafts)[:, None]).astype(mx.float32)
+
+
 def speculative_step(
     model, ids: mx.array, *, sampler: Sampler, stats: SpecStats, draft_tokens: int = 2, verify: str = "batched",
-    mtp_hidden: str = "post", adaptive: bool = False, drafter: MTPDrafter | None = None,
+    mtp_hidden: str = "post", adaptive: bool = False, drafter=None, draft: str = "mtp",
 ) -> Iterator[int]:
-    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy)."""
-    if not model.has_mtp:
-        raise ValueError("this checkpoint has no MTP weights (mtp.*): speculative decoding needs them")
+    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy).
+    The draft source is `drafter` if given, else `make_drafter(draft)` ('mtp', 'self[:LAYERS]', 'ngram', 'mtp+ngram')."""
+    drafter = drafter or make_drafter(draft, model, sampler, mtp_hidden=mtp_hidden)
     verifier, k = VERIFIERS[verify], draft_tokens
-    drafter = drafter or MTPDrafter(model, sampler, mtp_hidden)
     cache = model.make_cache()
     logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
     y = sampler(logits).item()
     yield y
-    pending, pending_h, out = [*ids.tolist()[1:], y], hidden, 1  # catch-up MTP slots 0..p-1
+    history = [*ids.tolist(), y]
+    drafter.start(history[:-1], y, hidden, cache)
     tuner = None
     if adaptive:
         for _ in range(2):  # the first plain step warms up, the second is the timed reference t1
             t1, y, h = measure_plain_step(model, cache, y, sampler, mtp_hidden)
-            pending, pending_h, out = [*pending, y], mx.concatenate([pending_h, h]), out + 1
+            drafter.observe([y], h)
+            history.append(y)
             yield y
         tuner = DepthTuner(draft_tokens, t1)
     while True:
         tic = time.perf_counter()
-        drafts, q = drafter.propose(pending, pending_h, k, out)
+        drafts, q = drafter.propose(history, k)
+        if q is None and drafts and not sampler.greedy:
+            q = one_hot_q(drafts, model.args.vocab_size)
         t_draft = time.perf_counter() - tic
         r = verifier(model, cache, y, drafts, q, sampler, mtp_hidden)
         mx.eval(r.hidden)
         t_verify = time.perf_counter() - tic - t_draft
         tic = time.perf_counter()
         if verify == "batched":
-            caches.rollback(cache, k - r.n)
+            caches.rollback(cache, len(drafts) - r.n)
         caches.commit(cache)
-        drafter.rollback(k)
+        drafter.rollback()
         stats.rollback_s += time.perf_counter() - tic
         stats.draft_s, stats.verify_s = stats.draft_s + t_draft, stats.verify_s + t_verify
-        stats.record(k, r.n)
-        yield from drafts[: r.n]
-        yield r.token
-        pending, pending_h, y, out = [*drafts[: r.n], r.token], r.hidden, r.token, out + r.n + 1
-        if tuner is not None:
-            tuner.observe(k, t_draft, t_verify)
+        stats.record(len(drafts), r.n)
+        accepted = [*drafts[: r.n], r.token]
+        drafter.observe(accepted, r.hidden)
+        history += accepted
+        y = r.token
+        yield from accepted
+        if tuner is not None and drafts:
+            tuner.observe(len(drafts), t_draft, t_verify)
             if stats.rounds >= ADAPTIVE_WARMUP_ROUNDS:
                 k, gain = tuner.best(stats.to_dict()["accepted_per_position"])
                 if gain < 1.0:
-                    stats.decisions.append(f"MTP off after {stats.rounds} rounds: predicted speedup {gain:.2f}")
+                    stats.decisions.append(f"speculation off after {stats.rounds} rounds: predicted speedup {gain:.2f}")
                     log.info(stats.decisions[-1])
                     yield from generate_step(model, mx.array([y]), sampler=sampler, cache=cache)
                     return

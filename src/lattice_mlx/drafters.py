@@ -1,0 +1,230 @@
+"""Draft sources for the speculative loop: the MTP head, self-speculation (a subset of the target's own layers),
+prompt lookup (n-gram), and their hybrid. All share one protocol, so verify / accept / rollback is written once:
+
+    start(prompt, first, hidden, cache)  once, after prefill (hidden: the target hidden of every prompt position)
+    propose(history, k) -> drafts, q     up to k drafts (q [len, V] when sampling, None for one-hot drafts)
+    rollback()                           undo the draft's own scratch work after verification
+    observe(tokens, hidden)              the verified tokens of a round and the target hidden that precedes each
+"""
+
+import random
+
+import mlx.core as mx
+
+from . import cache as caches
+from .sample import Sampler
+
+
+def _pick(sampler: Sampler, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    if sampler.greedy:
+        return mx.argmax(logits), None
+    q = sampler.probs(logits)
+    return mx.random.categorical(mx.log(q)), q
+
+
+class MTPDrafter:
+    """Drafts with the checkpoint's MTP head. Its KV cache holds one row per verified target position: slot j pairs
+    embed(t_{j+1}) with the target hidden h_j (RoPE position j); rows built on the head's own hidden are dropped."""
+
+    def __init__(self, model, sampler: Sampler, mode: str = "post"):
+        self.model, self.sampler, self.mode = model, sampler, mode
+        self.cache = model.mtp.make_cache()
+        self.tokens, self.hidden, self.drafted = [], [], 0
+
+    def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
+        self.observe([*prompt[1:], first], hidden)
+
+    def observe(self, tokens: list[int], hidden: mx.array) -> None:
+        self.tokens += tokens
+        self.hidden.append(hidden)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
+        model, head = self.model, self.model.mtp
+        emb = model.model.embed_tokens(mx.array(self.tokens))[None]
+        h = mx.concatenate(self.hidden)[None]
+        self.tokens, self.hidden = [], []
+        drafts, qs = [], []
+        for _ in range(k):
+            x = head(emb, h, self.cache)[:, -1:]
+            post = head.norm(x)
+            d, q = _pick(self.sampler, model.lm_logits(post)[0, -1])
+            drafts.append(d)
+            qs += [q] if q is not None else []
+            emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)
+        mx.eval(drafts, qs)
+        self.drafted = k
+        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
+
+    def rollback(self) -> None:
+        if self.drafted:
+            caches.rollback(self.cache, self.drafted - 1)
+        self.drafted = 0
+
+
+class OracleDrafter(MTPDrafter):
+    """Synthetic drafts for benchmarks and tests (greedy only): runs the MTP head for its cost, then proposes the
+    recorded greedy continuation `reference` (generated tokens) with probability `p_correct` per position, else a
+    token that is surely wrong."""
+
+    def __init__(self, model, sampler: Sampler, reference: list[int], p_correct: float, *, seed: int = 0,
+                 mode: str = "post"):
+        super().__init__(model, sampler, mode)
+        self.reference, self.p_correct = reference, p_correct
+        self.rng = random.Random(seed)
+        self.vocab = model.args.vocab_size
+
+    def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
+        super().start(prompt, first, hidden, cache)
+        self.prompt_len = len(prompt)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
+        super().propose(history, k)
+        pos = len(history) - self.prompt_len
+        truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
+        return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
+
+
+class NgramDrafter:
+    """Prompt lookup: find the longest recent n-gram (n = max_n .. min_n) that ends the history and occurred
+    before, and propose what followed it. Drafts are deterministic (q is one-hot)."""
+
+    def __init__(self, vocab_size: int, *, max_n: int = 4, min_n: int = 2, window: int = 4096):
+        self.vocab, self.max_n, self.min_n, self.window = vocab_size, max_n, min_n, window
+
+    def start(self, prompt, first, hidden, cache) -> None:
+        pass
+
+    def observe(self, tokens, hidden) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        seq = history[-self.window :]
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            tail = seq[-n:]
+            # Most recent earlier occurrence first: recent text predicts the continuation best.
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start : start + n] == tail:
+                    return seq[start + n : start + n + k]
+        return []
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
+        return self.lookup(history, k), None
+
+
+class HybridDrafter:
+    """`mtp+ngram`: the n-gram proposal when the history has a match, the MTP head otherwise. The MTP head keeps
+    observing every verified position, so its cache stays complete in n-gram rounds."""
+
+    def __init__(self, ngram: NgramDrafter, mtp: MTPDrafter):
+        self.ngram, self.mtp = ngram, mtp
+
+    def start(self, prompt, first, hidden, cache) -> None:
+        self.mtp.start(prompt, first, hidden, cache)
+
+    def observe(self, tokens, hidden) -> None:
+        self.mtp.observe(tokens, hidden)
+
+    def rollback(self) -> None:
+        self.mtp.rollback()
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
+        drafts = self.ngram.lookup(history, k)
+        return (drafts, None) if drafts else self.mtp.propose(history, k)
+
+
+class OverlayKVCache:
+    """Read-only view of a target KV cache plus the draft's own rows; the target's arrays are never written."""
+
+    def __init__(self, base: caches.KVCache):
+        self.base_k, self.base_v = (base.keys[..., : base.offset, :], base.values[..., : base.offset, :]) \
+            if base.keys is not None else (None, None)
+        self.offset = base.offset
+        self.k = self.v = None
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        self.k = k if self.k is None else mx.concatenate([self.k, k], axis=2)
+        self.v = v if self.v is None else mx.concatenate([self.v, v], axis=2)
+        self.offset += k.shape[2]
+        if self.base_k is None:
+            return self.k, self.v
+        return mx.concatenate([self.base_k, self.k], axis=2), mx.concatenate([self.base_v, self.v], axis=2)
+
+
+def parse_layers(spec: str, model) -> list[int]:
+    """'gdn' (default: the GDN layers only), 'first:N', 'every:M', or a comma list of layer indices."""
+    n = len(model.layers)
+    if spec in ("", "gdn"):
+        return [i for i, layer in enumerate(model.layers) if layer.is_linear]
+    kind, _, arg = spec.partition(":")
+    if kind == "first" and arg.isdigit():
+        return list(range(min(int(arg), n)))
+    if kind == "every" and arg.isdigit() and int(arg) > 0:
+        return list(range(0, n, int(arg)))
+    if all(p.strip().isdigit() for p in spec.split(",")) and all(int(p) < n for p in spec.split(",")):
+        return sorted({int(p) for p in spec.split(",")})
+    raise ValueError(f"bad self-speculation layer spec {spec!r}: use gdn, first:N, every:M or a list like 0,1,2")
+
+
+class SelfSpecDrafter:
+    """Self-speculation: draft with a subset of the target's own layers (default: the GDN layers, skipping the
+    attention layers and their MLPs), its final norm and lm_head. The draft's caches are scratch copies: GDN
+    state arrays are immutable in MLX and attention layers see the target's KV through a read-only overlay."""
+
+    def __init__(self, model, sampler: Sampler, layers: str = "gdn"):
+        self.model, self.sampler = model, sampler
+        self.layers = parse_layers(layers, model)
+
+    def start(self, prompt, first, hidden, cache) -> None:
+        self.target_cache = cache
+
+    def observe(self, tokens, hidden) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def scratch(self) -> dict[int, object]:
+        out = {}
+        for i in self.layers:
+            c = self.target_cache[i]
+            if isinstance(c, caches.GDNCache):
+                s = caches.GDNCache()
+                s.conv, s.ssm, s.offset = c.conv, c.ssm, c.offset
+                out[i] = s
+            else:
+                out[i] = OverlayKVCache(c)
+        return out
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
+        model, scratch = self.model, self.scratch()
+        tok = mx.array([[history[-1]]])
+        drafts, qs = [], []
+        for _ in range(k):
+            h = model.model.embed_tokens(tok)
+            for i in self.layers:
+                h = model.layers[i](h, scratch[i])
+            d, q = _pick(self.sampler, model.lm_logits(model.model.norm(h))[0, -1])
+            drafts.append(d)
+            qs += [q] if q is not None else []
+            tok = d.reshape(1, 1)
+        mx.eval(drafts, qs)
+        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
+
+
+def make_drafter(kind: str, model, sampler: Sampler, *, mtp_hidden: str = "post"):
+    """'mtp', 'self[:LAYERS]', 'ngram', 'mtp+ngram'."""
+    name, _, arg = kind.partition(":")
+    if name in ("mtp", "mtp+ngram") and not model.has_mtp:
+        raise ValueError(f"--draft {kind} needs MTP weights (mtp.*), and this checkpoint has none")
+    if name == "mtp":
+        return MTPDrafter(model, sampler, mtp_hidden)
+    if name == "self":
+        return SelfSpecDrafter(model, sampler, arg or "gdn")
+    if name == "ngram":
+        return NgramDrafter(model.args.vocab_size)
+    if name == "mtp+ngram":
+        return HybridDrafter(NgramDrafter(model.args.vocab_size), MTPDrafter(model, sampler, mtp_hidden))
+    raise ValueError(f"unknown draft source {kind!r}: use mtp, self[:LAYERS], ngram or mtp+ngram")

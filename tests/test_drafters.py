@@ -1,0 +1,119 @@
+"""Every draft source through the same loop: exact greedy output, exact sampling, and target caches left untouched."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import generate, load
+from lattice_mlx.drafters import NgramDrafter, SelfSpecDrafter, parse_layers
+from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import SpecStats, speculative_step
+
+# A prompt that repeats itself, so prompt lookup finds matches (copy-heavy workload).
+COPY_PROMPT = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9]
+
+
+def spec_tokens(model, prompt, n, draft, **kw):
+    stats = SpecStats(kw.get("draft_tokens", 3), "batched", draft)
+    gen = speculative_step(model, mx.array(prompt), sampler=kw.pop("sampler", Sampler()), stats=stats,
+                           draft=draft, **kw)
+    return [next(gen) for _ in range(n)], stats.to_dict()
+
+
+@pytest.mark.parametrize("draft", ["self", "self:first:2", "self:every:2", "self:0,3", "ngram", "mtp+ngram"])
+@pytest.mark.parametrize("verify", ["batched", "sequential"])
+def test_every_source_is_exact_under_greedy(checkpoints, draft, verify):
+    for name in ("tied", "pattern"):
+        model, tok = load(checkpoints[name])
+        for prompt in (COPY_PROMPT, [5, 9, 33, 21, 7, 100]):
+            steps = generate_step(model, mx.array(prompt), sampler=Sampler())
+            plain = [next(steps) for _ in range(40)]
+            spec, stats = spec_tokens(model, prompt, 40, draft, verify=verify)
+            assert spec == plain, (name, draft, prompt)
+            assert stats["draft_source"] == draft
+
+
+def test_ngram_proposes_on_repeated_text_and_stays_exact(checkpoints):
+    model, _ = load(checkpoints["untied"])
+    steps = generate_step(model, mx.array(COPY_PROMPT), sampler=Sampler())
+    ref = [next(steps) for _ in range(30)]
+    spec, stats = spec_tokens(model, COPY_PROMPT, 30, "ngram")
+    assert spec == ref
+    # The repeated prompt gives lookup matches, so drafts were proposed (random weights rarely accept them).
+    assert len(stats["accepted_per_position"]) >= 2
+
+
+def test_self_spec_leaves_target_caches_as_plain_decoding_does(checkpoints):
+    model, _ = load(checkpoints["pattern"])
+    prompt = mx.array([5, 9, 33, 21, 7, 100])
+    cache = model.make_cache()
+    prefill(model, prompt, cache)
+    before = [tuple(np.array(a) for a in c.state[:2] if a is not None) for c in cache]
+    offsets = [c.offset for c in cache]
+    drafter = SelfSpecDrafter(model, Sampler(), "first:4")  # GDN and attention layers both drafted
+    drafter.start(prompt.tolist(), 3, None, cache)
+    drafter.propose(prompt.tolist() + [3], 4)
+    assert [c.offset for c in cache] == offsets
+    for c, b in zip(cache, before):
+        for arr, ref in zip(c.state[:2], b):
+            assert np.array_equal(np.array(arr), ref)
+
+
+@pytest.mark.parametrize("draft", ["self", "ngram", "mtp+ngram"])
+def test_sampling_with_each_source_keeps_the_distribution(draft, tmp_path_factory):
+    from scipy.stats import chi2_contingency
+
+    from lattice_mlx.synthetic import random_checkpoint
+
+    path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v", seed=6, vocab_size=8, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=4)
+    model, _ = load(path)
+    sampler, prompt, trials = Sampler(temp=1.0), [1, 2, 1, 2, 1], 300
+    counts = np.zeros((2, 64))
+    for i in range(trials):
+        mx.random.seed(10 + i)
+        steps = generate_step(model, mx.array(prompt), sampler=sampler)
+        a, b = next(steps), next(steps)
+        counts[0, a * 8 + b] += 1
+        mx.random.seed(90_000 + i)
+        toks, _ = spec_tokens(model, prompt, 2, draft, sampler=sampler, draft_tokens=2)
+        counts[1, toks[0] * 8 + toks[1]] += 1
+    keep = counts.sum(0) > 0
+    assert chi2_contingency(counts[:, keep])[1] > 0.01
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(100, max_n=3, min_n=2)
+    assert d.lookup([1, 2, 3, 4, 1, 2], 2) == [3, 4]
+    assert d.lookup([1, 2, 3, 9, 2, 3, 7, 2, 3], 3) == [7, 2, 3]  # most recent earlier match wins
+    assert d.lookup([5, 1, 2, 3, 6, 9, 1, 2, 3], 2) == [6, 9]  # longest n first
+    assert d.lookup([1, 2, 3, 4], 3) == []
+    assert d.lookup([4, 4], 2) == []  # n=2 needs an earlier occurrence; n=1 is below min_n
+
+
+def test_layer_specs(checkpoints):
+    model, _ = load(checkpoints["pattern"])  # full, linear, linear, full, linear
+    assert parse_layers("gdn", model) == [1, 2, 4]
+    assert parse_layers("first:2", model) == [0, 1]
+    assert parse_layers("every:2", model) == [0, 2, 4]
+    assert parse_layers("3,0", model) == [0, 3]
+    with pytest.raises(ValueError):
+        parse_layers("9", model)
+
+
+def test_cli_draft_sources(checkpoints):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "lattice_mlx.generate", "--model", str(checkpoints["tied"]), "--prompt", "a b a b",
+            "--max-tokens", "12", "--json", "--no-chat-template"]
+    plain = json.loads(subprocess.run(base, capture_output=True, text=True).stdout.splitlines()[-1])["tokens"]
+    for extra, env in ((["--draft", "mtp+ngram"], {}), ([], {"LATTICE_SELF_SPEC": "1"})):
+        out = subprocess.run(base + extra, capture_output=True, text=True, env={**__import__("os").environ, **env})
+        result = json.loads(out.stdout.splitlines()[-1])
+        assert result["tokens"] == plain and result["draft_source"] in ("mtp+ngram", "self")
+    bad = subprocess.run(base + ["--draft", "self:99"], capture_output=True, text=True)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
