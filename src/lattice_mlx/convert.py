@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .generate import ArgumentParser
@@ -32,6 +32,26 @@ def quantize(model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
 
 
+def rotate_into(model, config: dict, *, seed: int) -> None:
+    """Folds a Hadamard rotation into the (dense) model in fp32 and records it in `config` (lm_head becomes untied)."""
+    from .rotate import rotate_model
+
+    if config.get("rotation"):
+        raise LoadError("this checkpoint is already rotated")
+    if config.get("quantization"):
+        raise LoadError("rotate a dense checkpoint: this one is already quantized")
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    model.set_dtype(mx.float32)
+    try:
+        config["rotation"] = rotate_model(model, seed=seed)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    default = dtypes["model.embed_tokens.weight"]
+    model.update(tree_unflatten([(k, v.astype(dtypes.get(k, default))) for k, v in tree_flatten(model.parameters())]))
+    for c in (config, config.get("text_config") or {}):
+        c["tie_word_embeddings"] = False
+
+
 def save_weights(dst: Path, weights: dict[str, mx.array]) -> None:
     shards, current, size = [], {}, 0
     for k, v in weights.items():
@@ -50,7 +70,8 @@ def save_weights(dst: Path, weights: dict[str, mx.array]) -> None:
 
 
 def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, group_size: int = DEFAULT_Q_GROUP_SIZE,
-            quantize_mtp: bool = False, dtype: str | None = None, force: bool = False) -> Path:
+            quantize_mtp: bool = False, dtype: str | None = None, force: bool = False,
+            rotate_seed: int | None = None) -> Path:
     dst = Path(mlx_path)
     if dst.exists() and not force:
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
@@ -64,6 +85,8 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log")
                    else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+    if rotate_seed is not None:
+        rotate_into(model, config, seed=rotate_seed)
     if quantize_bits:
         if config.get("quantization"):
             raise LoadError(f"{src} is already quantized")
@@ -97,6 +120,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--quantize-mtp", action="store_true", help="quantize the MTP head too (default: keep it as is)")
     p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the stored dtype)")
     p.add_argument("--force", action="store_true", help="replace --mlx-path if it exists")
+    p.add_argument("--rotate", action="store_true", help="fold a Hadamard rotation into the residual stream first")
+    p.add_argument("--rotation-seed", type=int, default=0, help="seed of the rotation's random signs")
     return p
 
 
@@ -104,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     try:
         dst = convert(args.hf_path, args.mlx_path, quantize_bits=args.q_bits if args.quantize else None,
-                      group_size=args.q_group_size, quantize_mtp=args.quantize_mtp, dtype=args.dtype, force=args.force)
+                      group_size=args.q_group_size, quantize_mtp=args.quantize_mtp, dtype=args.dtype, force=args.force,
+                      rotate_seed=args.rotation_seed if args.rotate else None)
     except (LoadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

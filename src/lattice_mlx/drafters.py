@@ -41,13 +41,13 @@ class MTPDrafter:
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
         model, head = self.model, self.model.mtp
         emb = model.model.embed_tokens(mx.array(self.tokens))[None]
-        h = mx.concatenate(self.hidden)[None]
+        h = head.from_target(mx.concatenate(self.hidden)[None], self.mode)
         self.tokens, self.hidden = [], []
         drafts, qs = [], []
         for _ in range(k):
             x = head(emb, h, self.cache)[:, -1:]
             post = head.norm(x)
-            d, q = _pick(self.sampler, model.lm_logits(post)[0, -1])
+            d, q = _pick(self.sampler, model.lm_logits(head.to_target(post))[0, -1])
             drafts.append(d)
             qs += [q] if q is not None else []
             emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)

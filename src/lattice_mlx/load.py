@@ -107,7 +107,7 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
         raise LoadError(f"config.json does not describe a valid Qwen3.5 model: {e}") from None
     model = Model(args)
     if any(k.startswith("mtp.") for k in weights):
-        model.mtp = MTPHead(args)
+        model.mtp = MTPHead(args, rotated="rotation" in config)
     quant = config.get("quantization") or config.get("quantization_config")
     if quant and "bits" in quant:
         nn.quantize(

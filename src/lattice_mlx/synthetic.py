@@ -153,9 +153,9 @@ def write_checkpoint(path: str | Path, config: dict, weights: dict[str, np.ndarr
     return path
 
 
-def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, **text) -> Path:
+def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, gain: float = 2.0, **text) -> Path:
     config = hub_config(mtp=mtp, **text)
-    return write_checkpoint(path, config, hub_weights(config, seed=seed, mtp=mtp))
+    return write_checkpoint(path, config, hub_weights(config, seed=seed, mtp=mtp, gain=gain))
 
 
 def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, **text):

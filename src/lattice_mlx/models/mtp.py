@@ -12,7 +12,10 @@ from .qwen3_5 import DecoderLayer, ModelArgs
 
 
 class MTPHead(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """With `rotated`, the target's residual stream is rotated (see rotate.py) and the head carries the rotation Q
+    and the target's final norm weight to move between the two bases."""
+
+    def __init__(self, args: ModelArgs, *, rotated: bool = False):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
@@ -20,6 +23,22 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = [DecoderLayer(args, "full_attention") for _ in range(max(1, args.mtp_num_hidden_layers))]
         self.norm = nn.RMSNorm(H, eps=eps)
+        if rotated:
+            self.rotation = mx.zeros((H, H))
+            self.target_norm = mx.ones((H,))
+
+    def from_target(self, hidden: mx.array, mode: str) -> mx.array:
+        """The target's final hidden [.., H] in the head's basis ("post": after the final norm, "pre": before)."""
+        if "rotation" not in self:
+            return hidden
+        h = hidden @ self.rotation
+        return h * self.target_norm if mode == "post" else h
+
+    def to_target(self, u: mx.array) -> mx.array:
+        """The head's post-norm output in the basis of the target's lm_head."""
+        if "rotation" not in self:
+            return u
+        return (u / self.target_norm) @ self.rotation.T
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
         """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]."""
