@@ -1,6 +1,7 @@
 """HF checkpoint -> MLX checkpoint (optionally 4/8-bit), keeping `mtp.*`; `python -m lattice_mlx.convert`."""
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -12,7 +13,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .generate import ArgumentParser
-from .load import DTYPES, LoadError, build_model, check_weights, read_config, read_weights, resolve_path, sanitize
+from .load import (DTYPES, LoadError, build_model, cast_floats, check_weights, checkpoint_dtype, read_config, read_weights,
+                   resolve_path, sanitize)
 
 DEFAULT_Q_BITS = 4
 DEFAULT_Q_GROUP_SIZE = 64
@@ -81,9 +83,7 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     weights = sanitize(read_weights(src), tie_word_embeddings=text.get("tie_word_embeddings", False))
     model = build_model(config, weights)
     check_weights(model, weights)
-    if dtype is not None:
-        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log")
-                   else v for k, v in weights.items()}
+    weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
     model.load_weights(list(weights.items()), strict=True)
     if rotate_seed is not None:
         rotate_into(model, config, seed=rotate_seed)
@@ -101,6 +101,9 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         for name in TOKENIZER_FILES:
             if (src / name).exists():
                 shutil.copy(src / name, tmp / name)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary directory
         if dst.exists():
             shutil.rmtree(dst)
         tmp.rename(dst)

@@ -95,8 +95,15 @@ def sanitize(weights: dict[str, mx.array], *, tie_word_embeddings: bool) -> dict
             if k.endswith("conv1d.weight"):
                 out[k] = v.moveaxis(2, 1)
             elif SHIFTED_NORMS.search(k) and v.ndim == 1:
-                out[k] = (v.astype(mx.float32) + 1.0).astype(v.dtype)
+                # 1 + w rounded to bf16 would be off by up to 2^-9; the loader casts to the model dtype it chooses.
+                out[k] = v.astype(mx.float32) + 1.0
     return out
+
+
+def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype the checkpoint's activations run in: that of the embedding (its scales when quantized)."""
+    w = weights.get("model.embed_tokens.scales", weights.get("model.embed_tokens.weight"))
+    return w.dtype if w is not None else mx.float32
 
 
 def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
@@ -131,18 +138,19 @@ def check_weights(model: Model, weights: dict[str, mx.array]) -> None:
         raise LoadError(f"checkpoint has {len(extra)} tensors this model does not use, e.g. {extra[0]!r}")
 
 
+def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Floating tensors to `dtype`, except A_log (the GDN decay is computed in fp32 from it)."""
+    return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log") else v
+            for k, v in weights.items()}
+
+
 def load_model(path: Path, *, dtype: str | None = None) -> tuple[Model, dict]:
     config = read_config(path)
     text = config.get("text_config") or config
     weights = sanitize(read_weights(path), tie_word_embeddings=text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     model = build_model(config, weights)
     check_weights(model, weights)
-    if dtype is not None:
-        target = DTYPES[dtype]
-        weights = {
-            k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith("A_log") else v
-            for k, v in weights.items()
-        }
+    weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
