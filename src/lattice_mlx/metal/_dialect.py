@@ -16,8 +16,10 @@ _METAL = {
     "LX_GID_Y": "thread_position_in_grid.y",
     "LX_BID_Z": "threadgroup_position_in_grid.z",
     "LX_SIMD_SUM": "simd_sum",
+    "LX_SHFL": "lx_shfl",
+    "LX_SHFL_XOR": "lx_shfl_xor",
     "LX_EXP": "metal::exp",
-    "LX_LOG1P": "metal::log1p",
+    "LX_LOG": "metal::log",
     "LX_RSQRT": "metal::rsqrt",
     "LX_FMAX": "metal::max",
     "LX_FABS": "metal::abs",
@@ -33,8 +35,10 @@ _CUDA = {
     "LX_GID_Y": "(blockIdx.y * blockDim.y + threadIdx.y)",
     "LX_BID_Z": "blockIdx.z",
     "LX_SIMD_SUM": "lx_warp_sum",
+    "LX_SHFL": "lx_shfl",
+    "LX_SHFL_XOR": "lx_shfl_xor",
     "LX_EXP": "expf",
-    "LX_LOG1P": "log1pf",
+    "LX_LOG": "logf",
     "LX_RSQRT": "rsqrtf",
     "LX_FMAX": "fmaxf",
     "LX_FABS": "fabsf",
@@ -51,6 +55,8 @@ inline void lx_load8(const device T* p, thread float* o) {
   for (int i = 0; i < 8; ++i) o[i] = static_cast<float>(p[i]);
 }
 inline float lx_byte_f(uint32_t u, int i) { return static_cast<float>((u >> (8 * i)) & 0xFFu); }
+inline float lx_shfl(float x, int l) { return simd_shuffle(x, ushort(l)); }
+inline float lx_shfl_xor(float x, int m) { return simd_shuffle_xor(x, ushort(m)); }
 """
 
 # CUDA: 16-byte loads unpacked by hand; lx_byte_f places byte i under the exponent of 2^23 (one PRMT and one
@@ -60,6 +66,8 @@ __device__ __forceinline__ float lx_warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+__device__ __forceinline__ float lx_shfl(float x, int l) { return __shfl_sync(0xffffffffu, x, l); }
+__device__ __forceinline__ float lx_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 __device__ __forceinline__ void lx_load8(const float* p, float* o) {
   float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
   o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;

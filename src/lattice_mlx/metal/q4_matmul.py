@@ -62,6 +62,7 @@ _BODY = """
       xs[m] = 0.0f;
       for (int r = 0; r < R; ++r) p[r][m] = 0.0f;
     }
+#pragma unroll
     for (int j = 0; j < 4; ++j) {
       float qf[R][8];
       for (int r = 0; r < R; ++r) {
@@ -95,20 +96,27 @@ _BODY = """
 
 _INPUTS = ("x", "w", "scales", "biases")
 _OUTPUTS = ("y",)
-ROWS_PER_WARP = 4
 THREADS_PER_GROUP = 128
+# Rows of w per warp by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
+# M=1 97 / 84 / 80, M=2 125 / 105 / 115, M=4 189 / 154 / 174, M=6 269 / 190 / 243, M=8 352 / 281 / 284.
+ROWS_PER_WARP = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
+# The kernel wins where the weight read dominates (H200, bf16, g64; kernel vs mx.quantized_matmul, us):
+# lm_head 248320 x 1024: M=1 78 vs 157, M=2 111 vs 314, M=4 154 vs 600, M=7 312 vs 1039, M=8 366 vs 119 (GEMM);
+# 9728 x 2560: M=1 22 vs 21, M=2 25 vs 35, M=4 30 vs 63; 3584 x 1024 and smaller: ~17 us of custom-kernel
+# dispatch against ~8 us for the built-in, a loss or a tie at every M. Not measured on Metal: MLX's own there.
+KERNEL_MIN_WEIGHTS = 1 << 24
+KERNEL_MAX_ROWS = 7
 
 
 def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
     """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8, group 32/64/128."""
     K = x.shape[-1]
-    M = x.size // K if K else 0
     return (
         bits == 4
         and group_size in (32, 64, 128)
         and K % 32 == 0
         and w.shape[-1] * 8 == K
-        and 1 <= M <= MAX_ROWS
+        and 1 <= x.size // K <= MAX_ROWS
         and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
     )
 
@@ -121,30 +129,36 @@ def q4_matmul_kernel(
     *,
     group_size: int,
     bits: int = 4,
+    rows_per_warp: int | None = None,
     init_value: float | None = None,
 ) -> mx.array:
     """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests)."""
     assert supported(x, w, group_size, bits), "shape or type not handled by the kernel"
     K, N = x.shape[-1], w.shape[0]
     M = x.size // K
+    R = rows_per_warp or ROWS_PER_WARP[M]
     kernel = _dialect.build("lattice_q4_matmul", _BODY, _INPUTS, _OUTPUTS)
-    warps = -(-N // ROWS_PER_WARP)
+    # x keeps its shape: the body indexes it flat as [M, K] (row-contiguous is guaranteed by MLX).
     (y,) = kernel(
-        inputs=[x.reshape(M, K), w, scales, biases],
-        template=[("OT", x.dtype), ("M", M), ("R", ROWS_PER_WARP), ("GS", group_size)],
-        grid=(32 * warps, 1, 1),
+        inputs=[x, w, scales, biases],
+        template=[("OT", x.dtype), ("M", M), ("R", R), ("GS", group_size)],
+        grid=(32 * -(-N // R), 1, 1),
         threadgroup=(THREADS_PER_GROUP, 1, 1),
-        output_shapes=[(M, N)],
+        output_shapes=[(*x.shape[:-1], N)],
         output_dtypes=[x.dtype],
         init_value=init_value,
     )
-    return y.reshape(*x.shape[:-1], N)
+    return y
 
 
 def kernel_wins(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
-    """Where the kernel beat `mx.quantized_matmul` when measured (docs/bench/kernels/): see the figures below."""
-    # Placeholder until the H200 figures are in: CUDA only (not measured on Metal, where MLX's qmv is tuned).
-    return _dialect.backend() == "cuda" and supported(x, w, group_size, bits)
+    """Where the kernel beat `mx.quantized_matmul` when measured (figures above, docs/bench/kernels/)."""
+    return (
+        _dialect.backend() == "cuda"
+        and w.shape[0] * x.shape[-1] >= KERNEL_MIN_WEIGHTS
+        and x.size // x.shape[-1] <= KERNEL_MAX_ROWS
+        and supported(x, w, group_size, bits)
+    )
 
 
 def q4_matmul(

@@ -1,0 +1,180 @@
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from _tol import assert_close, out_key
+
+from lattice_mlx.metal import use_kernels
+from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, gated_delta_update
+
+needs_gpu = pytest.mark.skipif(
+    not use_kernels(),
+    reason="GDN kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref; the CPU runs the reference",
+)
+
+
+def make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, *, seed=0, with_state=True):
+    """Raw GDN inputs with slow decay (g ~ 0.94..0.999) so that the state carries information for long runs."""
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+    q, k, v = arr(B, T, Hk, Dk), arr(B, T, Hk, Dk), arr(B, T, Hv, Dv)
+    a, b = arr(B, T, Hv), arr(B, T, Hv)
+    A_log = mx.array(np.log(rng.uniform(0.01, 0.5, Hv)).astype(np.float32))
+    dt_bias = mx.array(rng.uniform(-3.0, -1.0, Hv).astype(np.float32))
+    state = mx.array((rng.standard_normal((B, Hv, Dv, Dk)) * 0.1).astype(np.float32)) if with_state else None
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+def numpy_gdn(q, k, v, a, b, A_log, dt_bias, state):
+    """An independent float64 loop over (b, t, h), written from the maths in the module docstring."""
+    q, k, v, a, b = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v, a, b))
+    A_log, dt_bias = np.array(A_log, dtype=np.float64), np.array(dt_bias, dtype=np.float64)
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    S = np.zeros((B, Hv, Dv, Dk)) if state is None else np.array(state, dtype=np.float64)
+    y = np.zeros((B, T, Hv, Dv))
+    for bi in range(B):
+        for t in range(T):
+            for h in range(Hv):
+                hk = h // (Hv // Hk)
+                qv = q[bi, t, hk] / math.sqrt((q[bi, t, hk] ** 2).sum() + 1e-6) / math.sqrt(Dk)
+                kv = k[bi, t, hk] / math.sqrt((k[bi, t, hk] ** 2).sum() + 1e-6)
+                x = a[bi, t, h] + dt_bias[h]
+                g = math.exp(-math.exp(A_log[h]) * math.log1p(math.exp(x)))
+                beta = 1 / (1 + math.exp(-b[bi, t, h]))
+                S[bi, h] *= g
+                S[bi, h] += np.outer((v[bi, t, h] - S[bi, h] @ kv) * beta, kv)
+                y[bi, t, h] = S[bi, h] @ qv
+    return y, S
+
+
+# --- reference and dispatch: these run everywhere, the CPU included ---
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (1, 3)], ids=["Hk=Hv", "Hv=3Hk"])
+def test_ref_matches_numpy_loop(Hk, Hv):
+    inputs = make_inputs(2, 5, Hk, Hv, 32, 16, mx.float32)
+    y, s = gated_delta_ref(*inputs)
+    y_np, s_np = numpy_gdn(*inputs)
+    np.testing.assert_allclose(np.array(y), y_np, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(s), s_np, rtol=1e-4, atol=1e-5)
+
+
+def test_ref_step_states_equal_one_step_at_a_time():
+    q, k, v, a, b, A_log, dt_bias, state = make_inputs(1, 6, 2, 4, 32, 16, mx.float32)
+    _, steps = gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, step_states=True)
+    y_all, final = gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state)
+    assert steps.shape == (1, 6, 4, 16, 32)
+    s = state
+    for t in range(6):
+        y_t, s = gated_delta_ref(*(x[:, t : t + 1] for x in (q, k, v, a, b)), A_log, dt_bias, s)
+        np.testing.assert_allclose(np.array(steps[:, t]), np.array(s), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.array(y_all[:, t]), np.array(y_t[:, 0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(steps[:, -1]), np.array(final), rtol=1e-6, atol=1e-6)
+
+
+def test_ref_none_state_is_zeros():
+    inputs = make_inputs(1, 3, 1, 1, 32, 8, mx.float32, with_state=False)
+    y0, s0 = gated_delta_ref(*inputs)
+    y1, s1 = gated_delta_ref(*inputs[:-1], mx.zeros((1, 1, 8, 32)))
+    assert mx.array_equal(y0, y1) and mx.array_equal(s0, s1)
+
+
+def test_dispatch_uses_reference_when_forced(monkeypatch):
+    monkeypatch.setenv("LATTICE_KERNELS", "ref")
+    assert not use_kernels()
+    inputs = make_inputs(1, 2, 2, 2, 32, 8, mx.bfloat16)
+    y, s = gated_delta_update(*inputs, step_states=True)
+    y_ref, s_ref = gated_delta_ref(*inputs, step_states=True)
+    assert y.dtype == mx.bfloat16 and s.dtype == mx.float32 and s.shape == (1, 2, 2, 8, 32)
+    assert mx.array_equal(y, y_ref) and mx.array_equal(s, s_ref)
+
+
+# --- the GPU kernel against the reference ---
+
+# (B, T, Hk, Hv, Dk, Dv, dtype, step_states)
+CASES = {
+    "decode-T1-bf16": (1, 1, 16, 16, 128, 128, mx.bfloat16, False),
+    "verify-T5-steps-bf16": (1, 5, 16, 16, 128, 128, mx.bfloat16, True),
+    "verify-T9-steps-bf16": (1, 9, 16, 16, 128, 128, mx.bfloat16, True),
+    "oddT7-B2-Hv2Hk-fp32": (2, 7, 2, 4, 64, 64, mx.float32, False),
+    "oddT7-B2-Hv2Hk-steps-fp16": (2, 7, 2, 4, 64, 64, mx.float16, True),
+    "T3-Hv3Hk-Dk64-Dv128-steps-fp32": (1, 3, 2, 6, 64, 128, mx.float32, True),
+    "long-T300-Dk128-Dv64-bf16": (1, 300, 1, 2, 128, 64, mx.bfloat16, False),
+    "T33-qwen-fp16": (1, 33, 16, 16, 128, 128, mx.float16, False),
+}
+
+
+FORMS = ["serial", "batched"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_kernel_matches_ref(case, form):
+    B, T, Hk, Hv, Dk, Dv, dtype, steps = CASES[case]
+    inputs = make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=len(case))
+    y, s = gated_delta_kernel(*inputs, step_states=steps, form=form, init_value=float("nan"))
+    y_ref, s_ref = gated_delta_ref(*inputs, step_states=steps)
+    assert y.dtype == dtype and s.dtype == mx.float32 and s.shape == s_ref.shape
+    assert_close(y, y_ref, out_key(dtype), f"{case} y")
+    assert_close(s, s_ref, "fp32", f"{case} state")
+
+
+@needs_gpu
+def test_kernel_none_state_and_dispatch():
+    inputs = make_inputs(1, 4, 2, 2, 128, 128, mx.bfloat16, with_state=False)
+    y, s = gated_delta_update(*inputs)
+    y_ref, s_ref = gated_delta_ref(*inputs)
+    assert_close(y, y_ref, "bfloat16", "y")
+    assert_close(s, s_ref, "fp32", "state")
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_drift_512_steps(dtype, form):
+    inputs = make_inputs(1, 512, 2, 4, 128, 128, dtype, seed=7)
+    y, s = gated_delta_kernel(*inputs, form=form)
+    y_ref, s_ref = gated_delta_ref(*inputs)
+    assert_close(y, y_ref, "fp32_drift" if dtype == mx.float32 else out_key(dtype), "y")
+    assert_close(s, s_ref, "fp32_drift", "state after 512 steps")
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", FORMS)
+def test_kernel_step_states_equal_decode_steps(form):
+    q, k, v, a, b, A_log, dt_bias, state = make_inputs(1, 9, 4, 8, 128, 128, mx.bfloat16, seed=3)
+    y_all, steps = gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, step_states=True, form=form)
+    s = state
+    for t in range(9):
+        y_t, s = gated_delta_kernel(*(x[:, t : t + 1] for x in (q, k, v, a, b)), A_log, dt_bias, s, form=form)
+        assert_close(steps[:, t], s, "same", f"state after step {t}")
+        assert_close(y_all[:, t], y_t[:, 0], "bfloat16", f"y at step {t}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("form", FORMS)
+def test_kernel_split_prefill_equals_one_call(form):
+    """A long prompt fed in pieces (state carried between calls) equals one call over the whole prompt."""
+    q, k, v, a, b, A_log, dt_bias, state = make_inputs(1, 300, 2, 4, 128, 128, mx.float32, seed=5)
+    y_one, s_one = gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, form=form)
+    ys, s = [], state
+    for lo, hi in [(0, 100), (100, 237), (237, 300)]:
+        y_p, s = gated_delta_kernel(*(x[:, lo:hi] for x in (q, k, v, a, b)), A_log, dt_bias, s, form=form)
+        ys.append(y_p)
+    assert_close(mx.concatenate(ys, axis=1), y_one, "same", "y")
+    assert_close(s, s_one, "same", "state")
+
+
+@needs_gpu
+def test_batched_form_equals_serial_form():
+    inputs = make_inputs(1, 77, 2, 4, 128, 128, mx.float32, seed=9)
+    y_s, s_s = gated_delta_kernel(*inputs, form="serial")
+    y_b, s_b = gated_delta_kernel(*inputs, form="batched")
+    assert_close(y_b, y_s, "fp32", "y")
+    assert_close(s_b, s_s, "fp32", "state")

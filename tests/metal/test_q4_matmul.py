@@ -1,0 +1,112 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+from _tol import assert_close, out_key
+
+from lattice_mlx.metal import q4_matmul as q4_matmul_module
+from lattice_mlx.metal import use_kernels
+from lattice_mlx.metal.q4_matmul import q4_matmul, q4_matmul_kernel, q4_matmul_ref
+
+needs_gpu = pytest.mark.skipif(
+    not use_kernels(),
+    reason="Q4 kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref; the CPU runs the reference",
+)
+
+
+def make(M, N, K, group_size, dtype, *, seed=0, lead=()):
+    rng = np.random.default_rng(seed)
+    w_full = mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05).astype(dtype)
+    w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=4)
+    x = mx.array(rng.standard_normal((*lead, M, K)).astype(np.float32)).astype(dtype)
+    return x, w, scales, biases
+
+
+def numpy_q4(x, w, scales, biases, group_size):
+    """An independent float64 spec (nibble unpacking in numpy): no fp32 matmul that CUDA might run on TF32."""
+    w = np.array(w).astype(np.uint64)
+    q = ((w[..., None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF).reshape(w.shape[0], -1).astype(np.float64)
+    s = np.repeat(np.array(scales.astype(mx.float32), dtype=np.float64), group_size, axis=-1)
+    b = np.repeat(np.array(biases.astype(mx.float32), dtype=np.float64), group_size, axis=-1)
+    return (np.array(x.astype(mx.float32), dtype=np.float64) @ (s * q + b).T).astype(np.float32)
+
+
+# --- reference and dispatch: these run everywhere, the CPU included ---
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_ref_matches_dequantize_matmul(group_size):
+    x, w, s, b = make(3, 40, 256, group_size, mx.float32)
+    ref = q4_matmul_ref(x, w, s, b, group_size=group_size)
+    np.testing.assert_allclose(np.array(ref), numpy_q4(x, w, s, b, group_size), rtol=2e-3, atol=2e-3)
+    with mx.stream(mx.cpu):  # exact fp32 matmuls on the CPU (a CUDA fp32 matmul may use TF32)
+        ref = q4_matmul_ref(x, w, s, b, group_size=group_size)
+        expect = x @ mx.dequantize(w, s, b, group_size=group_size, bits=4).T
+        np.testing.assert_allclose(np.array(ref), np.array(expect), rtol=1e-5, atol=1e-5)
+
+
+def test_ref_matches_quantized_matmul():
+    x, w, s, b = make(2, 24, 128, 64, mx.float32, lead=(1,))
+    with mx.stream(mx.cpu):  # exact fp32 matmuls on the CPU (a CUDA fp32 matmul may use TF32)
+        ref = q4_matmul_ref(x, w, s, b, group_size=64)
+        expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+    assert ref.shape == (1, 2, 24)
+    np.testing.assert_allclose(np.array(ref), np.array(expect), rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_falls_back_when_forced(monkeypatch):
+    monkeypatch.setenv("LATTICE_KERNELS", "ref")
+    x, w, s, b = make(2, 16, 64, 32, mx.float32)
+    y = q4_matmul(x, w, s, b, group_size=32)
+    expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+    assert mx.array_equal(y, expect)
+
+
+# --- the GPU kernel against the reference ---
+
+# (M, N, K, group_size, dtype): N not a multiple of the 4 rows per warp, K with fewer chunks than lanes (256) and
+# with a ragged last pass (3584 = 3.5 passes of 32 lanes x 32 values).
+CASES = {
+    "M1-g64-bf16": (1, 1003, 1024, 64, mx.bfloat16),
+    "M3-g64-bf16-K3584": (3, 1003, 3584, 64, mx.bfloat16),
+    "M8-g64-bf16-K256": (8, 1002, 256, 64, mx.bfloat16),
+    "M5-g32-bf16": (5, 513, 1024, 32, mx.bfloat16),
+    "M2-g32-fp16": (2, 257, 512, 32, mx.float16),
+    "M2-g32-fp32": (2, 257, 512, 32, mx.float32),
+    "M1-g128-bf16": (1, 1001, 1024, 128, mx.bfloat16),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_kernel_matches_ref(case):
+    M, N, K, gs, dtype = CASES[case]
+    x, w, s, b = make(M, N, K, gs, dtype, seed=len(case), lead=(1,))
+    y = q4_matmul_kernel(x, w, s, b, group_size=gs, init_value=float("nan"))
+    assert y.shape == (1, M, N) and y.dtype == dtype
+    assert_close(y, mx.array(numpy_q4(x, w, s, b, gs)), out_key(dtype), case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 4, 8], ids=lambda r: f"R={r}")
+def test_kernel_any_rows_per_warp(rows):
+    x, w, s, b = make(3, 1001, 1024, 64, mx.float32, seed=rows)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, rows_per_warp=rows, init_value=float("nan"))
+    assert_close(y, mx.array(numpy_q4(x, w, s, b, 64)), "fp32", f"R={rows}")
+
+
+@needs_gpu
+def test_kernel_rows_equal_single_row_calls():
+    x, w, s, b = make(8, 1003, 1024, 64, mx.float32, seed=11)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64)
+    for m in range(8):
+        assert_close(y[m : m + 1], q4_matmul_kernel(x[m : m + 1], w, s, b, group_size=64), "same", f"row {m}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 4, 8, 9])
+def test_dispatch_matches_quantized_matmul(M, monkeypatch):
+    monkeypatch.setattr(q4_matmul_module, "KERNEL_MIN_WEIGHTS", 0)  # route this small matrix to the kernel
+    x, w, s, b = make(M, 512, 1024, 64, mx.bfloat16, seed=M, lead=(1,))
+    y = q4_matmul(x, w, s, b, group_size=64)
+    expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+    assert_close(y, expect, "bfloat16", f"M={M}")
