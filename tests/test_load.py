@@ -35,13 +35,22 @@ def test_sanitize_is_idempotent_and_shifts_norms_once(checkpoints):
 def test_mtp_weights_survive_load_and_convert(checkpoints, tmp_path):
     model, _ = load(checkpoints["tied"])
     assert model.has_mtp
-    dst = convert(str(checkpoints["tied"]), str(tmp_path / "out"))
+    dst = convert(str(checkpoints["tied"]), str(tmp_path / "out"), mtp_dtype=None)
     again, _ = load(dst)
     assert again.has_mtp
     a = dict(__import__("mlx.utils").utils.tree_flatten(model.mtp.parameters()))
     b = dict(__import__("mlx.utils").utils.tree_flatten(again.mtp.parameters()))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
     assert mx.array_equal(model(IDS), again(IDS))
+
+
+def test_convert_keeps_the_mtp_head_in_bf16_by_default(checkpoints, tmp_path):
+    dst = convert(str(checkpoints["untied"]), str(tmp_path / "q"), quantize_bits=4)
+    on_disk = mx.load(str(dst / "model.safetensors"))
+    assert on_disk["mtp.fc.weight"].dtype == mx.bfloat16 and "mtp.fc.scales" not in on_disk
+    assert on_disk["model.embed_tokens.scales"].dtype == mx.float32
+    q = convert(str(checkpoints["untied"]), str(tmp_path / "qm"), quantize_bits=4, quantize_mtp=True)
+    assert "mtp.fc.scales" in mx.load(str(q / "model.safetensors"))
 
 
 @pytest.mark.parametrize("group_size", [32, 64])

@@ -13,11 +13,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .generate import ArgumentParser
+from .models.qwen3_5 import route_quantized
 from .load import (DTYPES, LoadError, build_model, cast_floats, check_weights, checkpoint_dtype, read_config, read_weights,
                    resolve_path, sanitize)
 
 DEFAULT_Q_BITS = 4
 DEFAULT_Q_GROUP_SIZE = 64
+DEFAULT_MTP_DTYPE = "bfloat16"
 SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -32,6 +34,7 @@ def quantize(model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
         return module.weight.shape[-1] % group_size == 0
 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    route_quantized(model)
 
 
 def rotate_into(model, config: dict, *, seed: int) -> None:
@@ -73,7 +76,7 @@ def save_weights(dst: Path, weights: dict[str, mx.array]) -> None:
 
 def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, group_size: int = DEFAULT_Q_GROUP_SIZE,
             quantize_mtp: bool = False, dtype: str | None = None, force: bool = False,
-            rotate_seed: int | None = None) -> Path:
+            rotate_seed: int | None = None, mtp_dtype: str | None = DEFAULT_MTP_DTYPE) -> Path:
     dst = Path(mlx_path)
     if dst.exists() and not force:
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
@@ -93,6 +96,9 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         quantize(model, bits=quantize_bits, group_size=group_size, quantize_mtp=quantize_mtp)
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     out = dict(tree_flatten(model.parameters()))
+    if mtp_dtype is not None:  # the head stays in this dtype unless it was quantized
+        out = {k: v.astype(DTYPES[mtp_dtype]) if k.startswith("mtp.") and mx.issubdtype(v.dtype, mx.floating)
+               and not (quantize_mtp and quantize_bits) else v for k, v in out.items()}
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
@@ -123,6 +129,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--quantize-mtp", action="store_true", help="quantize the MTP head too (default: keep it as is)")
     p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the stored dtype)")
     p.add_argument("--force", action="store_true", help="replace --mlx-path if it exists")
+    p.add_argument("--mtp-dtype", choices=[*DTYPES, "keep"], default=DEFAULT_MTP_DTYPE,
+                   help="dtype of an unquantized MTP head (default bfloat16)")
     p.add_argument("--rotate", action="store_true", help="fold a Hadamard rotation into the residual stream first")
     p.add_argument("--rotation-seed", type=int, default=0, help="seed of the rotation's random signs")
     return p
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dst = convert(args.hf_path, args.mlx_path, quantize_bits=args.q_bits if args.quantize else None,
                       group_size=args.q_group_size, quantize_mtp=args.quantize_mtp, dtype=args.dtype, force=args.force,
-                      rotate_seed=args.rotation_seed if args.rotate else None)
+                      rotate_seed=args.rotation_seed if args.rotate else None,
+                      mtp_dtype=None if args.mtp_dtype == "keep" else args.mtp_dtype)
     except (LoadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

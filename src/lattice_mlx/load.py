@@ -10,7 +10,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.mtp import MTPHead
-from .models.qwen3_5 import Model, ModelArgs
+from .models.qwen3_5 import Model, ModelArgs, route_quantized
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -123,6 +123,7 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
             bits=quant["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
+        route_quantized(model)
     return model
 
 
