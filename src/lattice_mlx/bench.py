@@ -1,0 +1,765 @@
+"""Decode benchmarks: mlx-lm stock vs lattice plain vs MTP (sequential / batched verifier, K = 1..4, adaptive), the
+synthetic oracle-draft speedup curve, live MTP acceptance, and prefill; `python -m lattice_mlx.bench`.
+
+Every timed run holds a file lock; legs run interleaved ABBA in one process; decode rate is the slope between two
+generation lengths. Results (JSON, markdown, PNG) go to --out; the terminal gets a table, then one JSON line."""
+
+import datetime
+import fcntl
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import bench_stats as bs
+from .generate import ArgumentParser, generate_step
+from .sample import Sampler
+from .speculative import OracleDrafter, SpecStats, speculative_step
+from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, hub_config
+
+DEFAULT_MODEL = "0.8b"
+DEFAULT_OUT = "bench_out"
+DEFAULT_LOCK = os.environ.get("LATTICE_BENCH_LOCK", "/tmp/lattice_mlx_bench.lock")
+DEFAULT_LOCK_TIMEOUT = 1800.0
+DEFAULT_REPS = 5
+DEFAULT_LENGTHS = "32,160"
+DEFAULT_PREFILL_LENGTHS = "128,512,2048"
+DEFAULT_ORACLE_P = "0,0.2,0.4,0.6,0.8,0.9,1.0"
+DEFAULT_K = "1,2,3,4"
+DEFAULT_PROMPT_TOKENS = 64
+SHAPES = {
+    "0.8b": QWEN3_5_0_8B,
+    "4b": QWEN3_5_4B,
+    # Qwen3.5 structure at a size a 2-core CPU decodes at ~30 tok/s (the 0.8B shape runs ~1.5 tok/s there).
+    "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=8,
+                      linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32768, tie_word_embeddings=True),
+    "tiny": {},
+}
+PROSE_PROMPTS = [
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships home at night.",
+    "In the morning the market filled with voices, the smell of bread, and carts of early apples.",
+    "She opened the old letter carefully, unsure whether she wanted to learn what it said.",
+    "Rivers shape the land slowly, carving valleys over thousands of years of patient work.",
+    "The committee met on Tuesday to discuss the budget, the new library, and the winter roads.",
+]
+JSON_PROMPTS = [
+    '{"name": "widget", "price": 9.99, "tags": ["tools", "home"], "stock": {"warehouse": 12, "store": ',
+    '[{"id": 1, "user": "ada", "active": true}, {"id": 2, "user": "linus", "active": false}, {"id": 3, ',
+    '{"config": {"debug": false, "retries": 3, "endpoints": ["https://a.example", "https://b.example"]}, ',
+    '{"type": "FeatureCollection", "features": [{"type": "Feature", "geometry": {"type": "Point", ',
+    '{"model": "qwen3_5", "layers": 24, "hidden": 1024, "heads": {"q": 8, "kv": 2}, "vocab": ',
+]
+CODE_PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+    "for i, line in enumerate(lines):\n    if line.startswith('#'):\n",
+]
+HELDOUT_PROMPTS = Path(__file__).resolve().parents[2] / "scripts" / "demo_heldout_prompts.json"
+SYNTHETIC = "SYNTHETIC (oracle drafts)"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class LockTimeout(Exception):
+    """Another benchmark held the lock for longer than --lock-timeout."""
+
+
+@contextmanager
+def bench_lock(path: str, *, timeout: float | None = None, poll: float = 0.05):
+    """Exclusive fcntl.flock on `path` for the duration of one timed run; yields the seconds spent waiting."""
+    f = open(path, "a+")
+    tic = time.monotonic()
+    try:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if timeout is not None and time.monotonic() - tic >= timeout:
+                    raise LockTimeout(f"benchmark lock {path} still held by another process after {timeout:g} s: "
+                                      "wait for it or pass another --lock") from None
+                time.sleep(poll)
+        yield time.monotonic() - tic
+    finally:
+        f.close()  # closing the descriptor releases the lock
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One way of decoding. p: oracle per-position acceptance (synthetic drafts); None uses the real MTP head."""
+
+    kind: str  # "stock" | "plain" | "mtp"
+    verify: str = "batched"
+    k: int = 0
+    adaptive: bool = False
+    p: float | None = None
+    hidden: str = "post"
+
+    @property
+    def name(self) -> str:
+        if self.kind != "mtp":
+            return self.kind
+        name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
+        name += f"-oracle{self.p:g}" if self.p is not None else ""
+        return name + ("-pre" if self.hidden == "pre" else "")
+
+
+@dataclass
+class Target:
+    label: str
+    model: object
+    config: dict
+    tokenizer: object | None
+    synthetic: bool  # random weights: only oracle acceptance means anything
+    stock: object | None = None
+    stock_note: str = ""
+    stock_max_logit_diff: float | None = None
+
+    @property
+    def vocab(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes a plain decode step must read: target weights (tied embedding once) and the GDN state in and out."""
+        weights = sum(v.nbytes for k, v in tree_flatten(self.model.parameters()) if not k.startswith("mtp."))
+        a = self.model.args
+        gdn = sum(t == "linear_attention" for t in a.layer_types) * a.linear_num_value_heads * \
+            a.linear_value_head_dim * a.linear_key_head_dim * 4
+        return weights + 2 * gdn
+
+
+# --- models -------------------------------------------------------------------------------------------------------
+
+def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, seed: int, stock: bool) -> Target:
+    """A random in-memory model of a named shape, 'demo', or a checkpoint directory, plus mlx-lm's own model on the
+    same weight arrays for the stock leg."""
+    from .load import DEMO_MODEL, DTYPES, load_model, load_tokenizer, resolve_path
+    from .synthetic import random_model
+
+    if name in SHAPES:
+        mx.random.seed(seed)
+        dtype = dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16")
+        config = hub_config(**SHAPES[name])
+        config["quantization"] = {"group_size": group_size, "bits": bits} if bits else None
+        model = random_model(**SHAPES[name], bits=bits or None, group_size=group_size, dtype=DTYPES[dtype])
+        target = Target(f"random {name} Q{bits or 16} {dtype}", model, config, None, synthetic=True)
+    else:
+        path = resolve_path(DEMO_MODEL if name == "demo" else name)
+        model, config = load_model(path, dtype=dtype)
+        target = Target(f"{name} ({path})", model, config, load_tokenizer(path, config), synthetic=False)
+    if stock:
+        try:
+            target.stock, target.stock_max_logit_diff = build_stock(model, target.config)
+            target.stock_note = "mlx_lm.models.qwen3_5.Model on the same weight arrays, mlx_lm.generate.generate_step"
+        except Exception as e:  # recorded, not fatal: the other legs still run
+            target.stock_note = f"stock leg unavailable: {type(e).__name__}: {e}"
+    return target
+
+
+def build_stock(model, config: dict):
+    """mlx-lm's own Qwen3.5 model sharing our parameter arrays (names model.X -> language_model.model.X), quantized
+    the same way; returns it and the max |logit difference| against ours on a short prompt."""
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
+
+    stock = mlx_lm_qwen3_5.Model(mlx_lm_qwen3_5.ModelArgs.from_dict({**config, "model_type": "qwen3_5"}))
+    theirs = ["linear_attention" if layer.is_linear else "full_attention" for layer in stock.language_model.layers]
+    if theirs != model.args.layer_types:
+        raise ValueError("mlx-lm derives the layer pattern from full_attention_interval; this config's layer_types "
+                         "differ from it")
+    weights = {"language_model." + k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")}
+    quantized = [m for _, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")]
+    if quantized:
+        nn.quantize(stock, group_size=quantized[0].group_size, bits=quantized[0].bits,
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    stock.load_weights(list(weights.items()), strict=True)
+    stock.eval()
+    ids = mx.array([[1, 5, 9, 2, 7, 3, 4, 8]]) % model.args.vocab_size
+    diff = mx.abs(stock(ids).astype(mx.float32) - model(ids).astype(mx.float32)).max().item()
+    return stock, diff
+
+
+# --- prompts ------------------------------------------------------------------------------------------------------
+
+def text_prompts(workload: str) -> list[str]:
+    if workload == "prose":
+        return PROSE_PROMPTS
+    if workload == "json":
+        return JSON_PROMPTS
+    if workload == "code":
+        if HELDOUT_PROMPTS.exists():
+            return [p["prompt"] for p in json.loads(HELDOUT_PROMPTS.read_text())["prompts"]]
+        return CODE_PROMPTS
+    raise ValueError(f"unknown workload {workload!r}: choose prose, code, json (random for random models)")
+
+
+def workload_prompts(target: Target, workload: str, n: int, *, tokens: int, seed: int) -> list[list[int]]:
+    """n prompts as token ids: random ids for random-weight models, else real text of the workload."""
+    if target.tokenizer is None:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(1, target.vocab, size=tokens).tolist() for _ in range(n)]
+    texts = text_prompts(workload)
+    return [list(target.tokenizer.encode(texts[i % len(texts)])) for i in range(n)]
+
+
+# --- one timed run ------------------------------------------------------------------------------------------------
+
+def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max: int, reference: list[int] | None,
+                 seed: int):
+    """(iterator of token ids, SpecStats or None) for one leg."""
+    sampler = Sampler(temp=temp)
+    if leg.kind == "stock":
+        import importlib
+
+        from mlx_lm.sample_utils import make_sampler
+
+        mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the package re-exports a function of that name
+        steps = mlx_lm_generate.generate_step(mx.array(ids), target.stock, max_tokens=n_max,
+                                              sampler=make_sampler(temp=temp))
+        return (token for token, _ in steps), None
+    if leg.kind == "plain":
+        return generate_step(target.model, mx.array(ids), sampler=sampler), None
+    stats = SpecStats(draft_tokens=leg.k, verify=leg.verify)
+    drafter = None
+    if leg.p is not None:
+        drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed, mode=leg.hidden)
+    stream = speculative_step(target.model, mx.array(ids), sampler=sampler, stats=stats, draft_tokens=leg.k,
+                              verify=leg.verify, mtp_hidden=leg.hidden, adaptive=leg.adaptive, drafter=drafter)
+    return stream, stats
+
+
+def timed_run(stream, lengths: tuple[int, int]) -> dict:
+    """Consumes tokens up to the second length; stamps the first token and both lengths."""
+    n1, n2 = lengths
+    stamps, tic = {}, time.perf_counter()
+    try:
+        for n, _ in enumerate(stream, start=1):
+            if n in (1, n1, n2):
+                stamps[n] = time.perf_counter() - tic
+            if n >= n2:
+                break
+    finally:
+        if hasattr(stream, "close"):
+            stream.close()
+    return {"ttft_s": stamps[1], "t1_s": stamps[n1], "t2_s": stamps[n2],
+            "tok_s": bs.slope_rate(n1, stamps[n1], n2, stamps[n2])}
+
+
+@dataclass
+class LegRecord:
+    leg: Leg
+    runs: list[dict] = field(default_factory=list)
+    peak_memory: int = 0
+    spec: dict | None = None  # SpecStats summed over runs
+
+    def add(self, run: dict, stats: SpecStats | None, peak: int) -> None:
+        self.runs.append(run)
+        self.peak_memory = max(self.peak_memory, peak)
+        if stats is None:
+            return
+        if self.spec is None:
+            self.spec = {"draft_tokens": stats.draft_tokens, "verify": stats.verify, "rounds": 0, "proposed_at": [],
+                         "accepted_at": [], "draft_time_s": 0.0, "verify_time_s": 0.0, "rollback_time_s": 0.0,
+                         "decisions": []}
+        s = self.spec
+        for key in ("proposed_at", "accepted_at"):
+            old, new = s[key], getattr(stats, key)
+            n = max(len(old), len(new))
+            s[key] = [a + b for a, b in zip(old + [0] * (n - len(old)), new + [0] * (n - len(new)))]
+        s["rounds"] += stats.rounds
+        s["draft_time_s"] += stats.draft_s
+        s["verify_time_s"] += stats.verify_s
+        s["rollback_time_s"] += stats.rollback_s
+        s["decisions"] += stats.decisions
+
+
+def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp: float, reps: int,
+              lengths: tuple[int, int], lock: dict, seed: int, label: str) -> dict[str, LegRecord]:
+    """Warms every leg up once, then `reps` repetitions in ABBA order; repetition r uses prompt r mod len(prompts)."""
+    n_max = lengths[1] + 8
+    references = {}
+    if any(leg.p is not None for leg in legs):
+        for i, ids in enumerate(prompts[:reps]):
+            stream = generate_step(target.model, mx.array(ids), sampler=Sampler())
+            references[i] = [t for t, _ in zip(stream, range(n_max + 8))]
+    for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
+        stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=references.get(0), seed=seed)
+        timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1))
+    records = {leg.name: LegRecord(leg) for leg in legs}
+    for rep in range(reps):
+        i = rep % len(prompts)
+        for leg in bs.abba_order(legs, rep):
+            mx.random.seed(seed * 1000 + rep)
+            stream, stats = token_stream(target, leg, prompts[i], temp, n_max=n_max, reference=references.get(i),
+                                         seed=seed * 1000 + rep)
+            mx.reset_peak_memory()
+            with bench_lock(lock["path"], timeout=lock["timeout"]) as waited:
+                run = timed_run(stream, lengths)
+            lock["waited_s"] += waited
+            run["prompt"] = i
+            records[leg.name].add(run, stats, mx.get_peak_memory())
+            acc = f" alpha {bs.acceptance_estimates(stats.accepted_at, stats.rounds, leg.k)['alpha']:.2f}" \
+                if stats is not None and stats.rounds and not leg.adaptive else ""
+            log(f"[{label}] rep {rep + 1}/{reps} {leg.name:<24} {run['tok_s']:8.1f} tok/s{acc}")
+    return records
+
+
+def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -> dict:
+    """Rates, ratios against plain and stock (paired by repetition), acceptance, time split, costs, break-even."""
+    rates = [r["tok_s"] for r in rec.runs]
+    out = {"leg": rec.leg.name, "kind": rec.leg.kind, "verify": rec.leg.verify if rec.leg.kind == "mtp" else None,
+           "k": rec.leg.k or None, "adaptive": rec.leg.adaptive, "hidden": rec.leg.hidden,
+           "drafts": None if rec.leg.kind != "mtp" else (SYNTHETIC + f" p={rec.leg.p:g}" if rec.leg.p is not None
+                                                        else "real MTP head"),
+           "tok_s": bs.summarize(rates), "ttft_s": bs.summarize([r["ttft_s"] for r in rec.runs]), "runs": rec.runs,
+           "peak_memory_gb": rec.peak_memory / 1e9,
+           "effective_gb_s": target.bytes_per_token * bs.summarize(rates)["median"] / 1e9}
+    for base in ("plain", "stock"):
+        if base in records and base != rec.leg.name and records[base].runs:
+            out[f"vs_{base}"] = bs.paired_ratio(rates, [r["tok_s"] for r in records[base].runs])
+    if rec.spec is None:
+        return out
+    s = rec.spec
+    drafted, accepted = sum(s["proposed_at"]), sum(s["accepted_at"])
+    total = s["draft_time_s"] + s["verify_time_s"] + s["rollback_time_s"]
+    out.update({
+        "rounds": s["rounds"], "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "accepted_per_position": [a / p if p else 0.0 for a, p in zip(s["accepted_at"], s["proposed_at"])],
+        "mean_accepted_length": accepted / s["rounds"] if s["rounds"] else 0.0,
+        "time_split": {k: s[f"{k}_time_s"] / total if total else 0.0 for k in ("draft", "verify", "rollback")},
+        "decisions": s["decisions"][:5], "spec_stats": {k: v for k, v in s.items() if k != "decisions"},
+    })
+    if rec.leg.adaptive:
+        return out
+    out.update(bs.acceptance_estimates(s["accepted_at"], s["rounds"], rec.leg.k))
+    plain = records.get("plain")
+    if plain and plain.runs:
+        step_s = 1.0 / bs.summarize([r["tok_s"] for r in plain.runs])["median"]
+        costs = bs.measured_costs(s, step_s)
+        out["costs_in_plain_steps"] = costs
+        out["break_even_alpha"] = bs.break_even(rec.leg.k, costs) if costs else None
+        out["predicted_speedup"] = bs.model_speedup(out["alpha"], rec.leg.k, costs) if costs else None
+    return out
+
+
+# --- experiments --------------------------------------------------------------------------------------------------
+
+def mtp_legs(verifies: list[str], ks: list[str], *, p: float | None, hidden: str = "post") -> list[Leg]:
+    legs = []
+    for verify in verifies:
+        for k in ks:
+            adaptive = k == "adaptive"
+            legs.append(Leg("mtp", verify, 4 if adaptive else int(k), adaptive, p, hidden))
+    return legs
+
+
+def experiment_decode(target: Target, args, lock: dict) -> dict:
+    workloads = ["random"] if target.synthetic else args.workloads.split(",")
+    oracle = args.drafts == "oracle" or (args.drafts == "auto" and target.synthetic)
+    groups = []
+    for workload in workloads:
+        prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)
+        for temp in parse_floats(args.temps):
+            p = args.oracle_p if oracle and temp == 0 else None  # oracle drafts follow the greedy path only
+            legs = []
+            for name in args.legs.split(","):
+                if name in ("stock", "plain"):
+                    legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
+                else:
+                    legs += mtp_legs([name], args.k.split(","), p=p)
+            label = f"decode {workload} temp={temp:g}"
+            records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
+                                seed=args.seed, label=label)
+            groups.append({"workload": workload, "temp": temp, "oracle_p": p,
+                           "legs": [leg_summary(r, records, target) for r in records.values()]})
+    return {"groups": groups}
+
+
+def experiment_oracle(target: Target, args, lock: dict) -> dict:
+    """Speedup over plain decode against forced per-position acceptance: SYNTHETIC drafts, greedy."""
+    ps = parse_floats(args.oracle_ps)
+    ks = [k for k in args.k.split(",") if k != "adaptive"]
+    legs = [Leg("plain")]
+    for p in ps:
+        legs += mtp_legs(args.verify.split(","), ks, p=p)
+    workload = "random" if target.synthetic else args.workloads.split(",")[0]
+    prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)
+    records = run_group(target, legs, prompts, temp=0.0, reps=args.reps, lengths=args.lengths, lock=lock,
+                        seed=args.seed, label="oracle (synthetic)")
+    summaries = [leg_summary(r, records, target) for r in records.values()]
+    curves = {}
+    for s in summaries[1:]:
+        curves.setdefault(f"{s['verify']}-K{s['k']}", []).append({
+            "p": records[s["leg"]].leg.p, "alpha": s["alpha"], "speedup": s["vs_plain"], "tok_s": s["tok_s"],
+            "predicted_speedup": s.get("predicted_speedup"), "break_even_alpha": s.get("break_even_alpha"),
+            "costs_in_plain_steps": s.get("costs_in_plain_steps")})
+    return {"label": SYNTHETIC, "workload": workload, "groups": [{"workload": workload, "temp": 0.0,
+                                                                 "legs": summaries}], "curves": curves}
+
+
+def experiment_acceptance(target: Target, args, lock: dict) -> dict:
+    """Live (unforced) acceptance of the real MTP head, K = 1..4, per temperature and hidden (post/pre), with plain
+    vs MTP tok/s; one repetition per prompt."""
+    workloads = args.workloads.split(",") if args.workloads != "prose,code,json" else ["code"]
+    groups = []
+    for workload in workloads:
+        prompts = workload_prompts(target, workload, args.prompts or 20, tokens=args.prompt_tokens, seed=args.seed)
+        for temp in parse_floats(args.temps):
+            legs = [Leg("plain")]
+            for hidden in args.hidden.split(","):
+                legs += mtp_legs(args.verify.split(",")[:1], [k for k in args.k.split(",") if k != "adaptive"],
+                                 p=None, hidden=hidden)
+            records = run_group(target, legs, prompts, temp=temp, reps=max(args.reps, len(prompts)),
+                                lengths=args.lengths, lock=lock, seed=args.seed,
+                                label=f"acceptance {workload} temp={temp:g}")
+            groups.append({"workload": workload, "temp": temp, "n_prompts": len(prompts),
+                           "legs": [leg_summary(r, records, target) for r in records.values()]})
+    note = "random weights: acceptance is meaningless here" if target.synthetic else "real MTP head, unforced"
+    return {"note": note, "groups": groups}
+
+
+def experiment_prefill(target: Target, args, lock: dict) -> dict:
+    legs = [Leg("stock")] * (target.stock is not None) + [Leg("plain")]
+    rows = []
+    for length in parse_ints(args.prefill_lengths):
+        ids = np.random.default_rng(args.seed + length).integers(1, target.vocab, size=length).tolist()
+        rates = {leg.name: [] for leg in legs}
+        for leg in legs:  # warm-up at this length
+            timed_run(token_stream(target, leg, ids, 0.0, n_max=4, reference=None, seed=0)[0], (1, 2))
+        for rep in range(args.reps):
+            for leg in bs.abba_order(legs, rep):
+                stream, _ = token_stream(target, leg, ids, 0.0, n_max=4, reference=None, seed=0)
+                with bench_lock(lock["path"], timeout=lock["timeout"]) as waited:
+                    run = timed_run(stream, (1, 2))
+                lock["waited_s"] += waited
+                rates[leg.name].append(length / run["ttft_s"])
+                log(f"[prefill {length}] rep {rep + 1}/{args.reps} {leg.name:<6} {rates[leg.name][-1]:9.1f} tok/s")
+        for name, r in rates.items():
+            row = {"leg": name, "prompt_tokens": length, "tok_s": bs.summarize(r), "runs": r}
+            if name != "plain" and rates.get("plain"):
+                row["vs_plain"] = bs.paired_ratio(r, rates["plain"])
+            rows.append(row)
+    return {"note": "time to first token (prefill + one sampled token)", "rows": rows}
+
+
+EXPERIMENTS = {"decode": experiment_decode, "oracle": experiment_oracle, "acceptance": experiment_acceptance,
+               "prefill": experiment_prefill}
+
+
+# --- provenance, reports, plots -----------------------------------------------------------------------------------
+
+def git_revision() -> tuple[str, bool | None]:
+    if os.environ.get("LATTICE_GIT_REV"):
+        return os.environ["LATTICE_GIT_REV"], None
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        return rev or "unknown", bool(dirty)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def device_name() -> str:
+    try:
+        info = mx.device_info()
+        return str(info.get("device_name") or info.get("architecture") or info)
+    except Exception:
+        return platform.processor() or platform.machine()
+
+
+def peer_status() -> dict:
+    """Peer MTP runtimes are imported, never installed: when absent the result file says why."""
+    peers = {}
+    for label, module in (("mlx-vlm qwen3_5_mtp", "mlx_vlm"), ("MTPLX", "mtplx")):
+        try:
+            mod = __import__(module)
+            peers[label] = f"installed ({getattr(mod, '__version__', '?')}); no leg for it in this harness yet"
+        except Exception as e:
+            peers[label] = f"not installed on this backend: {type(e).__name__}: {e}"
+    return peers
+
+
+def run_meta(argv: list[str], target: Target, lock: dict) -> dict:
+    import mlx_lm
+
+    rev, dirty = git_revision()
+    return {
+        "command": shlex.join(["python", "-m", "lattice_mlx.bench", *argv]), "git_revision": rev, "git_dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": str(mx.default_device()), "metal_available": mx.metal.is_available(),
+        "cuda_available": mx.cuda.is_available(), "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,
+        "device": device_name(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "model": target.label, "synthetic_weights": target.synthetic,
+        "bytes_per_token": target.bytes_per_token, "stock": target.stock_note,
+        "stock_max_logit_diff": target.stock_max_logit_diff, "peers": peer_status(), "lock": lock["path"],
+    }
+
+
+def fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def leg_rows(group: dict) -> list[list[str]]:
+    rows = []
+    for s in group["legs"]:
+        t = s["tok_s"]
+        split = s.get("time_split")
+        rows.append([
+            s["leg"], fmt(t["median"], ".1f"), f"{t['min']:.1f}/{t['max']:.1f}",
+            f"{t['cv'] * 100:.0f}%" + (" !" if t["cv_flag"] else ""),
+            fmt((s.get("vs_plain") or {}).get("median"), ".2f"), fmt((s.get("vs_stock") or {}).get("median"), ".2f"),
+            fmt(s.get("alpha")), " ".join(f"{a:.2f}" for a in s.get("accepted_per_position", [])) or "-",
+            fmt(s.get("mean_accepted_length")),
+            "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "rollback")) if split else "-",
+            fmt(s.get("predicted_speedup")), fmt(s.get("break_even_alpha"), ".2f", "never" if "costs_in_plain_steps"
+                                                  in s else "-"),
+            f"{s['peak_memory_gb']:.2f}", f"{s['effective_gb_s']:.1f}",
+        ])
+    return rows
+
+
+LEG_HEADER = ["leg", "tok/s med", "min/max", "CV", "x plain", "x stock", "alpha", "acc per position",
+              "mean acc len", "draft/verify/rollback %", "model x", "break-even alpha", "peak GB", "eff GB/s"]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def group_tables(name: str, result: dict, render) -> list[str]:
+    out = []
+    if name == "prefill":
+        rows = [[r["leg"], str(r["prompt_tokens"]), fmt(r["tok_s"]["median"], ".0f"),
+                 f"{r['tok_s']['min']:.0f}/{r['tok_s']['max']:.0f}", f"{r['tok_s']['cv'] * 100:.0f}%",
+                 fmt((r.get("vs_plain") or {}).get("median"))] for r in result["rows"]]
+        return [render(["leg", "prompt tokens", "tok/s med", "min/max", "CV", "x plain"], rows)]
+    for g in result["groups"]:
+        title = f"{name}: workload {g['workload']}, temp {g['temp']:g}"
+        if name == "oracle" or g.get("oracle_p") is not None:
+            title += f" -- {SYNTHETIC}"
+        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)))
+    return out
+
+
+def write_markdown(out: Path, name: str, result: dict, meta: dict, plots: list[str], plot_note: str) -> None:
+    lines = [f"## {name}" + (f" ({SYNTHETIC})" if name == "oracle" else ""), "",
+             f"`{meta['command']}`", "",
+             (f"git {meta['git_revision']}{' (dirty tree)' if meta['git_dirty'] else ''} | {meta['date']} | "
+              f"backend {meta['backend']} | device {meta['device']} | MLX {meta['mlx_version']} | "
+              f"mlx-lm {meta['mlx_lm_version']} | model {meta['model']}"), ""]
+    if result.get("note"):
+        lines += [f"Note: {result['note']}.", ""]
+    lines += [("Decode tok/s is the slope between two generation lengths; `x plain` / `x stock` are medians of "
+               "ratios paired by repetition; `alpha` is the pooled per-position acceptance; `model x` is the speedup "
+               "the cost model predicts from this leg's measured draft/verify/rollback costs at its alpha; `!` marks "
+               "CV > 20%."), ""]
+    for table in group_tables(name, result, markdown_table):
+        lines += [table, ""]
+    lines += [f"![{p}]({p})" for p in plots] + ([f"_{plot_note}_"] if plot_note else [])
+    lines += ["", "Peers: " + "; ".join(f"{k}: {v}" for k, v in meta["peers"].items()), ""]
+    (out / f"{name}.md").write_text("\n".join(lines))
+    parts = [(out / f"{n}.md").read_text() for n in EXPERIMENTS if (out / f"{n}.md").exists()]
+    (out / "summary.md").write_text("# lattice_mlx benchmark results\n\n" + "\n".join(parts))
+
+
+def make_plots(out: Path, name: str, result: dict) -> tuple[list[str], str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "plots skipped: matplotlib is not installed"
+    files = []
+    if name == "oracle":
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for curve, points in result["curves"].items():
+            xs = [p["alpha"] for p in points]
+            med = [p["speedup"]["median"] for p in points]
+            err = [[m - p["speedup"]["min"] for m, p in zip(med, points)],
+                   [p["speedup"]["max"] - m for m, p in zip(med, points)]]
+            line = ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"{curve} measured")
+            costs = next((p["costs_in_plain_steps"] for p in reversed(points) if p["costs_in_plain_steps"]), None)
+            if costs:
+                grid = np.linspace(0, 1, 51)
+                k = int(curve.rsplit("K", 1)[1])
+                ax.plot(grid, [bs.model_speedup(a, k, costs) for a in grid], "--", color=line[0].get_color(),
+                        alpha=0.6)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="measured per-position acceptance (forced by oracle drafts)", ylabel="speedup over plain",
+               title=f"{SYNTHETIC}: MTP speedup vs acceptance (dashed: cost model)")
+        ax.legend(fontsize=7)
+        files.append(_save(fig, out, "oracle_speedup.png"))
+    elif name == "prefill":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for leg in sorted({r["leg"] for r in result["rows"]}):
+            rows = [r for r in result["rows"] if r["leg"] == leg]
+            ax.plot([r["prompt_tokens"] for r in rows], [r["tok_s"]["median"] for r in rows], marker="o", label=leg)
+        ax.set(xscale="log", xlabel="prompt tokens", ylabel="prefill tok/s", title="prefill rate")
+        ax.legend()
+        files.append(_save(fig, out, "prefill.png"))
+    else:
+        groups = result["groups"]
+        fig, axes = plt.subplots(len(groups), 1, figsize=(9, 3.2 * len(groups)), squeeze=False)
+        for ax, g in zip(axes[:, 0], groups):
+            names = [s["leg"] for s in g["legs"]]
+            med = [s["tok_s"]["median"] for s in g["legs"]]
+            err = [[m - s["tok_s"]["min"] for m, s in zip(med, g["legs"])],
+                   [s["tok_s"]["max"] - m for m, s in zip(med, g["legs"])]]
+            ax.bar(range(len(names)), med, yerr=err, capsize=3, color=["C0" if "oracle" not in n else "C1"
+                                                                        for n in names])
+            ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=7)
+            synth = f" -- {SYNTHETIC} p={g['oracle_p']:g} (orange)" if g.get("oracle_p") is not None else ""
+            ax.set(ylabel="tok/s", title=f"{name}: {g['workload']}, temp {g['temp']:g}{synth}")
+        fig.tight_layout()
+        files.append(_save(fig, out, f"{name}_tok_s.png"))
+    return files, ""
+
+
+def _save(fig, out: Path, filename: str) -> str:
+    fig.savefig(out / filename, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return filename
+
+
+def headline(name: str, result: dict) -> dict:
+    if name == "prefill":
+        return {f"{r['leg']}@{r['prompt_tokens']}": round(r["tok_s"]["median"], 1) for r in result["rows"]}
+    out = {}
+    for g in result["groups"]:
+        for s in g["legs"]:
+            key = f"{g['workload']}/t{g['temp']:g}/{s['leg']}"
+            out[key] = {"tok_s": round(s["tok_s"]["median"], 2),
+                        "x_plain": round(s["vs_plain"]["median"], 3) if s.get("vs_plain") else None}
+            if "alpha" in s:
+                out[key]["alpha"] = round(s["alpha"], 3)
+    return out
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------------
+
+def parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse_floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def setup_arg_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m lattice_mlx.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"random in-memory shape ({', '.join(SHAPES)}), 'demo', or a checkpoint directory")
+    p.add_argument("--bits", type=int, default=4, help="random models: quantization bits (0 = none)")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on GPU (random models); the checkpoint's own otherwise")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed repetitions per leg (>= 5 for evidence)")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="two generation lengths n1,n2 for the slope")
+    p.add_argument("--legs", default="stock,plain,sequential,batched")
+    p.add_argument("--k", default=DEFAULT_K + ",adaptive", help="draft depths, 'adaptive' for tuned K (max 4)")
+    p.add_argument("--verify", default="batched", help="oracle / acceptance: verifiers, comma-separated")
+    p.add_argument("--workloads", default="prose,code,json", help="real-text models; random models use random ids")
+    p.add_argument("--prompts", type=int, help="prompts per workload (default 5; 20 for acceptance)")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="random-id prompt length")
+    p.add_argument("--temps", default="0,0.7")
+    p.add_argument("--drafts", choices=["auto", "real", "oracle"], default="auto",
+                   help="decode MTP drafts: auto = oracle on random weights, real MTP head on checkpoints")
+    p.add_argument("--oracle-p", type=float, default=0.8, help="decode: oracle per-position acceptance")
+    p.add_argument("--oracle-ps", default=DEFAULT_ORACLE_P, help="oracle: acceptance grid")
+    p.add_argument("--hidden", default="post,pre", help="acceptance: hidden fed to the MTP head (A/B)")
+    p.add_argument("--prefill-lengths", default=DEFAULT_PREFILL_LENGTHS)
+    p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
+    p.add_argument("--lock", default=DEFAULT_LOCK, help="lock file held around every timed run (LATTICE_BENCH_LOCK)")
+    p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the lock")
+    return p
+
+
+def check_args(args) -> None:
+    lengths = parse_ints(args.lengths)
+    if len(lengths) != 2 or not 1 <= lengths[0] < lengths[1]:
+        raise ValueError(f"--lengths needs two increasing lengths n1,n2, got {args.lengths!r}")
+    args.lengths = tuple(lengths)
+    if args.reps < 1:
+        raise ValueError("--reps must be at least 1")
+    for k in args.k.split(","):
+        if k != "adaptive" and not (k.isdigit() and 1 <= int(k) <= 8):
+            raise ValueError(f"--k entries are 1..8 or 'adaptive', got {k!r}")
+    if not all(0.0 <= p <= 1.0 for p in [args.oracle_p, *parse_floats(args.oracle_ps)]):
+        raise ValueError("oracle acceptance values must lie in [0, 1]")
+
+
+def run(args, argv: list[str]) -> dict:
+    check_args(args)
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    log(f"loading {args.model} on {mx.default_device()} ...")
+    target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype, seed=args.seed,
+                         stock=not args.no_stock)
+    if args.experiment == "all" and target.synthetic:
+        names.remove("acceptance")  # random weights accept ~0%: only the oracle curve says anything
+    log(f"model: {target.label}; stock: {target.stock_note}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = {"path": args.lock, "timeout": args.lock_timeout, "waited_s": 0.0}
+    lines = {}
+    for name in names:
+        tic = time.perf_counter()
+        result = EXPERIMENTS[name](target, args, lock)
+        meta = run_meta(argv, target, lock)
+        meta.update(experiment=name, elapsed_s=round(time.perf_counter() - tic, 1), lock_waited_s=lock["waited_s"])
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
+        plots, note = make_plots(out, name, result)
+        write_markdown(out, name, result, meta, plots, note)
+        print("\n\n".join(group_tables(name, result, text_table)) + "\n")
+        lines[name] = headline(name, result)
+    return {"out": str(out), "model": target.label, "backend": str(mx.default_device()), "results": lines}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = setup_arg_parser().parse_args(argv)
+    from .load import LoadError
+
+    try:
+        line = run(args, argv)
+    except (LoadError, ValueError, LockTimeout, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from lattice_mlx import bench
+from lattice_mlx import bench_stats as bs
+from lattice_mlx.synthetic import random_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_slope_removes_fixed_cost():
+    # 0.4 s of prefill/warm-up plus 50 tok/s: the slope sees only the 50.
+    t = lambda n: 0.4 + n / 50.0
+    assert bs.slope_rate(32, t(32), 160, t(160)) == pytest.approx(50.0)
+    with pytest.raises(AssertionError):
+        bs.slope_rate(160, 1.0, 32, 0.5)
+
+
+def test_summarize_cv_and_flag():
+    s = bs.summarize([10.0, 10.0, 10.0, 10.0, 10.0])
+    assert (s["min"], s["median"], s["max"], s["cv"], s["cv_flag"]) == (10.0, 10.0, 10.0, 0.0, False)
+    s = bs.summarize([8.0, 12.0])  # mean 10, population std 2
+    assert s["cv"] == pytest.approx(0.2) and not s["cv_flag"]
+    s = bs.summarize([5.0, 10.0, 15.0, 30.0, 9.0])
+    assert s["cv_flag"] and s["median"] == 10.0 and s["min"] == 5.0 and s["max"] == 30.0
+
+
+def test_abba_order_balances_positions():
+    legs = ["stock", "plain", "seq", "batched"]
+    orders = [bs.abba_order(legs, r) for r in range(6)]
+    assert orders[0] == legs and orders[1] == legs[::-1] and orders[2] == legs
+    for leg in legs:  # every pair of repetitions puts each leg at the same mean position
+        assert sum(o.index(leg) for o in orders[:2]) == len(legs) - 1
+    flat = [x for o in orders[:2] for x in o]
+    assert flat == ["stock", "plain", "seq", "batched", "batched", "seq", "plain", "stock"]
+
+
+def test_abba_cancels_linear_drift():
+    # A machine slowing down linearly: ABBA gives both identical legs the same mean time.
+    legs, clock, times = ["A", "B"], 0, {"A": [], "B": []}
+    for rep in range(4):
+        for leg in bs.abba_order(legs, rep):
+            times[leg].append(1.0 + 0.1 * clock)
+            clock += 1
+    assert sum(times["A"]) == pytest.approx(sum(times["B"]))
+
+
+def test_speedup_model_and_break_even():
+    assert bs.expected_tokens(0.0, 3) == 1.0 and bs.expected_tokens(1.0, 3) == 4.0
+    assert bs.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    costs = {"v": 1.2, "c": 0.1, "r": 0.0}
+    a = bs.break_even(2, costs)
+    assert bs.model_speedup(a, 2, costs) == pytest.approx(1.0, abs=1e-3)
+    assert bs.break_even(2, {"v": 5.0, "c": 1.0}) is None  # even perfect drafts lose
+    assert bs.break_even(1, {"v": 0.5, "c": 0.1}) == 0.0
+    # Sequential verify costs one step per emitted token: it cannot win unless a step got cheaper.
+    assert bs.break_even(2, {"v1": 1.0, "c": 0.1, "r": 0.0}) is None
+
+
+def test_acceptance_estimates_recover_alpha():
+    # 1000 rounds at K=3, alpha = 0.5 exactly in expectation: reached 1000, 500, 250; accepted 500, 250, 125.
+    est = bs.acceptance_estimates([500, 250, 125], 1000, 3)
+    assert est["alpha"] == pytest.approx(0.5) and est["conditional_per_position"] == [0.5, 0.5, 0.5]
+
+
+def hold_lock(path: str, ready, release):
+    with bench.bench_lock(path):
+        ready.set()
+        release.wait(20)
+
+
+def test_lock_excludes_a_second_holder(tmp_path):
+    path = str(tmp_path / "bench.lock")
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=hold_lock, args=(path, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(20)
+        tic = time.monotonic()
+        with pytest.raises(bench.LockTimeout), bench.bench_lock(path, timeout=0.3):
+            pass
+        assert time.monotonic() - tic >= 0.3
+    finally:
+        release.set()
+        holder.join(20)
+    with bench.bench_lock(path, timeout=5) as waited:  # free again once the holder exits
+        assert waited < 5
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    path = random_checkpoint(tmp_path_factory.mktemp("bench") / "tiny", seed=5)
+    return bench.load_target(str(path), bits=0, group_size=64, dtype="float32", seed=0, stock=True)
+
+
+def test_stock_leg_shares_weights(tiny_target):
+    assert tiny_target.stock is not None, tiny_target.stock_note
+    assert tiny_target.stock_max_logit_diff < 1e-3
+
+
+@pytest.mark.parametrize("p", [0.3, 0.8])
+def test_oracle_acceptance_matches_request(tiny_target, p):
+    legs = [bench.Leg("plain"), bench.Leg("mtp", "batched", 2, p=p)]
+    prompts = bench.workload_prompts(tiny_target, "code", 3, tokens=16, seed=0)
+    lock = {"path": os.devnull, "timeout": 5.0, "waited_s": 0.0}
+    records = bench.run_group(tiny_target, legs, prompts, temp=0.0, reps=3, lengths=(8, 120), lock=lock, seed=1,
+                              label="test")
+    s = bench.leg_summary(records["batched-K2-oracle" + format(p, "g")], records, tiny_target)
+    trials = s["trials"]
+    sigma = (p * (1 - p) / trials) ** 0.5
+    assert abs(s["alpha"] - p) < 4 * sigma + 0.02, (s["alpha"], trials)
+    assert s["drafts"].startswith(bench.SYNTHETIC)
+
+
+def test_cli_smoke(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lattice_mlx.bench", "all", "--model", "tiny", "--reps", "2", "--lengths", "4,12",
+           "--k", "1,adaptive", "--temps", "0", "--oracle-ps", "0,1", "--prefill-lengths", "16", "--out", str(out),
+           "--lock", str(tmp_path / "lock")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(line["results"]) == {"decode", "oracle", "prefill"}
+    assert "rep 1/2" in proc.stderr  # progress
+    for name in ("decode", "oracle", "prefill"):
+        result = json.loads((out / f"{name}.json").read_text())
+        meta = result["meta"]
+        for key in ("command", "git_revision", "backend", "mlx_version", "device", "date", "peers"):
+            assert meta[key] not in (None, ""), key
+        assert "--model tiny" in meta["command"]
+    oracle = json.loads((out / "oracle.json").read_text())
+    assert oracle["label"] == bench.SYNTHETIC and "batched-K1" in oracle["curves"]
+    summary = (out / "summary.md").read_text()
+    assert "SYNTHETIC" in summary and "lattice_mlx.bench all" in summary
+
+
+def test_cli_rejects_bad_lengths(tmp_path):
+    assert bench.main(["decode", "--model", "tiny", "--lengths", "40,8", "--out", str(tmp_path)]) == 1
+
+
+def test_acceptance_experiment_on_checkpoint(tiny_target, tmp_path):
+    args = bench.setup_arg_parser().parse_args(
+        ["acceptance", "--reps", "1", "--prompts", "2", "--lengths", "4,16", "--k", "1,2", "--temps", "0,0.7"])
+    bench.check_args(args)
+    lock = {"path": str(tmp_path / "lock"), "timeout": 5.0, "waited_s": 0.0}
+    result = bench.experiment_acceptance(tiny_target, args, lock)
+    legs = {g["temp"]: [s["leg"] for s in g["legs"]] for g in result["groups"]}
+    assert legs[0.0] == ["plain", "batched-K1", "batched-K2", "batched-K1-pre", "batched-K2-pre"]
+    for g in result["groups"]:
+        for s in g["legs"][1:]:
+            assert s["drafts"] == "real MTP head" and len(s["accepted_per_position"]) == s["k"]
+    mx.clear_cache()
