@@ -69,8 +69,11 @@ def main() -> None:
     from lattice_mlx import load
     from lattice_mlx.synthetic import QWEN3_5_0_8B, random_model
 
-    result = {"device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
-              "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        rev = os.environ.get("LATTICE_GIT_REV", "unknown")
+    result = {"device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(), "git": rev}
     ids = mx.array([[(i * 7919) % 8000 for i in range(37)]])
     demo, tok = load()
     result["demo_kernels_vs_ref"] = logits_kernels_vs_ref(demo, ids)
