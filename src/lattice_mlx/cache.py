@@ -67,8 +67,9 @@ class GDNCache:
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        qkv = mx.concatenate(self._qkv, axis=1)  # [B, R, C]
-        states = mx.concatenate(self._states, axis=1)  # [B, R, Hv, Dv, Dk]
+        # One recorded call (the batched verifier) needs no concatenation: an op fewer per layer and round.
+        qkv = self._qkv[0] if len(self._qkv) == 1 else mx.concatenate(self._qkv, axis=1)  # [B, R, C]
+        states = self._states[0] if len(self._states) == 1 else mx.concatenate(self._states, axis=1)  # [B, R, Hv, ..]
         base_conv, base_state = self._base
         keep = qkv.shape[1] - n
         assert keep >= 0, "rollback past the start of the speculative region"
