@@ -9,10 +9,17 @@ class KVCache(_MlxLmKVCache):
     """mlx-lm's preallocated KV cache; rollback is a trim of the offset."""
 
     def begin(self) -> None:
-        pass
+        self._start = self.offset
 
     def rollback(self, n: int) -> None:
         self.trim(n)
+
+    def keep(self, nodes: list[int]) -> None:
+        """Tree verify: keep the rows of `nodes` (indices since begin()), compacted in that order."""
+        start, idx = self._start, mx.array(nodes) + self._start
+        self.keys[..., start : start + len(nodes), :] = self.keys[..., idx, :]
+        self.values[..., start : start + len(nodes), :] = self.values[..., idx, :]
+        self.offset = start + len(nodes)
 
     def commit(self) -> None:
         pass
@@ -59,6 +66,17 @@ class GDNCache:
         self.conv = conv_in[:, -window:]
         self.ssm = new_state
         self.offset += conv_in.shape[1] - window
+
+    def record_tree(self, windows: mx.array, states: mx.array) -> None:
+        """Tree verify: each node's conv window [B, N, K-1, C] and state [B, N, Hv, Dv, Dk], kept until keep()."""
+        self._tree = (windows, states)
+
+    def keep(self, nodes: list[int]) -> None:
+        """Tree verify: continue from the last node of the accepted path `nodes`."""
+        windows, states = self._tree
+        self.conv, self.ssm = windows[:, nodes[-1]], states[:, nodes[-1]]
+        self.offset += len(nodes)
+        self._tree = None
 
     def begin(self) -> None:
         self.recording = True
@@ -109,6 +127,11 @@ def begin(cache: list) -> None:
 def rollback(cache: list, n: int) -> None:
     for c in cache:
         c.rollback(n)
+
+
+def keep(cache: list, nodes: list[int]) -> None:
+    for c in cache:
+        c.keep(nodes)
 
 
 def commit(cache: list) -> None:

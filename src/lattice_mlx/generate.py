@@ -94,6 +94,11 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
 def token_stream(model, ids: mx.array, sampler: Sampler, *, spec_options: dict | None, stats) -> Iterator[int]:
     if spec_options is None:
         return generate_step(model, ids, sampler=sampler)
+    if "tree" in spec_options:
+        from .tree import tree_step
+
+        options = {k: v for k, v in spec_options.items() if k != "tree"}
+        return tree_step(model, ids, sampler=sampler, stats=stats, **options)
     from .speculative import speculative_step
 
     return speculative_step(model, ids, sampler=sampler, stats=stats, **spec_options)
@@ -103,10 +108,11 @@ def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, chat_template: bool = True, mtp: bool = False,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS, verify: str = "batched", mtp_hidden: str = "post",
-    adaptive: bool = False, draft: str | None = None,
+    adaptive: bool = False, draft: str | None = None, tree: str | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and stats.
-    Speculative decoding: mtp=True (the MTP head) or draft='mtp' | 'self[:LAYERS]' | 'ngram' | 'mtp+ngram'."""
+    Speculative decoding: mtp=True (the MTP head) or draft='mtp' | 'self[:LAYERS]' | 'ngram' | 'mtp+ngram';
+    tree='2-2-1' verifies a tree of MTP drafts (top-k per depth) instead of a chain."""
     from .speculative import SpecStats
 
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
@@ -117,6 +123,11 @@ def stream_generate(
     stats = SpecStats(draft_tokens=draft_tokens, verify=verify, source=draft) if draft else None
     spec_options = dict(draft_tokens=draft_tokens, verify=verify, mtp_hidden=mtp_hidden, adaptive=adaptive,
                         draft=draft) if draft else None
+    if tree:
+        from .tree import TreeStats, parse_shape
+
+        stats, spec_options = TreeStats(parse_shape(tree)), dict(tree=True, shape=parse_shape(tree),
+                                                                 mtp_hidden=mtp_hidden)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
@@ -210,6 +221,7 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--verify", choices=["batched", "sequential"], help="verifier (LATTICE_MTP_BATCH=0: sequential)")
     p.add_argument("--mtp-hidden", choices=["post", "pre"], default="post", help="target hidden fed to the MTP head")
     p.add_argument("--adaptive", action="store_true", help="tune K from acceptance; turn MTP off when it cannot pay")
+    p.add_argument("--tree", help="verify a tree of MTP drafts, widths per depth, e.g. 2-2-1")
     return p
 
 
@@ -223,12 +235,13 @@ def run(args: argparse.Namespace) -> GenerationResult:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    if draft == "mtp" and not model.has_mtp:
+    if (draft == "mtp" or args.tree) and not model.has_mtp:
         raise ValueError("--mtp needs MTP weights (mtp.*), and this checkpoint has none: drop --mtp")
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         chat_template=not args.no_chat_template, draft=draft, draft_tokens=args.draft_tokens, verify=verify,
-        mtp_hidden=args.mtp_hidden, adaptive=args.adaptive, on_text=lambda t: print(t, end="", flush=True),
+        mtp_hidden=args.mtp_hidden, adaptive=args.adaptive, tree=args.tree,
+        on_text=lambda t: print(t, end="", flush=True),
     )
     print()
     print(
@@ -236,7 +249,11 @@ def run(args: argparse.Namespace) -> GenerationResult:
         f"{result.generation_tokens} tokens, {result.generation_tps:.1f} tok/s | peak memory: "
         f"{result.peak_memory_gb:.3f} GB", file=sys.stderr,
     )
-    if result.mtp:
+    if result.mtp and "tree" in result.mtp:
+        m = result.mtp
+        print(f"tree {m['tree']}: {m['mean_accepted_length']:.2f} drafts accepted per round, {m['rounds']} rounds",
+              file=sys.stderr)
+    elif result.mtp:
         m = result.mtp
         print(f"{m['draft_source']} drafts: acceptance {m['acceptance_rate']:.2f} per position "
               f"{[round(a, 2) for a in m['accepted_per_position']]}, {m['rounds']} rounds", file=sys.stderr)

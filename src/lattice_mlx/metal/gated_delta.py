@@ -54,15 +54,40 @@ def gated_delta_ref(
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     ys, states = [], []
     for t in range(T):
-        state = state * g[:, t, :, None, None]
-        kv = (state * k[:, t, :, None, :]).sum(-1)  # [B, Hv, Dv]
-        delta = (vf[:, t] - kv) * beta[:, t, :, None]
-        state = state + delta[..., None] * k[:, t, :, None, :]
-        ys.append((state * q[:, t, :, None, :]).sum(-1))
+        state, y_t = _step(state, q[:, t], k[:, t], vf[:, t], g[:, t], beta[:, t])
+        ys.append(y_t)
         if step_states:
             states.append(state)
     y = mx.stack(ys, axis=1).astype(v.dtype)
     return y, (mx.stack(states, axis=1) if step_states else state)
+
+
+def _step(state, q, k, v, g, beta):
+    """One delta-rule step. Shapes: state [B, Hv, Dv, Dk]; q, k [B, Hv, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]."""
+    state = state * g[:, :, None, None]
+    kv = (state * k[:, :, None, :]).sum(-1)  # [B, Hv, Dv]
+    state = state + ((v - kv) * beta[:, :, None])[..., None] * k[:, :, None, :]
+    return state, (state * q[:, :, None, :]).sum(-1)
+
+
+def gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents: list[int]) -> tuple[mx.array, mx.array]:
+    """Tree verify: node i continues from the state after its parent (parents[i] < i; -1 = the committed state).
+    Returns y [B, N, Hv, Dv] and the state after every node [B, N, Hv, Dv, Dk]."""
+    B, N, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    q, k = normalize_qk_ref(q, k)
+    if Hv != Hk:
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
+    g, beta = gate_ref(a, b, A_log, dt_bias)
+    vf = v.astype(mx.float32)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    ys, states = [], []
+    for i, parent in enumerate(parents):
+        s, y_i = _step(state if parent < 0 else states[parent], q[:, i], k[:, i], vf[:, i], g[:, i], beta[:, i])
+        states.append(s)
+        ys.append(y_i)
+    return mx.stack(ys, axis=1).astype(v.dtype), mx.stack(states, axis=1)
 
 
 # One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
@@ -321,3 +346,8 @@ def gated_delta_update(
     if use_kernels() and supported(q, v):
         return gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
     return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
+
+
+def gated_delta_tree(q, k, v, a, b, A_log, dt_bias, state, parents: list[int]) -> tuple[mx.array, mx.array]:
+    """Tree-verify entry point. No GPU kernel yet: the reference runs on every backend."""
+    return gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents)

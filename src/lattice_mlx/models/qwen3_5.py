@@ -1,13 +1,15 @@
 """Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..cache import GDNCache, KVCache
-from ..metal.gated_delta import gated_delta_update
+from ..metal.gated_delta import gated_delta_tree, gated_delta_update
 from ..metal.q4_matmul import q4_matmul
 
 
@@ -69,6 +71,52 @@ class ModelArgs:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
 
+@dataclass(frozen=True)
+class Tree:
+    """A token tree verified in one forward. Node 0 is the committed token y; parents[i] < i (parents[0] = -1)."""
+
+    parents: tuple[int, ...]
+
+    @cached_property
+    def depths(self) -> np.ndarray:
+        d = np.zeros(len(self.parents), dtype=np.int32)
+        for i, p in enumerate(self.parents[1:], start=1):
+            d[i] = d[p] + 1
+        return d
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to `node`."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+    def attention_mask(self, offset: int) -> mx.array:
+        """[N, offset + N] bool: every node sees the committed context, its ancestors and itself."""
+        n = len(self.parents)
+        anc = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            anc[i, self.path(i)] = True
+        return mx.array(np.concatenate([np.ones((n, offset), dtype=bool), anc], axis=1))
+
+    def conv_windows(self, kernel: int) -> mx.array:
+        """[N, K] indices into concat([conv_state (K-1 rows), node rows]): the last K inputs along each path."""
+        rows = []
+        for i in range(len(self.parents)):
+            seq = list(range(kernel - 1)) + [kernel - 1 + j for j in self.path(i)]
+            rows.append(seq[-kernel:])
+        return mx.array(np.array(rows, dtype=np.int32))
+
+
+def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
+    """Split-half RoPE on the first `dims` of x [B, H, T, D] at per-token positions [T] (tree verify)."""
+    inv = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    ang = positions.astype(mx.float32)[:, None] * inv[None, :]  # [T, dims/2]
+    cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
+    x1, x2, rest = x[..., : dims // 2], x[..., dims // 2 : dims], x[..., dims:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
 class Q4Linear(nn.QuantizedLinear):
     """A 4-bit linear whose matmul goes through the q4_matmul dispatcher (a kernel where one measured faster)."""
 
@@ -128,7 +176,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.Dv, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def __call__(self, x: mx.array, cache: GDNCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: GDNCache | None = None, tree: Tree | None = None) -> mx.array:
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
@@ -138,19 +186,26 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state = mx.zeros((B, self.kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
         conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
-        conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))
+        if tree is not None:
+            windows = conv_in[:, tree.conv_windows(self.kernel_size)]  # [B, T, K, C]
+            conv_out = nn.silu((windows * self.conv1d.weight[:, :, 0].T).sum(axis=2))
+        else:
+            conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, T, self.Hk, self.Dk)
         k = k.reshape(B, T, self.Hk, self.Dk)
         v = v.reshape(B, T, self.Hv, self.Dv)
 
         state = cache.ssm if cache is not None else None
-        record = cache is not None and cache.recording
-        y, new_state = gated_delta_update(
-            q, k, v, a, b, self.A_log, self.dt_bias, state, step_states=record
-        )
-        if cache is not None:
-            cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
+        if tree is not None:
+            y, node_states = gated_delta_tree(q, k, v, a, b, self.A_log, self.dt_bias, state, list(tree.parents))
+            if cache is not None:
+                cache.record_tree(windows[:, :, 1:], node_states)
+        else:
+            record = cache is not None and cache.recording
+            y, new_state = gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias, state, step_states=record)
+            if cache is not None:
+                cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
         y = self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))
 
@@ -170,7 +225,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
+                 tree: Tree | None = None) -> mx.array:
         B, T, _ = x.shape
         qg = self.q_proj(x).reshape(B, T, self.n_heads, 2 * self.head_dim)
         q, gate = mx.split(qg, 2, axis=-1)  # each [B, T, Hq, D]
@@ -178,8 +234,14 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        if tree is not None:
+            positions = offset + mx.array(tree.depths)
+            q, k = rope_at(q, positions, self.rope_dims, self.rope_theta), rope_at(k, positions, self.rope_dims,
+                                                                               self.rope_theta)
+            mask = tree.attention_mask(offset)
+        else:
+            q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+            k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:
@@ -212,9 +274,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
-    def __call__(self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None,
+                 tree: Tree | None = None) -> mx.array:
         h = self.input_layernorm(x)
-        h = self.linear_attn(h, cache) if self.is_linear else self.self_attn(h, cache, mask)
+        h = self.linear_attn(h, cache, tree) if self.is_linear else self.self_attn(h, cache, mask, tree)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -227,12 +290,12 @@ class TextModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None,
-                 mask: mx.array | str | None = None) -> mx.array:
+                 mask: mx.array | str | None = None, tree: Tree | None = None) -> mx.array:
         """Returns the final hidden states before the last norm, [B, T, H]."""
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         cache = cache if cache is not None else [None] * len(self.layers)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c, mask)
+            h = layer(h, c, mask, tree)
         return h
 
 
@@ -248,9 +311,10 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None, *,
-                 return_hidden: str | None = None, mask: mx.array | str | None = None):
-        """Logits [B, T, V]; with return_hidden="post" (after the final norm) or "pre", also that hidden."""
-        pre = self.model(inputs, cache, input_embeddings, mask)
+                 return_hidden: str | None = None, mask: mx.array | str | None = None, tree: Tree | None = None):
+        """Logits [B, T, V]; with return_hidden="post" (after the final norm) or "pre", also that hidden.
+        With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
+        pre = self.model(inputs, cache, input_embeddings, mask, tree)
         post = self.model.norm(pre)
         logits = self.lm_logits(post)
         if return_hidden is None:

@@ -1,0 +1,156 @@
+"""Tree-structured speculation: the MTP head proposes the top-k tokens at each depth (shape "2-2-1": two at depth 1,
+two under each, one under each of those), the target verifies every node in one forward (tree attention mask,
+GDN recurrence following parent indices, conv windows per path), and the longest agreeing path is kept.
+
+Acceptance is exact. Greedy: follow the child equal to the target's argmax. Sampling (SpecInfer-style recursive
+rejection with one-hot drafts): at a node with target distribution p, try its children in order, accepting child c
+with probability p(c) and otherwise removing c from p and renormalising; if none is accepted, draw from what is left.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from . import cache as caches
+from .generate import prefill
+from .models.qwen3_5 import Tree
+from .sample import Sampler, sample_from
+
+
+def parse_shape(spec: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(p) for p in spec.split("-"))
+    except ValueError:
+        shape = ()
+    if not shape or any(w < 1 for w in shape) or len(shape) > 8:
+        raise ValueError(f"bad tree shape {spec!r}: use widths per depth such as 2-2-1 (1..8 depths)")
+    return shape
+
+
+@dataclass
+class TreeStats:
+    shape: tuple[int, ...]
+    rounds: int = 0
+    depth_hist: list[int] = field(default_factory=list)  # rounds whose accepted path had this many drafts
+    branch_hist: list[list[int]] = field(default_factory=list)  # per depth: how often each child rank was taken
+
+    def record(self, depth: int, ranks: list[int]) -> None:
+        self.depth_hist += [0] * (depth + 1 - len(self.depth_hist))
+        self.depth_hist[depth] += 1
+        for d, r in enumerate(ranks):
+            while len(self.branch_hist) <= d:
+                self.branch_hist.append([0] * self.shape[len(self.branch_hist)])
+            self.branch_hist[d][r] += 1
+        self.rounds += 1
+
+    def to_dict(self) -> dict:
+        accepted = sum(d * n for d, n in enumerate(self.depth_hist))
+        return {"tree": "-".join(map(str, self.shape)), "tree_nodes": _count_nodes(self.shape), "rounds": self.rounds,
+                "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
+                "accepted_depth_hist": self.depth_hist, "branch_hist": self.branch_hist}
+
+
+def _count_nodes(shape: tuple[int, ...]) -> int:
+    total, width = 0, 1
+    for w in shape:
+        width *= w
+        total += width
+    return total
+
+
+class TreeDrafter:
+    """Builds the draft tree with the MTP head; its KV cache keeps exactly one row per verified position."""
+
+    def __init__(self, model, shape: tuple[int, ...], mode: str = "post"):
+        self.model, self.shape, self.mode = model, shape, mode
+        self.cache = model.mtp.make_cache()
+        self.tokens, self.hidden = [], []
+
+    def observe(self, tokens: list[int], hidden: mx.array) -> None:
+        self.tokens += tokens
+        self.hidden.append(hidden)
+
+    def _head(self, tokens: mx.array, hidden: mx.array):
+        head = self.model.mtp
+        x = head(self.model.model.embed_tokens(tokens)[None], hidden[None], self.cache)[:, -1:]
+        post = head.norm(x)
+        logits = self.model.lm_logits(head.to_target(post))[0, -1]
+        return logits, (post if self.mode == "post" else x)[0]
+
+    def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
+        """Returns (tokens, parents, child rank) for nodes 1..N (node 0 is y, not included)."""
+        head = self.model.mtp
+        hidden = head.from_target(mx.concatenate(self.hidden), self.mode)
+        logits, h = self._head(mx.array(self.tokens), hidden)
+        self.tokens, self.hidden = [], []
+        tokens, parents, ranks = [], [], []
+        self._expand(logits, h, 0, 0, tokens, parents, ranks)
+        return tokens, parents, ranks
+
+    def _expand(self, logits, h, node: int, depth: int, tokens, parents, ranks) -> None:
+        top = mx.argsort(-logits)[: self.shape[depth]].tolist()
+        children = []
+        for r, t in enumerate(top):
+            tokens.append(t)
+            parents.append(node)
+            ranks.append(r)
+            children.append((len(tokens), t))
+        if depth + 1 == len(self.shape):
+            return
+        for child, t in children:
+            child_logits, child_h = self._head(mx.array([t]), h)
+            self._expand(child_logits, child_h, child, depth + 1, tokens, parents, ranks)
+            caches.rollback(self.cache, 1)
+
+
+def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sampler) -> tuple[list[int], int]:
+    """The accepted path (node indices from the root) and the token that follows it."""
+    children = {i: [j for j, p in enumerate(tree.parents) if p == i] for i in range(len(tree.parents))}
+    node, path = 0, [0]
+    while True:
+        if sampler.greedy:
+            best = mx.argmax(logits[node]).item()
+            nxt = next((c for c in children[node] if tokens[c] == best), None)
+            if nxt is None:
+                return path, best
+        else:
+            p = sampler.probs(logits[node])
+            nxt = None
+            for c in children[node]:
+                if mx.random.uniform().item() < p[tokens[c]].item():
+                    nxt = c
+                    break
+                p = mx.where(mx.arange(p.shape[-1]) == tokens[c], 0.0, p)
+                p = p / mx.maximum(p.sum(), 1e-30)
+            if nxt is None:
+                return path, sample_from(p).item()
+        node = nxt
+        path.append(node)
+
+
+def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...], stats: TreeStats,
+              mtp_hidden: str = "post") -> Iterator[int]:
+    """Yields tokens with the distribution of plain decoding (identical tokens when greedy)."""
+    if not model.has_mtp:
+        raise ValueError("tree drafting needs MTP weights (mtp.*), and this checkpoint has none")
+    cache, drafter = model.make_cache(), TreeDrafter(model, shape, mtp_hidden)
+    logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
+    y = sampler(logits).item()
+    yield y
+    drafter.observe([*ids.tolist()[1:], y], hidden)
+    while True:
+        tokens, parents, ranks = drafter.propose(y)
+        tree = Tree(tuple([-1, *parents]))
+        all_tokens = [y, *tokens]
+        caches.begin(cache)
+        logits, hidden = model(mx.array([all_tokens]), cache, return_hidden=mtp_hidden, tree=tree)
+        path, token = accept_path(tree, all_tokens, logits[0], sampler)
+        caches.keep(cache, path)
+        caches.commit(cache)
+        accepted = [all_tokens[i] for i in path[1:]]
+        stats.record(len(accepted), [ranks[i - 1] for i in path[1:]])
+        drafter.observe([*accepted, token], hidden[0, mx.array(path)])
+        y = token
+        yield from accepted
+        yield token

@@ -1,0 +1,124 @@
+"""Tree verification: exact greedy, the tree GDN recurrence equals each path run alone, KV compaction equals
+recomputation, and tree sampling keeps the plain distribution."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import generate, load
+from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.metal.gated_delta import gated_delta_ref, gated_delta_tree_ref
+from lattice_mlx.models.qwen3_5 import Tree
+from lattice_mlx.sample import Sampler
+from lattice_mlx.tree import TreeStats, parse_shape, tree_step
+
+PROMPT = [5, 9, 33, 21, 7, 100]
+PARENTS = (-1, 0, 0, 1, 1, 2, 3)  # root y; two children; 1 has two, 2 has one; 3 has one
+
+
+def tree_tokens(model, prompt, n, shape, sampler=None):
+    stats = TreeStats(shape)
+    gen = tree_step(model, mx.array(prompt), sampler=sampler or Sampler(), shape=shape, stats=stats)
+    return [next(gen) for _ in range(n)], stats.to_dict()
+
+
+@pytest.mark.parametrize("shape", ["1", "2", "2-2-1", "3-1", "1-1-1-1", "2-1-2"])
+def test_greedy_tree_equals_plain_greedy(checkpoints, shape):
+    for name, path in checkpoints.items():
+        model, _ = load(path)
+        steps = generate_step(model, mx.array(PROMPT), sampler=Sampler())
+        plain = [next(steps) for _ in range(40)]
+        out, stats = tree_tokens(model, PROMPT, 40, parse_shape(shape))
+        assert out == plain, (name, shape)
+        assert stats["tree"] == shape
+
+
+def test_demo_tree_accepts_more_per_round_than_its_chain():
+    model, tok = load()
+    prompt = tok.encode("class Queue:\n    def __init__(self):\n")
+    steps = generate_step(model, mx.array(prompt), sampler=Sampler())
+    plain = [next(steps) for _ in range(60)]
+    chain, chain_stats = tree_tokens(model, prompt, 60, (1, 1, 1))
+    tree, tree_stats = tree_tokens(model, prompt, 60, (2, 2, 1))
+    assert chain == plain and tree == plain
+    assert tree_stats["mean_accepted_length"] > chain_stats["mean_accepted_length"]
+    assert sum(tree_stats["branch_hist"][0][1:]) > 0  # a second-ranked branch was taken at least once
+
+
+def test_tree_gdn_recurrence_equals_each_path_alone():
+    rng = np.random.default_rng(0)
+    B, N, Hk, Hv, Dk, Dv = 1, len(PARENTS), 2, 4, 16, 8
+    q, k = (mx.array(rng.normal(size=(B, N, Hk, Dk)), dtype=mx.float32) for _ in range(2))
+    v = mx.array(rng.normal(size=(B, N, Hv, Dv)), dtype=mx.float32)
+    a, b = (mx.array(rng.normal(size=(B, N, Hv)), dtype=mx.float32) for _ in range(2))
+    A_log, dt_bias = mx.array(rng.normal(size=Hv), dtype=mx.float32), mx.ones(Hv)
+    state = mx.array(rng.normal(size=(B, Hv, Dv, Dk)), dtype=mx.float32)
+    y, states = gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, list(PARENTS))
+    tree = Tree(PARENTS)
+    for leaf in (3, 4, 5, 6):
+        idx = mx.array(tree.path(leaf))
+        y_path, s_path = gated_delta_ref(q[:, idx], k[:, idx], v[:, idx], a[:, idx], b[:, idx], A_log, dt_bias,
+                                         state, step_states=True)
+        assert mx.allclose(y[:, idx], y_path, atol=1e-5).item()
+        assert mx.allclose(states[:, idx], s_path, atol=1e-5).item()
+
+
+def test_tree_forward_and_compaction_equal_recomputing_the_path(checkpoints):
+    model, _ = load(checkpoints["pattern"])  # attention first, Hv > Hk
+    tree, tokens = Tree(PARENTS), [40, 41, 42, 43, 44, 45, 46]
+    for leaf in (0, 2, 4, 6):
+        cache = model.make_cache()
+        prefill(model, mx.array(PROMPT), cache)
+        caches.begin(cache)
+        logits = model(mx.array([tokens]), cache, tree=tree)
+        path = tree.path(leaf)
+        caches.keep(cache, path)
+        caches.commit(cache)
+        ref = model.make_cache()
+        ref_logits, _ = prefill(model, mx.array(PROMPT + [tokens[i] for i in path]), ref, step=len(PROMPT))
+        assert mx.allclose(logits[0, path[-1]], ref_logits, atol=1e-4).item()
+        probe = mx.array([[7, 8]])
+        assert mx.allclose(model(probe, cache), model(probe, ref), atol=1e-4).item()
+
+
+def test_tree_helpers():
+    tree = Tree(PARENTS)
+    assert tree.path(6) == [0, 1, 3, 6]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    mask = np.array(tree.attention_mask(2))
+    assert mask[:, :2].all() and mask[5, 2:].tolist() == [True, False, True, False, False, True, False]
+    assert np.array(tree.conv_windows(4))[6].tolist() == [3, 4, 6, 9]  # path 0, 1, 3, 6 after 3 conv-state rows
+    for bad in ("", "0", "2-x", "1-1-1-1-1-1-1-1-1"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+
+
+@pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_tree_sampling_keeps_the_distribution(temp, top_p, tmp_path_factory):
+    from scipy.stats import chi2_contingency
+
+    from lattice_mlx.synthetic import random_checkpoint
+
+    path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v", seed=8, vocab_size=8, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=4)
+    model, _ = load(path)
+    sampler, prompt, trials = Sampler(temp=temp, top_p=top_p), [1, 2, 3], 300
+    counts = np.zeros((2, 64))
+    for i in range(trials):
+        mx.random.seed(10 + i)
+        steps = generate_step(model, mx.array(prompt), sampler=sampler)
+        a, b = next(steps), next(steps)
+        counts[0, a * 8 + b] += 1
+        mx.random.seed(70_000 + i)
+        toks, _ = tree_tokens(model, prompt, 2, (3, 2), sampler)
+        counts[1, toks[0] * 8 + toks[1]] += 1
+    keep = counts.sum(0) > 0
+    assert chi2_contingency(counts[:, keep])[1] > 0.01
+
+
+def test_generate_api_and_cli_accept_a_tree(checkpoints):
+    model, tok = load(checkpoints["tied"])
+    plain = generate(model, tok, PROMPT, max_tokens=20).tokens
+    result = generate(model, tok, PROMPT, max_tokens=20, tree="2-1")
+    assert result.tokens == plain and result.mtp["tree"] == "2-1"
