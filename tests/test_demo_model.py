@@ -1,6 +1,5 @@
 """The embedded demo model: it loads with no arguments, generates deterministically, and MTP is exact on it."""
 
-import mlx.core as mx
 import pytest
 
 from lattice_mlx import generate, load

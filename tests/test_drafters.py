@@ -4,8 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lattice_mlx import cache as caches
-from lattice_mlx import generate, load
+from lattice_mlx import load
 from lattice_mlx.drafters import NgramDrafter, SelfSpecDrafter, parse_layers
 from lattice_mlx.generate import generate_step, prefill
 from lattice_mlx.sample import Sampler

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
 
 from lattice_mlx import generate, load, stream_generate

@@ -117,7 +117,7 @@ def _mtp_numpy(weights, args, tokens, hidden, embed):
         out[..., r // 2 : r] = x2 * np.cos(ang) + x1 * np.sin(ang)
         return out
 
-    p = lambda k: np.array(weights[k], dtype=np.float64)  # noqa: E731
+    p = lambda k: np.array(weights[k], dtype=np.float64)
     e = embed[tokens]
     x = np.concatenate([rms(e, p("mtp.pre_fc_norm_embedding.weight")), rms(hidden, p("mtp.pre_fc_norm_hidden.weight"))],
                        -1) @ p("mtp.fc.weight").T
@@ -144,8 +144,9 @@ def _mtp_numpy(weights, args, tokens, hidden, embed):
 
 @pytest.mark.parametrize("converted", [False, True])
 def test_mtp_head_matches_numpy_formula_and_shifts_norms_once(checkpoints, tmp_path, converted):
-    from lattice_mlx.convert import convert
     from safetensors.numpy import load_file
+
+    from lattice_mlx.convert import convert
 
     src = checkpoints["tied"]
     model, _ = load(convert(str(src), str(tmp_path / "c"), mtp_dtype=None) if converted else src)

@@ -13,9 +13,19 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .generate import ArgumentParser
+from .load import (
+    DTYPES,
+    LoadError,
+    build_model,
+    cast_floats,
+    check_weights,
+    checkpoint_dtype,
+    read_config,
+    read_weights,
+    resolve_path,
+    sanitize,
+)
 from .models.qwen3_5 import route_quantized
-from .load import (DTYPES, LoadError, build_model, cast_floats, check_weights, checkpoint_dtype, read_config, read_weights,
-                   resolve_path, sanitize)
 
 DEFAULT_Q_BITS = 4
 DEFAULT_Q_GROUP_SIZE = 64

@@ -8,10 +8,9 @@ final norm weight re-applied for the post-norm hidden), and its output u is rota
 shared lm_head gives the original logits: z = Q diag(1 / w_f) u.
 """
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 def hadamard(n: int) -> np.ndarray:
