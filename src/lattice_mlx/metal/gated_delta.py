@@ -42,16 +42,8 @@ def gated_delta_ref(
     Returns y [B, T, Hv, Dv] in v's dtype and the final state [B, Hv, Dv, Dk], or with `step_states` the state
     after every step [B, T, Hv, Dv, Dk] (index n-1 is the state after the first n tokens).
     """
-    B, T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[-2:]
-    q, k = normalize_qk_ref(q, k)
-    if Hv != Hk:
-        q = mx.repeat(q, Hv // Hk, axis=2)  # [B, T, Hv, Dk]
-        k = mx.repeat(k, Hv // Hk, axis=2)
-    g, beta = gate_ref(a, b, A_log, dt_bias)
-    vf = v.astype(mx.float32)
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    q, k, vf, g, beta, state = _prepare(q, k, v, a, b, A_log, dt_bias, state)
+    T = k.shape[1]
     ys, states = [], []
     for t in range(T):
         state, y_t = _step(state, q[:, t], k[:, t], vf[:, t], g[:, t], beta[:, t])
@@ -60,6 +52,19 @@ def gated_delta_ref(
             states.append(state)
     y = mx.stack(ys, axis=1).astype(v.dtype)
     return y, (mx.stack(states, axis=1) if step_states else state)
+
+
+def _prepare(q, k, v, a, b, A_log, dt_bias, state):
+    """fp32 inputs of the recurrence: normalised q/k repeated to the value heads, gates, a zero state if none."""
+    B, _, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    q, k = normalize_qk_ref(q, k)
+    if Hv != Hk:
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)  # [B, T, Hv, Dk]
+    g, beta = gate_ref(a, b, A_log, dt_bias)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    return q, k, v.astype(mx.float32), g, beta, state
 
 
 def _step(state, q, k, v, g, beta):
@@ -73,15 +78,7 @@ def _step(state, q, k, v, g, beta):
 def gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents: list[int]) -> tuple[mx.array, mx.array]:
     """Tree verify: node i continues from the state after its parent (parents[i] < i; -1 = the committed state).
     Returns y [B, N, Hv, Dv] and the state after every node [B, N, Hv, Dv, Dk]."""
-    B, N, Hk, Dk = k.shape
-    Hv, Dv = v.shape[-2:]
-    q, k = normalize_qk_ref(q, k)
-    if Hv != Hk:
-        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
-    g, beta = gate_ref(a, b, A_log, dt_bias)
-    vf = v.astype(mx.float32)
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    q, k, vf, g, beta, state = _prepare(q, k, v, a, b, A_log, dt_bias, state)
     ys, states = [], []
     for i, parent in enumerate(parents):
         s, y_i = _step(state if parent < 0 else states[parent], q[:, i], k[:, i], vf[:, i], g[:, i], beta[:, i])
@@ -90,10 +87,8 @@ def gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents: list[int
     return mx.stack(ys, axis=1).astype(v.dtype), mx.stack(states, axis=1)
 
 
-# One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
-# Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
-# The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
-_BODY = """
+# Shared by both forms: thread -> (b, hv, dv) row, gate constants, the state row into registers.
+_PREAMBLE = """
   constexpr int NK = Dk / 32;
   const int lane = LX_TID_X;
   const int dv = LX_GID_Y;
@@ -111,7 +106,12 @@ _BODY = """
   float S[NK];
   const int srow = (bh * Dv + dv) * Dk;
   for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
+"""
 
+# One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
+# Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
+# The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
+_BODY = _PREAMBLE + """
   // Iteration t issues the loads of step t + 1, then computes step t from the registers loaded last time.
   float qn[NK] = {0.0f}, kn[NK] = {0.0f}, vn = 0.0f, an = 0.0f, bn = 0.0f;
   float qc[NK], kc[NK], vc = 0.0f, ac = 0.0f, bc = 0.0f;
@@ -175,25 +175,7 @@ _BODY = """
 # The same recurrence with the state-independent lane sums taken 32 steps at a time: lane l computes the gates
 # of step t0 + l, and the y and |q|^2 partial sums of 32 steps are reduced together (31 shuffles for 32 sums,
 # off the step-to-step chain). Each step keeps only the k norm and S k sums on its critical path.
-_BODY_BATCHED = """
-  constexpr int NK = Dk / 32;
-  const int lane = LX_TID_X;
-  const int dv = LX_GID_Y;
-  const int bh = LX_BID_Z;
-  const int bi = bh / Hv;
-  const int hv = bh % Hv;
-  const int hk = hv / (Hv / Hk);
-  const int T = v_shape[1];
-  if (dv >= Dv) return;
-
-  const float neg_A = -LX_EXP(LX_F32(A_log[hv]));
-  const float dtb = LX_F32(dt_bias[hv]);
-  const float qscale = LX_RSQRT(float(Dk));
-
-  float S[NK];
-  const int srow = (bh * Dv + dv) * Dk;
-  for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
-
+_BODY_BATCHED = _PREAMBLE + """
   for (int t0 = 0; t0 < T; t0 += 32) {
     const int nb = (T - t0 < 32) ? (T - t0) : 32;
     float gl = 1.0f, bl = 0.0f, vl = 0.0f;
