@@ -88,3 +88,19 @@ def test_dtype_override(checkpoints):
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
     assert model.layers[0].linear_attn.A_log.dtype == mx.float32
     assert np.isfinite(np.array(model(IDS).astype(mx.float32))).all()
+
+
+def test_text_only_layout_loads_to_the_same_model(checkpoints, tmp_path):
+    """`qwen3_5_text` checkpoints (Qwen3_5ForCausalLM: flat config, `model.*` names, an explicit lm_head)."""
+    src = checkpoints["untied"]
+    config = json.loads((src / "config.json").read_text())["text_config"]
+    weights = {k.replace("model.language_model.", "model."): v for k, v in mx.load(str(src / "model.safetensors")).items()
+               if not k.startswith("mtp.")}
+    dst = tmp_path / "text_only"
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen3_5ForCausalLM"])))
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    text_only, _ = load(dst)
+    hub, _ = load(src)
+    assert not text_only.has_mtp and text_only.args.model_type == "qwen3_5_text"
+    assert mx.array_equal(text_only(IDS), hub(IDS))

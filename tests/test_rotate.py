@@ -72,3 +72,49 @@ def test_greedy_mtp_equals_plain_on_rotated_q4(checkpoints, tmp_path, group_size
     plain = [next(steps) for _ in range(40)]
     gen = speculative_step(model, prompt, sampler=Sampler(), stats=SpecStats(3, "batched"), draft_tokens=3)
     assert [next(gen) for _ in range(40)] == plain
+
+
+def _dense_demo():
+    """The shipped demo with its 4-bit layers dequantized (rotation needs dense weights)."""
+    import mlx.nn as nn
+
+    model, tok = load()
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+            dense = nn.Embedding(*w.shape) if isinstance(m, nn.QuantizedEmbedding) else nn.Linear(w.shape[1],
+                                                                                                 w.shape[0], bias=False)
+            dense.weight = w
+            parent = model
+            *path, last = name.split(".")
+            for p in path:
+                parent = parent[int(p)] if p.isdigit() else getattr(parent, p)
+            setattr(parent, last, dense)
+    model.set_dtype(mx.float32)
+    return model, tok
+
+
+def test_demo_head_needs_its_counter_rotation():
+    """MTP/target argmax agreement on held-out text: kept by the rotation, near chance without the counter-rotation."""
+    import json
+    from pathlib import Path
+
+    prompts = json.loads((Path(__file__).parents[1] / "scripts" / "demo_heldout_prompts.json").read_text())
+    ref, tok = _dense_demo()
+    ids = mx.array([tok.encode("".join(p["prompt"] for p in prompts["prompts"][:6]))[:200]])
+
+    def agreement(model):
+        logits, hidden = model(ids, return_hidden="post")
+        head = model.mtp
+        u = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1], "post"))
+        draft = mx.argmax(model.lm_logits(head.to_target(head.norm(u)))[0, :-1], axis=-1)
+        return (draft == mx.argmax(logits[0, 1:-1], axis=-1)).mean().item()
+
+    base = agreement(ref)
+    rotated, _ = _dense_demo()
+    rotate_model(rotated, seed=3)
+    broken, _ = _dense_demo()
+    rotate_model(broken, seed=3, skip_mtp_counter_rotation=True)
+    assert base > 0.3
+    assert abs(agreement(rotated) - base) < 0.02
+    assert agreement(broken) < 0.05  # chance is 1/8192; a broken head lands on a few frequent tokens at most
