@@ -26,3 +26,35 @@ def checkpoint(request, checkpoints):
 @pytest.fixture(scope="session")
 def no_mtp_checkpoint(tmp_path_factory):
     return random_checkpoint(tmp_path_factory.mktemp("ckpt") / "nomtp", seed=3, mtp=False)
+
+
+def two_token_pvalue(model, prompt: list[int], sampler, speculative, *, trials: int = 300, vocab: int = 8) -> float:
+    """Chi-square p-value that the first two tokens of `speculative(seed) -> tokens` follow plain sampling.
+    Each trial seeds both runs, from disjoint seed ranges."""
+    import mlx.core as mx
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    from lattice_mlx.generate import generate_step
+
+    counts = np.zeros((2, vocab * vocab))
+    for i in range(trials):
+        mx.random.seed(10 + i)
+        steps = generate_step(model, mx.array(prompt), sampler=sampler)
+        a, b = next(steps), next(steps)
+        counts[0, a * vocab + b] += 1
+        mx.random.seed(500_000 + i)
+        toks = speculative()
+        counts[1, toks[0] * vocab + toks[1]] += 1
+    keep = counts.sum(0) > 0
+    return chi2_contingency(counts[:, keep])[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_model(tmp_path_factory):
+    """Vocabulary 8, so that two-token outcomes can be counted exhaustively."""
+    from lattice_mlx.load import load
+
+    path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v8", seed=6, vocab_size=8, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=4)
+    return load(path)[0]
