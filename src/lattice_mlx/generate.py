@@ -91,17 +91,21 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
     return list(tokenizer.encode(prompt))
 
 
-def token_stream(model, ids: mx.array, sampler: Sampler, *, spec_options: dict | None, stats) -> Iterator[int]:
-    if spec_options is None:
-        return generate_step(model, ids, sampler=sampler)
-    if "tree" in spec_options:
-        from .tree import tree_step
+def token_stream(model, ids: mx.array, sampler: Sampler, *, draft: str | None, tree: str | None, draft_tokens: int,
+                 verify: str, mtp_hidden: str, adaptive: bool) -> tuple[Iterator[int], object | None]:
+    """The token iterator for the chosen decoding (plain, chain speculation, or tree) and the stats it fills."""
+    if tree:
+        from .tree import TreeStats, parse_shape, tree_step
 
-        options = {k: v for k, v in spec_options.items() if k != "tree"}
-        return tree_step(model, ids, sampler=sampler, stats=stats, **options)
-    from .speculative import speculative_step
+        stats = TreeStats(parse_shape(tree))
+        return tree_step(model, ids, sampler=sampler, shape=stats.shape, stats=stats, mtp_hidden=mtp_hidden), stats
+    if draft:
+        from .speculative import SpecStats, speculative_step
 
-    return speculative_step(model, ids, sampler=sampler, stats=stats, **spec_options)
+        stats = SpecStats(draft_tokens=draft_tokens, verify=verify, source=draft)
+        return speculative_step(model, ids, sampler=sampler, stats=stats, draft_tokens=draft_tokens, verify=verify,
+                                mtp_hidden=mtp_hidden, adaptive=adaptive, draft=draft), stats
+    return generate_step(model, ids, sampler=sampler), None
 
 
 def stream_generate(
@@ -113,27 +117,17 @@ def stream_generate(
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and stats.
     Speculative decoding: mtp=True (the MTP head) or draft='mtp' | 'self[:LAYERS]' | 'ngram' | 'mtp+ngram';
     tree='2-2-1' verifies a tree of MTP drafts (top-k per depth) instead of a chain."""
-    from .speculative import SpecStats
-
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k)
-    draft = draft or ("mtp" if mtp else None)
-    stats = SpecStats(draft_tokens=draft_tokens, verify=verify, source=draft) if draft else None
-    spec_options = dict(draft_tokens=draft_tokens, verify=verify, mtp_hidden=mtp_hidden, adaptive=adaptive,
-                        draft=draft) if draft else None
-    if tree:
-        from .tree import TreeStats, parse_shape
-
-        stats, spec_options = TreeStats(parse_shape(tree)), dict(tree=True, shape=parse_shape(tree),
-                                                                 mtp_hidden=mtp_hidden)
+    tokens, stats = token_stream(model, mx.array(ids), sampler, draft=draft or ("mtp" if mtp else None), tree=tree,
+                                 draft_tokens=draft_tokens, verify=verify, mtp_hidden=mtp_hidden, adaptive=adaptive)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    prompt_tps, n = 0.0, 0
-    tokens = token_stream(model, mx.array(ids), sampler, spec_options=spec_options, stats=stats)
+    prompt_tps = 0.0
     for n, token in enumerate(tokens, start=1):
         if n == 1:
             prompt_time = time.perf_counter() - tic
