@@ -104,3 +104,20 @@ def test_cli_draft_sources(checkpoints):
         assert result["tokens"] == plain and result["draft_source"] in ("mtp+ngram", "self")
     bad = subprocess.run(base + ["--draft", "self:99"], capture_output=True, text=True)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_ngram_index_grows_with_the_history_like_a_full_scan():
+    """The incremental index gives what a scan of the whole history gives, as the same list grows round by round."""
+
+    def scan(seq, k, max_n=4, min_n=2):
+        for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start : start + n] == seq[-n:]:
+                    return seq[start + n : start + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    d, history = NgramDrafter(100), list(rng.integers(0, 6, 20))
+    for _ in range(50):
+        assert d.lookup(history, 3) == scan(history, 3)
+        history += list(rng.integers(0, 6, int(rng.integers(1, 4))))

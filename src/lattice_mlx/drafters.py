@@ -85,11 +85,13 @@ class OracleDrafter(MTPDrafter):
 
 
 class NgramDrafter:
-    """Prompt lookup: find the longest recent n-gram (n = max_n .. min_n) that ends the history and occurred
-    before, and propose what followed it. Drafts are deterministic (q is one-hot)."""
+    """Prompt lookup: find the longest n-gram (n = max_n .. min_n) that ends the history and occurred before, and
+    propose what followed its most recent earlier occurrence. Drafts are deterministic (q is one-hot). The n-grams
+    are indexed incrementally as the history grows, so a round costs O(max_n) lookups, not a scan."""
 
-    def __init__(self, vocab_size: int, *, max_n: int = 4, min_n: int = 2, window: int = 4096):
-        self.vocab, self.max_n, self.min_n, self.window = vocab_size, max_n, min_n, window
+    def __init__(self, vocab_size: int, *, max_n: int = 4, min_n: int = 2):
+        self.vocab, self.max_n, self.min_n = vocab_size, max_n, min_n
+        self._seq, self._done, self._last = None, 0, {}
 
     def start(self, prompt, first, hidden, cache) -> None:
         pass
@@ -100,14 +102,21 @@ class NgramDrafter:
     def rollback(self) -> None:
         pass
 
+    def _index(self, seq: list[int]) -> None:
+        if seq is not self._seq or len(seq) < self._done:
+            self._seq, self._done, self._last = seq, 0, {}
+        # Continuation start e indexes the n-grams seq[e-n:e]; e stops before len(seq) so the tail never finds itself.
+        for e in range(max(self._done, 1), len(seq)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self._last[tuple(seq[e - n : e])] = e
+        self._done = max(self._done, len(seq))
+
     def lookup(self, history: list[int], k: int) -> list[int]:
-        seq = history[-self.window :]
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            tail = seq[-n:]
-            # Most recent earlier occurrence first: recent text predicts the continuation best.
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start : start + n] == tail:
-                    return seq[start + n : start + n + k]
+        self._index(history)
+        for n in range(min(self.max_n, len(history) - 1), self.min_n - 1, -1):
+            e = self._last.get(tuple(history[-n:]))
+            if e is not None:
+                return history[e : e + k]
         return []
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
