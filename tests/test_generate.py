@@ -78,6 +78,10 @@ def _corrupt(src, dst, how):
         config = json.loads((dst / "config.json").read_text())
         config["model_type"] = config["text_config"]["model_type"] = "llama"
         (dst / "config.json").write_text(json.dumps(config))
+    elif how == "gptq":
+        config = json.loads((dst / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+        (dst / "config.json").write_text(json.dumps(config))
     elif how == "no_config":
         (dst / "config.json").unlink()
     return dst
@@ -85,7 +89,7 @@ def _corrupt(src, dst, how):
 
 @pytest.mark.parametrize("how, message", [
     ("truncated", "corrupt"), ("wrong_shape", "shape"), ("missing_tensor", "missing tensor"),
-    ("unknown_type", "unsupported model_type"), ("no_config", "no config.json"),
+    ("unknown_type", "unsupported model_type"), ("no_config", "no config.json"), ("gptq", "not supported"),
 ])
 def test_cli_bad_checkpoint_is_one_line(checkpoints, tmp_path, how, message):
     path = _corrupt(checkpoints["tied"], tmp_path / how, how)

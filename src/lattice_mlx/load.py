@@ -116,6 +116,9 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
     if any(k.startswith("mtp.") for k in weights):
         model.mtp = MTPHead(args, rotated="rotation" in config)
     quant = config.get("quantization") or config.get("quantization_config")
+    if quant and quant.get("quant_method", "mlx") != "mlx":
+        raise LoadError(f"{quant['quant_method']!r} quantized checkpoints are not supported: convert the unquantized "
+                        "checkpoint with `python -m lattice_mlx.convert -q` instead")
     if quant and "bits" in quant:
         nn.quantize(
             model,
