@@ -85,17 +85,14 @@ def verify_batched(model, cache: list, y: int, drafts: list[int], q, sampler: Sa
 
 
 def verify_sequential(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
-    """One target step per token, stopping at the first rejection: the cache never holds a rejected token."""
-    caches.begin(cache)
+    """One target step per token, stopping at the first rejection: the cache never holds a rejected token, so there
+    is nothing to roll back and no per-step GDN states to record (no begin())."""
     hs, tokens = [], [y, *drafts]
     for i, t in enumerate(tokens):
         logits, h = model(mx.array([[t]]), cache, return_hidden=mode)
         hs.append(h[0, -1])
         if i == len(drafts):
-            token = (mx.argmax(logits[0, -1]) if sampler.greedy else mx.random.categorical(
-                mx.log(sampler.probs(logits[0, -1]))
-            )).item()
-            return Round(i, token, mx.stack(hs))
+            return Round(i, sampler(logits[0, -1]).item(), mx.stack(hs))
         if sampler.greedy:
             best = mx.argmax(logits[0, -1]).item()
             ok, token = best == drafts[i], best
