@@ -1,0 +1,144 @@
+"""Tree GDN recurrence: node i continues from the state after node parents[i] (parents[i] < i; -1 = `state`).
+
+Shapes: q, k [B, N, Hk, Dk]; v [B, N, Hv, Dv]; a, b [B, N, Hv]; A_log, dt_bias [Hv]; state [B, Hv, Dv, Dk] fp32;
+parents N ints. Returns y [B, N, Hv, Dv] in v's dtype and the state after every node [B, N, Hv, Dv, Dk] fp32.
+"""
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal.gated_delta import _PREAMBLE, gated_delta_tree_ref, supported
+
+# The chain kernel's serial form with T = N nodes and a parent lookup per node. The preamble has loaded the
+# committed state into S; node t reloads S only when its parent is not t - 1 (node 0's parent is -1, so a chain
+# never reloads), from state_in or from the parent's row of state_out, which this same thread wrote.
+_BODY = _PREAMBLE + """
+  float qn[NK] = {0.0f}, kn[NK] = {0.0f}, vn = 0.0f, an = 0.0f, bn = 0.0f;
+  float qc[NK], kc[NK], vc = 0.0f, ac = 0.0f, bc = 0.0f;
+  int pn = -1, pc = -1;
+  for (int t = -1; t < T; ++t) {
+    for (int i = 0; i < NK; ++i) {
+      qc[i] = qn[i];
+      kc[i] = kn[i];
+    }
+    vc = vn;
+    ac = an + dtb;
+    bc = bn;
+    pc = pn;
+    if (t + 1 < T) {
+      const int qk = ((bi * T + t + 1) * Hk + hk) * Dk + lane;
+      const int hvn = (bi * T + t + 1) * Hv + hv;
+      for (int i = 0; i < NK; ++i) {
+        qn[i] = LX_F32(q[qk + 32 * i]);
+        kn[i] = LX_F32(k[qk + 32 * i]);
+      }
+      vn = LX_F32(v[hvn * Dv + dv]);
+      an = LX_F32(a[hvn]);
+      bn = LX_F32(b[hvn]);
+      pn = parents[t + 1];
+    }
+    if (t < 0) continue;
+
+    if (pc != t - 1) {
+      if (pc < 0) {
+        for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
+      } else {
+        const int prow = (((bi * T + pc) * Hv + hv) * Dv + dv) * Dk + lane;
+        for (int i = 0; i < NK; ++i) S[i] = state_out[prow + 32 * i];
+      }
+    }
+
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      qq += qc[i] * qc[i];
+      kk += kc[i] * kc[i];
+    }
+    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
+    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
+    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
+    const float g = LX_EXP(neg_A * sp);
+    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
+
+    float kv = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      kc[i] *= kr;
+      S[i] *= g;
+      kv += S[i] * kc[i];
+    }
+    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
+    float out = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      S[i] += kc[i] * delta;
+      out += S[i] * qc[i];
+    }
+    out = LX_SIMD_SUM(out) * qr;
+    const int hvt = (bi * T + t) * Hv + hv;
+    if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
+    const int so = (hvt * Dv + dv) * Dk + lane;
+    for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[i];
+  }
+"""
+
+_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "parents")
+_OUTPUTS = ("y", "state_out")
+
+
+def _check_parents(parents: Sequence[int]) -> None:
+    assert all(-1 <= p < i for i, p in enumerate(parents)), f"parents[i] must be in [-1, i): {list(parents)}"
+
+
+def gated_delta_tree_kernel(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    parents: Sequence[int] | mx.array,
+    *,
+    init_value: float | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The GPU kernel (Metal or CUDA); same contract as `gated_delta_tree_ref`. `init_value` poisons outputs.
+
+    `parents` as an mx.array (int32 [N]) is not checked: it must already satisfy -1 <= parents[i] < i.
+    """
+    B, N, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    if not isinstance(parents, mx.array):
+        _check_parents(parents)
+        parents = mx.array(list(parents), dtype=mx.int32)
+    assert parents.shape == (N,), f"parents has shape {parents.shape} for {N} nodes"
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    kernel = _dialect.build("lattice_gated_delta_tree", _BODY, _INPUTS, _OUTPUTS)
+    y, s = kernel(
+        inputs=[q, k, v, a, b, A_log, dt_bias, state.astype(mx.float32), parents.astype(mx.int32)],
+        template=[("YT", v.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[v.shape, (B, N, Hv, Dv, Dk)],
+        output_dtypes=[v.dtype, mx.float32],
+        init_value=init_value,
+    )
+    return y, s
+
+
+def gated_delta_tree(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    parents: Sequence[int],
+) -> tuple[mx.array, mx.array]:
+    """Tree-verify entry point; same contract as `gated_delta_tree_ref`."""
+    if use_kernels() and supported(q, v):
+        return gated_delta_tree_kernel(q, k, v, a, b, A_log, dt_bias, state, parents)
+    return gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, list(parents))
