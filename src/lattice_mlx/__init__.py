@@ -6,10 +6,10 @@ import warnings
 # that is intended, so runpy's warning about it is noise.
 warnings.filterwarnings("ignore", message=r".*found in sys.modules after import of package 'lattice_mlx'")
 
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate
-from .load import LoadError, load
-from .sample import Sampler
-from .speculative import SpecStats
+from .generate import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
+from .load import LoadError, load  # noqa: E402
+from .sample import Sampler  # noqa: E402
+from .speculative import SpecStats  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["GenerationResponse", "GenerationResult", "LoadError", "Sampler", "SpecStats", "generate", "load",

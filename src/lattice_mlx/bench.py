@@ -185,7 +185,9 @@ def build_stock(model, config: dict):
     if theirs != model.args.layer_types:
         raise ValueError("mlx-lm derives the layer pattern from full_attention_interval; this config's layer_types "
                          "differ from it")
-    weights = {"language_model." + k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")}
+    from .models.fuse import hf_parameters
+
+    weights = {"language_model." + k: v for k, v in hf_parameters(model).items() if not k.startswith("mtp.")}
     quantized = [m for _, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")]
     if quantized:
         nn.quantize(stock, group_size=quantized[0].group_size, bits=quantized[0].bits,

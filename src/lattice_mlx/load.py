@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .models.fuse import fuse_projections
 from .models.mtp import MTPHead
 from .models.qwen3_5 import Model, ModelArgs, route_quantized
 
@@ -148,7 +149,9 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
             for k, v in weights.items()}
 
 
-def load_model(path: Path, *, dtype: str | None = None) -> tuple[Model, dict]:
+def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tuple[Model, dict]:
+    """Model and config from a checkpoint directory; `fuse` stacks projections that share an input (exact, fewer
+    matmuls: models/fuse.py); hf_parameters() gives a fused model's tensors under the checkpoint's names."""
     config = read_config(path)
     text = config.get("text_config") or config
     weights = sanitize(read_weights(path), tie_word_embeddings=text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
@@ -157,6 +160,8 @@ def load_model(path: Path, *, dtype: str | None = None) -> tuple[Model, dict]:
     weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
+    if fuse:
+        fuse_projections(model)
     mx.eval(model.parameters())
     return model, config
 

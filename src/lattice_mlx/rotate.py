@@ -12,6 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .models.fuse import FUSIONS
+
 
 def hadamard(n: int) -> np.ndarray:
     """Normalised Walsh-Hadamard matrix (Sylvester), n a power of two."""
@@ -36,14 +38,17 @@ def _fold_readers(linears: list[nn.Linear], norm: nn.RMSNorm, qt: mx.array) -> N
     norm.weight = mx.ones_like(norm.weight)
 
 
+def _readers(module: nn.Module, fused_name: str) -> list[nn.Linear]:
+    """The linears reading one input, fused (models/fuse.py) or not."""
+    return [module[fused_name]] if fused_name in module else [module[n] for n in FUSIONS[fused_name]]
+
+
 def _rotate_layer(layer, q: mx.array, qt: mx.array) -> None:
     mixer = layer.linear_attn if layer.is_linear else layer.self_attn
-    readers = [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_a, mixer.in_proj_b] if layer.is_linear else \
-        [mixer.q_proj, mixer.k_proj, mixer.v_proj]
-    _fold_readers(readers, layer.input_layernorm, qt)
+    _fold_readers(_readers(mixer, "in_proj" if layer.is_linear else "qkv_proj"), layer.input_layernorm, qt)
     writer = mixer.out_proj if layer.is_linear else mixer.o_proj
     writer.weight = q @ writer.weight
-    _fold_readers([layer.mlp.gate_proj, layer.mlp.up_proj], layer.post_attention_layernorm, qt)
+    _fold_readers(_readers(layer.mlp, "gate_up_proj"), layer.post_attention_layernorm, qt)
     layer.mlp.down_proj.weight = q @ layer.mlp.down_proj.weight
 
 

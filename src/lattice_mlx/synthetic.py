@@ -158,12 +158,14 @@ def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, gain
     return write_checkpoint(path, config, hub_weights(config, seed=seed, mtp=mtp, gain=gain))
 
 
-def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, **text):
+def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, fuse: bool = True,
+                 **text):
     """A randomly initialised Model (MTP head attached) built in memory at any size, e.g. random_model(
     **QWEN3_5_0_8B, bits=4): for timing only, since random weights make acceptance meaningless."""
     import mlx.core as mx
 
     from .convert import quantize
+    from .models.fuse import fuse_projections
     from .models.mtp import MTPHead
     from .models.qwen3_5 import Model, ModelArgs
 
@@ -176,5 +178,7 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
     if bits:
         quantize(model, bits=bits, group_size=group_size, quantize_mtp=False)
     model.eval()
+    if fuse:
+        fuse_projections(model)
     mx.eval(model.parameters())
     return model

@@ -52,6 +52,7 @@ PRELUDE = """
 #include <cuda_fp16.h>
 #include <cstdint>
 struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };
+struct Strides { int64_t d[8]; __device__ int64_t operator[](int i) const { return d[i]; } };
 """
 
 
@@ -62,6 +63,8 @@ def cuda_translation_unit(body, inputs, outputs, template):
         args.append(f"const {ctype}* {name}")
         if f"{name}_shape" in body:
             args.append(f"const __grid_constant__ Shape {name}_shape")
+        if f"{name}_strides" in body:
+            args.append(f"const __grid_constant__ Strides {name}_strides")
     args += [f"{ctype}* {name}" for name, ctype in outputs]
     consts = "".join(
         f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {str(v).lower()};\n"

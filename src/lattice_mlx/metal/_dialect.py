@@ -9,12 +9,18 @@ import re
 
 import mlx.core as mx
 
-# Thread ids: TID = thread in its threadgroup/block, GID = thread in the grid, BID = threadgroup/block in the grid.
+# Thread ids: TID = thread in its threadgroup/block, GID = thread in the grid, BID = threadgroup/block in the grid,
+# NBLK = threadgroups/blocks in the grid. SHARED declares threadgroup/shared memory; BARRIER syncs a threadgroup.
 _METAL = {
     "LX_TID_X": "thread_position_in_threadgroup.x",
     "LX_GID_X": "thread_position_in_grid.x",
     "LX_GID_Y": "thread_position_in_grid.y",
     "LX_BID_Z": "threadgroup_position_in_grid.z",
+    "LX_BID_X": "threadgroup_position_in_grid.x",
+    "LX_BID_Y": "threadgroup_position_in_grid.y",
+    "LX_NBLK_X": "threadgroups_per_grid.x",
+    "LX_SHARED": "threadgroup",
+    "LX_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
     "LX_SIMD_SUM": "simd_sum",
     "LX_SHFL": "lx_shfl",
     "LX_SHFL_XOR": "lx_shfl_xor",
@@ -34,6 +40,11 @@ _CUDA = {
     "LX_GID_X": "(blockIdx.x * blockDim.x + threadIdx.x)",
     "LX_GID_Y": "(blockIdx.y * blockDim.y + threadIdx.y)",
     "LX_BID_Z": "blockIdx.z",
+    "LX_BID_X": "blockIdx.x",
+    "LX_BID_Y": "blockIdx.y",
+    "LX_NBLK_X": "gridDim.x",
+    "LX_SHARED": "__shared__",
+    "LX_BARRIER": "__syncthreads()",
     "LX_SIMD_SUM": "lx_warp_sum",
     "LX_SHFL": "lx_shfl",
     "LX_SHFL_XOR": "lx_shfl_xor",
@@ -114,8 +125,11 @@ def backend() -> str:
 
 
 @functools.cache
-def build(name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...]):
-    """The MLX kernel object for this backend, made once per (name, body)."""
+def build(
+    name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...], *, ensure_row_contiguous: bool = True
+):
+    """The MLX kernel object for this backend, made once per (name, body). With `ensure_row_contiguous=False`
+    inputs arrive as they are (views of a bigger buffer too); the body indexes them through `<input>_strides`."""
     dialect = backend()
     make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
     return make(
@@ -124,4 +138,5 @@ def build(name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...
         output_names=list(outputs),
         source=render(body, dialect),
         header=header(dialect),
+        ensure_row_contiguous=ensure_row_contiguous,
     )

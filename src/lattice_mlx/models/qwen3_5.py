@@ -1,7 +1,7 @@
 """Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
 
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +11,7 @@ import numpy as np
 from ..cache import GDNCache, KVCache
 from ..metal.gated_delta import gated_delta_tree, gated_delta_update
 from ..metal.q4_matmul import q4_matmul
+from .fuse import split_points
 
 
 @dataclass
@@ -144,6 +145,23 @@ def route_quantized(model: nn.Module) -> None:
             m.__class__ = Q4Embedding
 
 
+# Element-wise chains compiled into one kernel each (MLX fuses element-wise ops under mx.compile): each op left
+# unfused costs a dispatch (~6 us on the H200's CUDA backend), which is what bounds a decode step there.
+@partial(mx.compile, shapeless=True)
+def _swiglu(g: mx.array, u: mx.array) -> mx.array:
+    return nn.silu(g) * u
+
+
+@partial(mx.compile, shapeless=True)
+def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * mx.sigmoid(gate)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gate(y: mx.array, z: mx.array) -> mx.array:
+    return (y.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(y.dtype)
+
+
 class RMSNormGated(nn.Module):
     """rms(y) * w * silu(z); this norm's weight is stored as is (no +1 shift)."""
 
@@ -153,8 +171,7 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, z: mx.array) -> mx.array:
-        y = mx.fast.rms_norm(x, self.weight, self.eps)
-        return (y.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
+        return _silu_gate(mx.fast.rms_norm(x, self.weight, self.eps), z)
 
 
 class GatedDeltaNet(nn.Module):
@@ -178,9 +195,11 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, cache: GDNCache | None = None, tree: Tree | None = None) -> mx.array:
         B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if "in_proj" in self:  # fused (models/fuse.py): [qkv | z | b | a]
+            qkv, z, b, a = mx.split(self.in_proj(x), split_points(self, "in_proj"), axis=-1)
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        z = z.reshape(B, T, self.Hv, self.Dv)
 
         conv_state = cache.conv if cache is not None else None
         if conv_state is None:
@@ -228,11 +247,14 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
                  tree: Tree | None = None) -> mx.array:
         B, T, _ = x.shape
-        qg = self.q_proj(x).reshape(B, T, self.n_heads, 2 * self.head_dim)
-        q, gate = mx.split(qg, 2, axis=-1)  # each [B, T, Hq, D]
+        if "qkv_proj" in self:  # fused (models/fuse.py): [q and gate | k | v]
+            qg, k, v = mx.split(self.qkv_proj(x), split_points(self, "qkv_proj"), axis=-1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = mx.split(qg.reshape(B, T, self.n_heads, 2 * self.head_dim), 2, axis=-1)  # each [B, T, Hq, D]
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         if tree is not None:
             positions = offset + mx.array(tree.depths)
@@ -248,7 +270,7 @@ class Attention(nn.Module):
             mask = "causal"
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(B, T, -1)))
+        return self.o_proj(_sigmoid_gate(out, gate.reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -259,7 +281,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:  # fused (models/fuse.py): [gate | up]
+            g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_swiglu(g, u))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,287 @@
+"""Attention at decode/verify sizes: o = softmax(scale q k^T + mask) v, GQA, fp32 accumulation.
+
+Shapes: q [B, Hq, T, D] (T = 1..16 rows); k, v [B, Hkv, L, D], views of a bigger KV-cache buffer allowed; o [B, Hq, T, D]
+in q's dtype. Query head h reads kv head h // (Hq // Hkv). causal: row t attends keys 0 .. L - T + t (the last T keys
+are the rows' own positions), as `mx.fast.scaled_dot_product_attention(..., mask="causal")`.
+"""
+
+import functools
+import math
+
+import mlx.core as mx
+
+from lattice_mlx.metal import _dialect, use_kernels
+
+
+def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
+    """The specification: MLX's fused attention (mask None, "causal" or an additive/boolean array)."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# Flash-decoding. Threadgroup (b, kv head, row block, key split): NW warps stream the split's keys KB at a time,
+# lane l holding dims l + 32 i of q (RB rows, pre-scaled), k, v and the output accumulators; a score is one lane
+# sum per (row, key); online softmax in fp32 with a finite floor (no inf - inf). The warps' (max, sum, acc) then
+# merge through threadgroup memory; with one split the block writes o, else fp32 partials that _COMBINE merges.
+# k, v (and q, a transposed view in mlx-lm) are read through their strides: a KV-cache slice is never copied.
+_BODY = """
+  constexpr int NW = 8;
+  constexpr int RB = 4;
+  constexpr int KB = 4;
+  constexpr int NK = D / 32;
+  constexpr float LOWEST = -1.0e30f;
+  LX_SHARED float sm_m[NW * RB];
+  LX_SHARED float sm_l[NW * RB];
+  LX_SHARED float sm_o[RB * D];
+  const int tid = LX_TID_X;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int split = LX_BID_X;
+  const int nsplit = LX_NBLK_X;
+  const int Hq = q_shape[1];
+  const int T = q_shape[2];
+  const int Hkv = k_shape[1];
+  const int L = k_shape[2];
+  const int G = Hq / Hkv;
+  const int rows = G * T;
+  const int bi = LX_BID_Z / Hkv;
+  const int hk = LX_BID_Z % Hkv;
+  const int row0 = LX_BID_Y * RB;
+  const int chunk = (L + nsplit - 1) / nsplit;
+  const int k0 = split * chunk;
+  const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
+  const float qscale = scale[0];
+
+  // Row r of this block is (g, t) = divmod(row0 + r, T); a row past the last gets hi = -1 (no keys).
+  float qr[RB][NK], acc[RB][NK], m[RB], l[RB];
+  int hi[RB];
+  int kend = k0;
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const int row = row0 + r < rows ? row0 + r : rows - 1;
+    const int g = row / T;
+    const int t = row % T;
+    const int lim = CAUSAL ? L - T + t : L - 1;
+    hi[r] = row0 + r < rows ? (lim < k1 - 1 ? lim : k1 - 1) : -1;
+    kend = hi[r] + 1 > kend ? hi[r] + 1 : kend;
+    const int64_t qb = bi * q_strides[0] + (hk * G + g) * q_strides[1] + t * q_strides[2];
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      qr[r][i] = LX_F32(q[qb + (lane + 32 * i) * q_strides[3]]) * qscale;
+      acc[r][i] = 0.0f;
+    }
+    m[r] = LOWEST;
+    l[r] = 0.0f;
+  }
+
+  const int64_t kb0 = bi * k_strides[0] + hk * k_strides[1];
+  const int64_t vb0 = bi * v_strides[0] + hk * v_strides[1];
+  for (int j0 = k0 + warp * KB; j0 < kend; j0 += NW * KB) {
+    // KB keys per step (their loads in flight together); a key past kend reloads key kend - 1 and is masked.
+    float kx[KB][NK], vx[KB][NK];
+#pragma unroll
+    for (int c = 0; c < KB; ++c) {
+      const int j = j0 + c < kend ? j0 + c : kend - 1;
+      const int64_t kb = kb0 + j * k_strides[2];
+      const int64_t vb = vb0 + j * v_strides[2];
+#pragma unroll
+      for (int i = 0; i < NK; ++i) {
+        kx[c][i] = LX_F32(k[kb + (lane + 32 * i) * k_strides[3]]);
+        vx[c][i] = LX_F32(v[vb + (lane + 32 * i) * v_strides[3]]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      float s[KB];
+      float mnew = m[r];
+#pragma unroll
+      for (int c = 0; c < KB; ++c) {
+        float part = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NK; ++i) part += qr[r][i] * kx[c][i];
+        s[c] = LX_SIMD_SUM(part);
+        mnew = j0 + c <= hi[r] ? LX_FMAX(mnew, s[c]) : mnew;
+      }
+      const float corr = LX_EXP(m[r] - mnew);
+      m[r] = mnew;
+      l[r] *= corr;
+#pragma unroll
+      for (int i = 0; i < NK; ++i) acc[r][i] *= corr;
+#pragma unroll
+      for (int c = 0; c < KB; ++c) {
+        const float p = j0 + c <= hi[r] ? LX_EXP(s[c] - mnew) : 0.0f;
+        l[r] += p;
+#pragma unroll
+        for (int i = 0; i < NK; ++i) acc[r][i] += p * vx[c][i];
+      }
+    }
+  }
+
+  // Merge the NW warps: rescale each to the block max, then add the accumulators warp by warp.
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      sm_m[warp * RB + r] = m[r];
+      sm_l[warp * RB + r] = l[r];
+    }
+  }
+  LX_BARRIER;
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    float mb = LOWEST;
+    for (int w = 0; w < NW; ++w) mb = LX_FMAX(mb, sm_m[w * RB + r]);
+    const float f = LX_EXP(m[r] - mb);
+#pragma unroll
+    for (int i = 0; i < NK; ++i) acc[r][i] *= f;
+  }
+  for (int w = 0; w < NW; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+#pragma unroll
+        for (int i = 0; i < NK; ++i) {
+          const int e = r * D + lane + 32 * i;
+          sm_o[e] = (w == 0 ? 0.0f : sm_o[e]) + acc[r][i];
+        }
+      }
+    }
+    LX_BARRIER;
+  }
+  for (int e = tid; e < RB * D; e += NW * 32) {
+    const int r = e / D;
+    const int d = e % D;
+    if (row0 + r >= rows) continue;
+    float mb = LOWEST;
+    for (int w = 0; w < NW; ++w) mb = LX_FMAX(mb, sm_m[w * RB + r]);
+    float lb = 0.0f;
+    for (int w = 0; w < NW; ++w) lb += sm_l[w * RB + r] * LX_EXP(sm_m[w * RB + r] - mb);
+    const int g = (row0 + r) / T;
+    const int t = (row0 + r) % T;
+    const int64_t orow = (int64_t(bi) * Hq + hk * G + g) * T + t;
+    if (nsplit == 1) {
+      out[orow * D + d] = static_cast<OT>(sm_o[e] / lb);
+    } else {
+      const int64_t slot = orow * nsplit + split;
+      o_part[slot * D + d] = sm_o[e];
+      if (d == 0) {
+        ml_part[2 * slot] = mb;
+        ml_part[2 * slot + 1] = lb;
+      }
+    }
+  }
+"""
+
+# One threadgroup of D threads per output row: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+_COMBINE = """
+  const int ns = o_part_shape[1];
+  const int D = o_part_shape[2];
+  const int64_t row = LX_BID_X;
+  const int d = LX_TID_X;
+  if (d < D) {
+    float mb = -1.0e30f;
+    for (int s = 0; s < ns; ++s) mb = LX_FMAX(mb, ml_part[2 * (row * ns + s)]);
+    float acc = 0.0f, lb = 0.0f;
+    for (int s = 0; s < ns; ++s) {
+      const float w = LX_EXP(ml_part[2 * (row * ns + s)] - mb);
+      lb += w * ml_part[2 * (row * ns + s) + 1];
+      acc += w * o_part[(row * ns + s) * D + d];
+    }
+    out[row * D + d] = static_cast<OT>(acc / lb);
+  }
+"""
+
+RB = 4  # query rows per threadgroup (the body's RB)
+THREADS = 256  # 8 warps (the body's NW)
+# Geometry (H200, 132 SMs): one threadgroup streams ~1 key per warp-step per row block, so a lone threadgroup per
+# kv head is compute bound (Qwen3.5-0.8B, T=1, L=4096: ~8M FMAs on one SM, tens of us). Up to SINGLE_LAUNCH_MAX_L
+# keys one launch of B*Hkv*ceil(G*T/4) threadgroups is estimated cheaper than the second launch (~6-17 us); beyond
+# it the keys split into chunks of >= MIN_SPLIT_KEYS until ~TARGET_BLOCKS threadgroups, plus the combine launch.
+# These three numbers are estimates, not measurements: sweep `splits=` on the GPU and set them.
+SINGLE_LAUNCH_MAX_L = 512
+MIN_SPLIT_KEYS = 128
+TARGET_BLOCKS = 264
+_INPUTS = ("q", "k", "v", "scale")
+_OUTPUTS = ("out", "o_part", "ml_part")
+
+
+def num_splits(blocks: int, L: int) -> int:
+    """Key splits for `blocks` threadgroups per split and L keys (1 = the single-launch path)."""
+    if L <= SINGLE_LAUNCH_MAX_L:
+        return 1
+    return max(2, min(math.ceil(L / MIN_SPLIT_KEYS), math.ceil(TARGET_BLOCKS / blocks)))
+
+
+@functools.cache
+def _scale_array(scale: float) -> mx.array:
+    """The scale as a 1-element fp32 input, made once per value (kernels take no scalar arguments)."""
+    return mx.array([scale], dtype=mx.float32)
+
+
+def supported(q: mx.array, k: mx.array, v: mx.array, *, causal: bool) -> bool:
+    """Shapes the kernel handles: T <= 16, D in {64, 128, 256} for q, k and v, Hq a multiple of Hkv, one dtype."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        return False
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    return (
+        1 <= T <= 16
+        and D in (64, 128, 256)
+        and k.shape[0] == B
+        and k.shape[3] == D
+        and Hq % Hkv == 0
+        and L >= (T if causal else 1)
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (mx.float32, mx.bfloat16, mx.float16)
+        and B * Hkv <= 65535
+    )
+
+
+def sdpa_kernel(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool,
+    init_value: float | None = None,
+    splits: int | None = None,
+) -> mx.array:
+    """The GPU kernel (Metal or CUDA); same result as `sdpa_ref` with mask None or "causal".
+
+    `splits` forces the number of key splits (default `num_splits`); `init_value` poisons outputs (tests).
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    causal = causal and T > 1  # one row attends every key either way: one variant fewer
+    row_blocks = (Hq // Hkv * T + RB - 1) // RB
+    ns = splits or num_splits(B * Hkv * row_blocks, L)
+    part = (B * Hq * T, ns, D) if ns > 1 else (1,)
+    kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False)
+    out, o_part, ml_part = kernel(
+        inputs=[q, k, v, _scale_array(float(scale))],
+        template=[("OT", q.dtype), ("D", D), ("CAUSAL", causal)],
+        grid=(THREADS * ns, row_blocks, B * Hkv),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[q.shape if ns == 1 else (1,), part, (*part[:2], 2) if ns > 1 else (1,)],
+        output_dtypes=[q.dtype, mx.float32, mx.float32],
+        init_value=init_value,
+    )
+    if ns == 1:
+        return out
+    combine = _dialect.build("lattice_sdpa_combine", _COMBINE, ("o_part", "ml_part"), ("out",))
+    return combine(
+        inputs=[o_part, ml_part],
+        template=[("OT", q.dtype)],
+        grid=(D * B * Hq * T, 1, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+        init_value=init_value,
+    )[0]
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
+    """The one entry point the model calls; same contract as `sdpa_ref`. Array masks go to the reference."""
+    causal = isinstance(mask, str) and mask == "causal"
+    if use_kernels() and (mask is None or causal) and supported(q, k, v, causal=causal):
+        return sdpa_kernel(q, k, v, scale=scale, causal=causal)
+    return sdpa_ref(q, k, v, scale=scale, mask=mask)
