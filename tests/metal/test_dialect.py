@@ -12,6 +12,7 @@ from lattice_mlx.metal import _dialect, gated_delta, q4_matmul
 BODIES = {
     "gated_delta": gated_delta._BODY,
     "gated_delta_batched": gated_delta._BODY_BATCHED,
+    "gated_delta_conv": gated_delta._BODY_CONV,
     "q4_matmul": q4_matmul._BODY,
 }
 MARKERS = {
@@ -88,7 +89,16 @@ def cuda_translation_unit(body, inputs, outputs, template):
 @pytest.mark.parametrize("op", list(BODIES))
 def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
-    if op.startswith("gated_delta"):
+    if op == "gated_delta_conv":
+        ins = [("qkv", bf), ("conv_state", bf), ("conv_w", bf), ("a", bf), ("b", bf), ("A_log", "float"),
+               ("dt_bias", bf), ("state_in", "float")]
+        unit = cuda_translation_unit(
+            BODIES[op],
+            ins,
+            [("y", bf), ("state_out", "float"), ("conv_in", bf)],
+            [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("KC", 4), ("STEP", True)],
+        )
+    elif op.startswith("gated_delta"):
         ins = [(n, bf) for n in "qkvab"] + [("A_log", "float"), ("dt_bias", bf), ("state_in", "float")]
         unit = cuda_translation_unit(
             BODIES[op],

@@ -6,7 +6,14 @@ import pytest
 from _tol import assert_close, out_key
 
 from lattice_mlx.metal import use_kernels
-from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, gated_delta_update
+from lattice_mlx.metal.gated_delta import (
+    gated_delta_conv_kernel,
+    gated_delta_conv_ref,
+    gated_delta_conv_update,
+    gated_delta_kernel,
+    gated_delta_ref,
+    gated_delta_update,
+)
 
 needs_gpu = pytest.mark.skipif(
     not use_kernels(),
@@ -202,3 +209,83 @@ def test_chunked_ref_survives_decay_that_underflows():
     y, s = gated_delta_chunked_ref(q, k, v, a, b, A_log, dt_bias, state)
     assert mx.isfinite(y).all().item()
     assert mx.allclose(y, y_ref, atol=1e-5).item() and mx.allclose(s, s_ref, atol=1e-5).item()
+
+
+# --- the fused conv form (decode / verify): conv + SiLU + recurrence in one kernel ---
+
+
+def make_conv_inputs(B, T, Hk, Hv, Dk, Dv, dtype, *, seed=0, KC=4):
+    rng = np.random.default_rng(seed)
+    C = 2 * Hk * Dk + Hv * Dv
+
+    def arr(*shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+    _, _, _, a, b, A_log, dt_bias, state = make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=seed)
+    return arr(B, T, C), arr(B, KC - 1, C), arr(C, KC, scale=0.5), a, b, A_log, dt_bias, state
+
+
+def test_conv_ref_equals_conv_then_recurrence():
+    """The fused form's reference is conv1d + SiLU + split + the plain recurrence, written out here by hand."""
+    Hk, Hv, Dk, Dv = 1, 2, 32, 16
+    qkv, cs, cw, a, b, A_log, dt_bias, state = make_conv_inputs(2, 5, Hk, Hv, Dk, Dv, mx.float32)
+    y, s, conv_in = gated_delta_conv_ref(qkv, cs, cw, a, b, A_log, dt_bias, state, heads=(Hk, Dk, Hv, Dv))
+    x = np.concatenate([np.array(cs), np.array(qkv)], axis=1)
+    assert np.array_equal(np.array(conv_in), x)
+    w = np.array(cw)
+    conv = np.stack([(x[:, t:t + 4] * w.T[None]).sum(1) for t in range(5)], axis=1)
+    conv = conv / (1 + np.exp(-conv))
+    q, k, v = (mx.array(c) for c in np.split(conv, [Hk * Dk, 2 * Hk * Dk], axis=-1))
+    y_ref, s_ref = gated_delta_ref(q.reshape(2, 5, Hk, Dk), k.reshape(2, 5, Hk, Dk), v.reshape(2, 5, Hv, Dv), a, b,
+                                   A_log, dt_bias, state)
+    np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(s), np.array(s_ref), rtol=1e-4, atol=1e-5)
+
+
+# (B, T, Hk, Hv, Dk, Dv, dtype, step_states)
+CONV_CASES = {
+    "decode-0.8b-bf16": (1, 1, 16, 16, 128, 128, mx.bfloat16, False),
+    "verify-T5-step-bf16": (1, 5, 16, 16, 128, 128, mx.bfloat16, True),
+    "verify-T9-Hv2Hk-fp32": (2, 9, 2, 4, 128, 128, mx.float32, True),
+    "T15-Dk64-fp16": (1, 15, 2, 2, 64, 64, mx.float16, False),
+    "T3-Dv64-Hv4Hk-bf16": (2, 3, 1, 4, 128, 64, mx.bfloat16, True),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(CONV_CASES), ids=list(CONV_CASES))
+def test_conv_kernel_matches_ref(case):
+    B, T, Hk, Hv, Dk, Dv, dtype, step = CONV_CASES[case]
+    inputs = make_conv_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=len(case))
+    heads = (Hk, Dk, Hv, Dv)
+    y_ref, s_ref, c_ref = gated_delta_conv_ref(*inputs, heads=heads, step_states=step)
+    y, s, c = gated_delta_conv_kernel(*inputs, heads=heads, step_states=step, init_value=float("nan"))
+    assert mx.array_equal(c, c_ref), "conv_in must be the exact concatenation"
+    assert_close(y, y_ref, out_key(dtype), "y")
+    assert_close(s, s_ref, "fp32" if dtype == mx.float32 else out_key(dtype), "state")
+
+
+@needs_gpu
+def test_conv_kernel_decode_chain_equals_one_verify_call():
+    """Nine decode steps (conv window carried through conv_in) equal one T=9 call with per-step states."""
+    Hk, Hv, Dk, Dv = 2, 4, 128, 128
+    qkv, cs, cw, a, b, A_log, dt_bias, state = make_conv_inputs(1, 9, Hk, Hv, Dk, Dv, mx.float32, seed=11)
+    heads = (Hk, Dk, Hv, Dv)
+    y_all, steps, conv_all = gated_delta_conv_kernel(qkv, cs, cw, a, b, A_log, dt_bias, state, heads=heads,
+                                                     step_states=True)
+    s, window = state, cs
+    for t in range(9):
+        y_t, s, conv_in = gated_delta_conv_kernel(qkv[:, t:t + 1], window, cw, a[:, t:t + 1], b[:, t:t + 1], A_log,
+                                                  dt_bias, s, heads=heads)
+        window = conv_in[:, 1:]
+        assert_close(steps[:, t], s, "same", f"state after step {t}")
+        assert_close(y_all[:, t], y_t[:, 0], "same", f"y at step {t}")
+    assert mx.array_equal(window, conv_all[:, -3:])
+
+
+def test_conv_dispatch_uses_reference_when_forced(monkeypatch):
+    monkeypatch.setenv("LATTICE_KERNELS", "ref")
+    inputs = make_conv_inputs(1, 2, 2, 2, 32, 8, mx.bfloat16)
+    got = gated_delta_conv_update(*inputs, heads=(2, 32, 2, 8), step_states=True)
+    ref = gated_delta_conv_ref(*inputs, heads=(2, 32, 2, 8), step_states=True)
+    assert all(mx.array_equal(g, r) for g, r in zip(got, ref))

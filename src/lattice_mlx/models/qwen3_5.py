@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import GDNCache, KVCache
-from ..metal.gated_delta import gated_delta_tree, gated_delta_update
+from ..metal.gated_delta import gated_delta_conv_update, gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
 from .fuse import split_points
 
@@ -204,25 +204,25 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv if cache is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, self.kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
-        conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
         if tree is not None:
+            conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
             windows = conv_in[:, tree.conv_windows(self.kernel_size)]  # [B, T, K, C]
             conv_out = nn.silu((windows * self.conv1d.weight[:, :, 0].T).sum(axis=2))
-        else:
-            conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d.weight, groups=self.conv_dim))
-        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = q.reshape(B, T, self.Hk, self.Dk)
-        k = k.reshape(B, T, self.Hk, self.Dk)
-        v = v.reshape(B, T, self.Hv, self.Dv)
-
-        state = cache.ssm if cache is not None else None
-        if tree is not None:
-            y, node_states = gated_delta_tree(q, k, v, a, b, self.A_log, self.dt_bias, state, list(tree.parents))
+            q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+            q = q.reshape(B, T, self.Hk, self.Dk)
+            k = k.reshape(B, T, self.Hk, self.Dk)
+            v = v.reshape(B, T, self.Hv, self.Dv)
+            y, node_states = gated_delta_tree(q, k, v, a, b, self.A_log, self.dt_bias, cache.ssm if cache else None,
+                                              list(tree.parents))
             if cache is not None:
                 cache.record_tree(windows[:, :, 1:], node_states)
         else:
+            # conv + SiLU + recurrence in one kernel at decode/verify sizes (metal/gated_delta.py)
             record = cache is not None and cache.recording
-            y, new_state = gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias, state, step_states=record)
+            y, new_state, conv_in = gated_delta_conv_update(
+                qkv, conv_state, self.conv1d.weight.reshape(self.conv_dim, self.kernel_size), a, b, self.A_log,
+                self.dt_bias, cache.ssm if cache is not None else None, heads=(self.Hk, self.Dk, self.Hv, self.Dv),
+                step_states=record)
             if cache is not None:
                 cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
         y = self.norm(y, z)
