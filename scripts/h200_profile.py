@@ -222,6 +222,37 @@ def main() -> None:
     lat = statistics.median(RESULTS[f"lattice_tok_s_{r}"] for r in range(3))
     sto = statistics.median(RESULTS[f"stock_tok_s_{r}"] for r in range(3))
     record("lattice_over_stock", lat / sto, "x")
+    # Cached forward over T tokens inside a speculative region (per-step GDN states recorded), rolled back each time.
+    from lattice_mlx.drafters import MTPDrafter
+    from lattice_mlx.sample import Sampler
+
+    for T in range(1, 10):
+        times = []
+        for _ in range(15):
+            caches.begin(cache)
+            mx.synchronize()
+            tic = time.perf_counter()
+            mx.eval(model(mx.arange(T)[None] + 7, cache))
+            times.append(time.perf_counter() - tic)
+            caches.rollback(cache, T)
+            caches.commit(cache)
+        record(f"forward_T{T}_us", statistics.median(times) * 1e6)
+    for T in range(2, 10):
+        record(f"forward_T{T}_over_T1", RESULTS[f"forward_T{T}_us"] / RESULTS["forward_T1_us"], "x")
+    # MTP head: drafting K tokens (K head forwards + lm_head + argmax, one graph, one sync)
+    logits, hidden = model(prompt[None], return_hidden="post")
+    drafter = MTPDrafter(model, Sampler())
+    drafter.start(prompt.tolist(), 5, hidden[0], None)
+    for K in (1, 2, 3, 4):
+        times = []
+        for i in range(12):
+            drafter.observe([5], hidden[0, -1:])
+            mx.synchronize()
+            tic = time.perf_counter()
+            drafter.propose(prompt.tolist(), K)
+            times.append(time.perf_counter() - tic)
+            drafter.rollback()
+        record(f"mtp_draft_K{K}_us", statistics.median(times) * 1e6)
     # Python graph-building time of one step (no evaluation)
     times = []
     for _ in range(20):

@@ -382,11 +382,6 @@ def gated_delta_update(
     return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
 
 
-def gated_delta_tree(q, k, v, a, b, A_log, dt_bias, state, parents: list[int]) -> tuple[mx.array, mx.array]:
-    """Tree-verify entry point. No GPU kernel yet: the reference runs on every backend."""
-    return gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents)
-
-
 # --- decode / verify with the causal conv fused in -----------------------------------------------------------------
 # The GDN mixer's conv (depthwise, width KC, then SiLU) fed the kernel through concatenate + conv1d + SiLU + split +
 # three contiguous copies: ~7 ops of ~6 us each on the H200, against ~9 us for the recurrence itself. This form

@@ -9,7 +9,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import GDNCache, KVCache
-from ..metal.gated_delta import gated_delta_conv_update, gated_delta_tree
+from ..metal.gated_delta import gated_delta_conv_update
+from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
 from .fuse import split_points
 
