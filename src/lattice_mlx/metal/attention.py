@@ -191,10 +191,12 @@ _COMBINE = """
 
 RB = 4  # query rows per threadgroup (the body's RB)
 THREADS = 256  # 8 warps (the body's NW)
-# Geometry (H200, 132 SMs): one threadgroup streams ~1 key per warp-step per row block, so a lone threadgroup per
-# kv head is compute bound (Qwen3.5-0.8B, T=1, L=4096: ~8M FMAs on one SM, tens of us). Up to SINGLE_LAUNCH_MAX_L
-# keys one launch of B*Hkv*ceil(G*T/4) threadgroups is estimated cheaper than the second launch (~6-17 us); beyond
-# it the keys split into chunks of >= MIN_SPLIT_KEYS until ~TARGET_BLOCKS threadgroups, plus the combine launch.
+# Launch geometry: threadgroups (split, row block, b * Hkv) of 256 threads, then (splits > 1) the combine with one
+# threadgroup of D threads per output row. nvcc sm_90: 242 registers at D=256 (80 at D=64), no spills, so one
+# threadgroup per SM at D=256. A threadgroup does 2 RB D FMAs per key, so one per kv head is compute bound on its
+# SM (Qwen3.5-0.8B decode, L=4096: ~8M FMAs, tens of us) and long caches split: Qwen3.5-0.8B (B=1, Hkv=2, G=4)
+# decode at L=4096 is 2 x 32 threadgroups of 128 keys + 8 combine threadgroups; verify T=4 (4 row blocks) 8 x 32.
+# Up to SINGLE_LAUNCH_MAX_L keys one launch is assumed cheaper than a second launch (~6-17 us each on CUDA).
 # These three numbers are estimates, not measurements: sweep `splits=` on the GPU and set them.
 SINGLE_LAUNCH_MAX_L = 512
 MIN_SPLIT_KEYS = 128
@@ -207,7 +209,7 @@ def num_splits(blocks: int, L: int) -> int:
     """Key splits for `blocks` threadgroups per split and L keys (1 = the single-launch path)."""
     if L <= SINGLE_LAUNCH_MAX_L:
         return 1
-    return max(2, min(math.ceil(L / MIN_SPLIT_KEYS), math.ceil(TARGET_BLOCKS / blocks)))
+    return max(2, min(L // MIN_SPLIT_KEYS, math.ceil(TARGET_BLOCKS / blocks)))
 
 
 @functools.cache
