@@ -9,6 +9,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import GDNCache, KVCache
+from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
@@ -269,7 +270,7 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:
             mask = "causal"
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = sdpa(q, k, v, scale=self.scale, mask=mask)  # a kernel at decode/verify sizes (metal/attention.py)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(_sigmoid_gate(out, gate.reshape(B, T, -1)))
 
