@@ -11,7 +11,7 @@ tests)
   # new kernels first (conv-fused GDN, tree GDN, attention), then the model-level checks with every kernel on
   timeout 120 python3 -m pytest -q -x tests/metal/test_gated_delta.py -k "conv or matches_ref or step_states" 2>&1 | tail -15 > "$R/pytest_gdn.txt"
   timeout 100 python3 -m pytest -q tests/metal/test_gated_delta_tree.py 2>&1 | tail -15 > "$R/pytest_tree.txt"
-  timeout 150 python3 -m pytest -q tests/metal/test_attention.py -k "kernel and (bf16 or any_split or qwen)" 2>&1 | tail -15 > "$R/pytest_attention.txt"
+  timeout 150 python3 -m pytest -q tests/metal/test_attention.py -k "(matches_ref and (D256 or fp32-causal)) or any_split or qwen" 2>&1 | tail -15 > "$R/pytest_attention.txt"
   timeout 120 python3 -m pytest -q tests/metal/test_model_kernels.py tests/metal/test_q4_matmul.py -k "not drift" 2>&1 | tail -15 > "$R/pytest_model.txt"
   tail -n 3 "$R"/pytest_*.txt
   ;;
