@@ -8,7 +8,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import generate, load
+from lattice_mlx.bench import git_revision
 
 SOURCES = [("mtp", 2), ("mtp", 3), ("self", 2), ("self:first:4", 2), ("ngram", 4), ("mtp+ngram", 3)]
 
@@ -63,7 +63,7 @@ def main() -> None:
         }
     meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
             "platform": platform.platform(), "model": "embedded demo (4-bit, fp32 activations)",
-            "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+            "git": git_revision()[0]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

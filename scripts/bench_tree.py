@@ -8,7 +8,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import generate, load
+from lattice_mlx.bench import git_revision
 
 # Pairs at equal node budgets: 3 nodes, 4 nodes, 6 nodes.
 SHAPES = ["1-1-1", "3", "1-1-1-1", "2-1", "4", "1-1-1-1-1-1", "2-2", "3-1"]
@@ -53,7 +53,7 @@ def main() -> None:
                          if r["len"] else {})} for name, r in rows.items()}
     meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
             "platform": platform.platform(), "model": "embedded demo", "prompts": len(prompts),
-            "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+            "git": git_revision()[0]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -8,7 +8,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -18,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from lattice_mlx import generate, load
+from lattice_mlx.bench import git_revision
 from lattice_mlx.convert import convert
 
 VARIANTS = {"bf16": {}, "q4-g64": {"quantize_bits": 4, "group_size": 64},
@@ -74,7 +74,7 @@ def main() -> None:
             print(name, results[name], file=sys.stderr, flush=True)
     meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
             "platform": platform.platform(), "heldout_docs": len(docs), "prompts": len(prompts),
-            "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+            "git": git_revision()[0]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -19,5 +19,32 @@ profile)
   timeout 330 python3 scripts/h200_profile.py --out "$R" > "$R/profile.log" 2>&1
   tail -n 60 "$R/profile.log"
   ;;
+bench)
+  # Issue 6/8/9 evidence; each step bounded, the whole mode ends by DEADLINE seconds.
+  DEADLINE=${DEADLINE:-500}
+  BIG=${BIG:-0.8b}  # a smaller shape for a CPU dry run
+  B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
+  step() {  # step NAME LIMIT CMD...
+    local name=$1 limit=$2; shift 2
+    local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
+    if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$R/steps.txt"; return; fi
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" > "$R/$name.out" 2> "$R/$name.log"
+    echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$R/steps.txt"
+  }
+  step model_test 45 python3 -m pytest -q tests/metal/test_model_kernels.py -k logits
+  step decode_0.8b 110 "${B[@]}" decode --model "$BIG" --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
+    --k 2,3 --oracle-p 0.8 --out "$R/0.8b"
+  step oracle_0.8b 80 "${B[@]}" oracle --model "$BIG" --reps 3 --lengths 16,96 --oracle-ps 0,0.5,0.8,1 --k 1,2,3 \
+    --no-stock --out "$R/0.8b"
+  step decode_demo 70 "${B[@]}" decode --model demo --reps 5 --lengths 16,96 --workloads code,prose --temps 0,0.7 \
+    --legs stock,plain,sequential,batched --k 2,adaptive --out "$R/demo"
+  step acceptance_demo 50 "${B[@]}" acceptance --model demo --reps 1 --prompts 20 --k 1,2,3 --temps 0,0.7 \
+    --hidden post --lengths 8,40 --out "$R/demo"
+  step drafters 50 python3 scripts/bench_drafters.py --out "$R/drafters" --prompts 6 --tokens 64
+  step tree 50 python3 scripts/bench_tree.py --out "$R/tree" --prompts 6 --tokens 48
+  step prefill_0.8b 30 "${B[@]}" prefill --model "$BIG" --reps 3 --out "$R/0.8b"
+  cat "$R/steps.txt"
+  ;;
 esac
 tar -czf "$OUT/$mode.tgz" -C /tmp/res "$mode"
