@@ -214,7 +214,9 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--draft-tokens", type=_positive_int(1, 8), default=DEFAULT_DRAFT_TOKENS, help="draft depth K")
     p.add_argument("--verify", choices=["batched", "sequential"], help="verifier (LATTICE_MTP_BATCH=0: sequential)")
     p.add_argument("--mtp-hidden", choices=["post", "pre"], default="post", help="target hidden fed to the MTP head")
-    p.add_argument("--adaptive", action="store_true", help="tune K from acceptance; turn MTP off when it cannot pay")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="tune K from acceptance and turn speculation off when it cannot pay (default on; "
+                        "--no-adaptive keeps K fixed, e.g. for benchmarks)")
     p.add_argument("--tree", help="verify a tree of MTP drafts, widths per depth, e.g. 2-2-1")
     return p
 
