@@ -153,6 +153,35 @@ _PREAMBLE = """
   for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
 """
 
+# One delta-rule step on registers, shared by the serial, conv-fused and tree bodies: from raw q/k (qc, kc), v (vc)
+# and gate inputs (ac = a + dt_bias, bc = b), the L2 norms, gates and the update of S; leaves y in `out`.
+_STEP = """\
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      qq += qc[i] * qc[i];
+      kk += kc[i] * kc[i];
+    }
+    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
+    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
+    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
+    const float g = LX_EXP(neg_A * sp);
+    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
+
+    float kv = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      kc[i] *= kr;
+      S[i] *= g;
+      kv += S[i] * kc[i];
+    }
+    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
+    float out = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      S[i] += kc[i] * delta;
+      out += S[i] * qc[i];
+    }
+    out = LX_SIMD_SUM(out) * qr;
+"""
+
 # One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
 # Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
 # The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
@@ -181,30 +210,7 @@ _BODY = _PREAMBLE + """
     }
     if (t < 0) continue;
 
-    float qq = 0.0f, kk = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      qq += qc[i] * qc[i];
-      kk += kc[i] * kc[i];
-    }
-    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
-    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
-    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
-    const float g = LX_EXP(neg_A * sp);
-    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
-
-    float kv = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      kc[i] *= kr;
-      S[i] *= g;
-      kv += S[i] * kc[i];
-    }
-    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
-    float out = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      S[i] += kc[i] * delta;
-      out += S[i] * qc[i];
-    }
-    out = LX_SIMD_SUM(out) * qr;
+""" + _STEP + """\
     const int hvt = (bi * T + t) * Hv + hv;
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
     if (STEP) {
@@ -458,30 +464,7 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
     const float ac = LX_F32(a[hvt]) + dtb;
     const float bc = LX_F32(b[hvt]);
 
-    float qq = 0.0f, kk = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      qq += qc[i] * qc[i];
-      kk += kc[i] * kc[i];
-    }
-    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
-    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
-    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
-    const float g = LX_EXP(neg_A * sp);
-    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
-
-    float kv = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      kc[i] *= kr;
-      S[i] *= g;
-      kv += S[i] * kc[i];
-    }
-    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
-    float out = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      S[i] += kc[i] * delta;
-      out += S[i] * qc[i];
-    }
-    out = LX_SIMD_SUM(out) * qr;
+""" + _STEP + """\
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
     if (STEP) {
       const int so = (hvt * Dv + dv) * Dk + lane;

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from lattice_mlx.metal import _dialect, use_kernels
-from lattice_mlx.metal.gated_delta import _PREAMBLE, gated_delta_tree_ref, supported
+from lattice_mlx.metal.gated_delta import _PREAMBLE, _STEP, gated_delta_tree_ref, supported
 
 # The chain kernel's serial form with T = N nodes and a parent lookup per node. The preamble has loaded the
 # committed state into S; node t reloads S only when its parent is not t - 1 (node 0's parent is -1, so a chain
@@ -50,30 +50,7 @@ _BODY = _PREAMBLE + """
       }
     }
 
-    float qq = 0.0f, kk = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      qq += qc[i] * qc[i];
-      kk += kc[i] * kc[i];
-    }
-    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
-    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
-    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
-    const float g = LX_EXP(neg_A * sp);
-    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
-
-    float kv = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      kc[i] *= kr;
-      S[i] *= g;
-      kv += S[i] * kc[i];
-    }
-    const float delta = (vc - LX_SIMD_SUM(kv)) * beta;
-    float out = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      S[i] += kc[i] * delta;
-      out += S[i] * qc[i];
-    }
-    out = LX_SIMD_SUM(out) * qr;
+""" + _STEP + """\
     const int hvt = (bi * T + t) * Hv + hv;
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
     const int so = (hvt * Dv + dv) * Dk + lane;
