@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
+from .compiled import run_layers
 from .qwen3_5 import DecoderLayer, ModelArgs
 
 
@@ -43,11 +44,7 @@ class MTPHead(nn.Module):
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
         """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        x = self.fc(x)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, c)
-        return x
+        return run_layers(self, self.layers, self.fc(x), cache)
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]

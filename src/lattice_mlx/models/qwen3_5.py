@@ -13,6 +13,7 @@ from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
+from .compiled import run_layers
 from .fuse import split_points
 
 
@@ -246,8 +247,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
-                 tree: Tree | None = None) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array, tree: Tree | None = None) -> tuple[mx.array, ...]:
+        """q, k, v [B, heads, T, D] (normed, RoPE at positions offset.. or the tree's depths) and the output gate."""
         B, T, _ = x.shape
         if "qkv_proj" in self:  # fused (models/fuse.py): [q and gate | k | v]
             qg, k, v = mx.split(self.qkv_proj(x), split_points(self, "qkv_proj"), axis=-1)
@@ -257,22 +258,34 @@ class Attention(nn.Module):
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
         if tree is not None:
             positions = offset + mx.array(tree.depths)
             q, k = rope_at(q, positions, self.rope_dims, self.rope_theta), rope_at(k, positions, self.rope_dims,
                                                                                self.rope_theta)
-            mask = tree.attention_mask(offset)
         else:
             q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        return q, k, v, gate
+
+    def finish(self, out: mx.array, gate: mx.array) -> mx.array:
+        """Attention output [B, heads, T, D] -> gated, projected [B, T, H]."""
+        B, _, T, _ = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(_sigmoid_gate(out, gate.reshape(B, T, -1)))
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
+                 tree: Tree | None = None) -> mx.array:
+        T = x.shape[1]
+        offset = cache.offset if cache is not None else 0
+        q, k, v, gate = self.project(x, offset, tree)
+        if tree is not None:
+            mask = tree.attention_mask(offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:
             mask = "causal"
         out = sdpa(q, k, v, scale=self.scale, mask=mask)  # a kernel at decode/verify sizes (metal/attention.py)
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(_sigmoid_gate(out, gate.reshape(B, T, -1)))
+        return self.finish(out, gate)
 
 
 class MLP(nn.Module):
@@ -321,10 +334,7 @@ class TextModel(nn.Module):
                  mask: mx.array | str | None = None, tree: Tree | None = None) -> mx.array:
         """Returns the final hidden states before the last norm, [B, T, H]."""
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c, mask, tree)
-        return h
+        return run_layers(self, self.layers, h, cache, mask, tree, input_embeddings)
 
 
 class Model(nn.Module):

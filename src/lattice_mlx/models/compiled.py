@@ -1,0 +1,100 @@
+"""Compiled decode/verify forward (opt-in: `LATTICE_COMPILE=1`): each layer replayed from an `mx.compile` trace.
+
+Why: on the H200 a speculative round is host-bound (docs/adr/0001-e1-batched-verifier.md). Plain decoding hides the
+~2.4 ms of Python that builds a 0.8B step's ~500 graph nodes behind the GPU's previous step; a verify round cannot,
+because it waits for the verify's argmax before drafting again. Under `mx.compile` a layer is traced once per input
+shape (T = 1 for decode, K+1 for verify) and later calls replay the trace without running the layer's Python.
+
+What is compiled: a GDN decoder layer whole (its cache passes in and out as arrays: conv window, state, and the
+per-step states when recording); a full-attention layer in two pieces around the KV-cache write and attention
+(norm + projections + q/k norm + RoPE at an array offset; output gate + o_proj + residual + MLP), because the KV
+cache is written in place and grows every step. Embedding, final norm and lm_head stay as they are.
+
+Status: exact on the CPU (tests/test_compiled.py: same logits and the same greedy MTP tokens as the uncompiled
+path); **not yet run on a GPU**, so it is off by default. The traces capture the weights as constants and the
+kernel choice (LATTICE_KERNELS) at trace time: enable it after loading, converting or quantizing.
+"""
+
+import os
+from functools import partial
+
+import mlx.core as mx
+
+from ..metal.attention import sdpa
+
+MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
+
+
+def enabled() -> bool:
+    return os.environ.get("LATTICE_COMPILE", "0") == "1"
+
+
+class _GDNState:
+    """Stands in for a GDNCache inside a trace: the layer reads conv/ssm/recording and hands back its update."""
+
+    def __init__(self, conv, ssm, recording: bool):
+        self.conv, self.ssm, self.recording = conv, ssm, recording
+        self.out = None
+
+    def update(self, conv_in: mx.array, new_state: mx.array, *, window: int, stepwise: bool) -> None:
+        self.out = (conv_in, new_state)
+
+
+def _gdn_layer(layer, x: mx.array, conv, ssm, recording: bool):
+    state = _GDNState(conv, ssm, recording)
+    y = layer(x, state)
+    return (y, *state.out)
+
+
+def _attn_in(layer, x: mx.array, offset: mx.array):
+    return layer.self_attn.project(layer.input_layernorm(x), offset)
+
+
+def _attn_out(layer, x: mx.array, out: mx.array, gate: mx.array) -> mx.array:
+    x = x + layer.self_attn.finish(out, gate)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class CompiledLayers:
+    """The compiled per-layer functions of one list of decoder layers (the target's or the MTP head's)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.fns = [mx.compile(partial(_gdn_layer, layer)) if layer.is_linear else
+                    (mx.compile(partial(_attn_in, layer)), mx.compile(partial(_attn_out, layer)))
+                    for layer in layers]
+
+    def __call__(self, h: mx.array, cache: list) -> mx.array:
+        T = h.shape[1]
+        for layer, c, fn in zip(self.layers, cache, self.fns):
+            if layer.is_linear:
+                h, conv_in, new_state = fn(h, c.conv, c.ssm, c.recording)
+                c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=c.recording)
+            else:
+                attn_in, attn_out = fn
+                q, k, v, gate = attn_in(h, mx.array(c.offset, dtype=mx.int32))
+                k, v = c.update_and_fetch(k, v)
+                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask="causal" if T > 1 else None)
+                h = attn_out(h, out, gate)
+        return h
+
+
+def usable(h: mx.array, cache, mask, tree, input_embeddings) -> bool:
+    """The compiled path covers cached decode/verify steps: no tree, no explicit mask, T <= MAX_T."""
+    return (enabled() and cache is not None and cache[0] is not None and tree is None and mask is None
+            and input_embeddings is None and h.shape[1] <= MAX_T)
+
+
+def run_layers(owner, layers: list, h: mx.array, cache, mask=None, tree=None, input_embeddings=None) -> mx.array:
+    """Runs `layers` over h: compiled when enabled and usable, else layer by layer (the reference path).
+    The compiled functions are built on first use and kept on `owner` (a TextModel or the MTP head)."""
+    if usable(h, cache, mask, tree, input_embeddings):
+        compiled = owner.__dict__.get("_compiled")
+        if compiled is None:
+            compiled = CompiledLayers(layers)
+            object.__setattr__(owner, "_compiled", compiled)
+        return compiled(h, cache)
+    cache = cache if cache is not None else [None] * len(layers)
+    for layer, c in zip(layers, cache):
+        h = layer(h, c, mask, tree)
+    return h
