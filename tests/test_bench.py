@@ -159,3 +159,20 @@ def test_acceptance_experiment_on_checkpoint(tiny_target, tmp_path):
         for s in g["legs"][1:]:
             assert s["drafts"] == "real MTP head" and len(s["accepted_per_position"]) == s["k"]
     mx.clear_cache()
+
+
+def test_compile_ab_twins_and_env():
+    legs = [bench.Leg("stock"), bench.Leg("plain"), bench.Leg("mtp", "batched", 2)]
+    ab = bench.with_compile_ab(legs, True)
+    assert [leg.name for leg in ab] == ["stock", "plain", "plain+compile", "batched-K2", "batched-K2+compile"]
+    assert bench.with_compile_ab(legs, False) == legs
+    seen = []
+
+    def stream():
+        for i in range(3):
+            seen.append(os.environ.get("LATTICE_COMPILE"))
+            yield i
+
+    before = os.environ.get("LATTICE_COMPILE")
+    assert list(bench._compile_env(stream(), True)) == [0, 1, 2] and seen == ["1", "1", "1"]
+    assert os.environ.get("LATTICE_COMPILE") == before

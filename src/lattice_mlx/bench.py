@@ -4,6 +4,7 @@ synthetic oracle-draft speedup curve, live MTP acceptance, and prefill; `python 
 Every timed run holds a file lock; legs run interleaved ABBA in one process; decode rate is the slope between two
 generation lengths. Results (JSON, markdown, PNG) go to --out; the terminal gets a table, then one JSON line."""
 
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -109,14 +110,42 @@ class Leg:
     adaptive: bool = False
     p: float | None = None
     hidden: str = "post"
+    compiled: bool = False  # LATTICE_COMPILE=1 while this leg runs (models/compiled.py)
 
     @property
     def name(self) -> str:
         if self.kind != "mtp":
-            return self.kind
+            return self.kind + ("+compile" if self.compiled else "")
         name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
         name += f"-oracle{self.p:g}" if self.p is not None else ""
-        return name + ("-pre" if self.hidden == "pre" else "")
+        return name + ("-pre" if self.hidden == "pre" else "") + ("+compile" if self.compiled else "")
+
+
+def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
+    """With `on`, every lattice leg (plain and MTP) is followed by its compiled twin (--compile-ab)."""
+    if not on:
+        return legs
+    out = []
+    for leg in legs:
+        out += [leg] + ([dataclasses.replace(leg, compiled=True)] if leg.kind != "stock" else [])
+    return out
+
+
+def _compile_env(stream, compiled: bool):
+    """The stream with LATTICE_COMPILE set for each step it computes (legs of one process interleave)."""
+    while True:
+        before = os.environ.get("LATTICE_COMPILE")
+        os.environ["LATTICE_COMPILE"] = "1" if compiled else "0"
+        try:
+            token = next(stream)
+        except StopIteration:
+            return
+        finally:
+            if before is None:
+                os.environ.pop("LATTICE_COMPILE", None)
+            else:
+                os.environ["LATTICE_COMPILE"] = before
+        yield token
 
 
 @dataclass
@@ -238,14 +267,14 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
                                               sampler=make_sampler(temp=temp))
         return (token for token, _ in steps), None
     if leg.kind == "plain":
-        return generate_step(target.model, mx.array(ids), sampler=sampler), None
+        return _compile_env(generate_step(target.model, mx.array(ids), sampler=sampler), leg.compiled), None
     stats = SpecStats(draft_tokens=leg.k, verify=leg.verify)
     drafter = None
     if leg.p is not None:
         drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed, mode=leg.hidden)
     stream = speculative_step(target.model, mx.array(ids), sampler=sampler, stats=stats, draft_tokens=leg.k,
                               verify=leg.verify, mtp_hidden=leg.hidden, adaptive=leg.adaptive, drafter=drafter)
-    return stream, stats
+    return _compile_env(stream, leg.compiled), stats
 
 
 def timed_run(stream, lengths: tuple[int, int]) -> dict:
@@ -387,6 +416,7 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
                     legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
                 else:
                     legs += mtp_legs([name], args.k.split(","), p=p)
+            legs = with_compile_ab(legs, args.compile_ab)
             label = f"decode {workload} temp={temp:g}"
             records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
                                 seed=args.seed, label=label)
@@ -402,14 +432,18 @@ def experiment_oracle(target: Target, args, lock: dict) -> dict:
     legs = [Leg("plain")]
     for p in ps:
         legs += mtp_legs(args.verify.split(","), ks, p=p)
+    legs = with_compile_ab(legs, args.compile_ab)
     workload = "random" if target.synthetic else args.workloads.split(",")[0]
     prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)
     records = run_group(target, legs, prompts, temp=0.0, reps=args.reps, lengths=args.lengths, lock=lock,
                         seed=args.seed, label="oracle (synthetic)")
     summaries = [leg_summary(r, records, target) for r in records.values()]
     curves = {}
-    for s in summaries[1:]:
-        curves.setdefault(f"{s['verify']}-K{s['k']}", []).append({
+    for s in summaries:
+        leg = records[s["leg"]].leg
+        if leg.kind != "mtp":
+            continue
+        curves.setdefault(f"{s['verify']}-K{s['k']}" + ("+compile" if leg.compiled else ""), []).append({
             "p": records[s["leg"]].leg.p, "alpha": s["alpha"], "speedup": s["vs_plain"], "tok_s": s["tok_s"],
             "predicted_speedup": s.get("predicted_speedup"), "break_even_alpha": s.get("break_even_alpha"),
             "costs_in_plain_steps": s.get("costs_in_plain_steps")})
@@ -611,7 +645,7 @@ def make_plots(out: Path, name: str, result: dict) -> tuple[list[str], str]:
             costs = next((p["costs_in_plain_steps"] for p in reversed(points) if p["costs_in_plain_steps"]), None)
             if costs:
                 grid = np.linspace(0, 1, 51)
-                k = int(curve.rsplit("K", 1)[1])
+                k = int(curve.rsplit("K", 1)[1].removesuffix("+compile"))
                 ax.plot(grid, [bs.model_speedup(a, k, costs) for a in grid], "--", color=line[0].get_color(),
                         alpha=0.6)
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -703,6 +737,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--hidden", default="post,pre", help="acceptance: hidden fed to the MTP head (A/B)")
     p.add_argument("--prefill-lengths", default=DEFAULT_PREFILL_LENGTHS)
     p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
+    p.add_argument("--compile-ab", action="store_true",
+                   help="decode / oracle: add a compiled twin (LATTICE_COMPILE=1) of every lattice leg")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
     p.add_argument("--lock", default=DEFAULT_LOCK, help="lock file held around every timed run (LATTICE_BENCH_LOCK)")
     p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the lock")
