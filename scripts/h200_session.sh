@@ -46,5 +46,29 @@ bench)
   step prefill_0.8b 30 "${B[@]}" prefill --model "$BIG" --reps 3 --out "$R/0.8b"
   cat "$R/steps.txt"
   ;;
+next)
+  # Planned for the next device session (not yet run): the compiled path on the GPU and the gaps of run 2.
+  DEADLINE=${DEADLINE:-540}
+  BIG=${BIG:-0.8b}
+  B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
+  step() {
+    local name=$1 limit=$2; shift 2
+    local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
+    if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$R/steps.txt"; return; fi
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" > "$R/$name.out" 2> "$R/$name.log"
+    echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$R/steps.txt"
+  }
+  step compiled_tests 90 python3 -m pytest -q tests/test_compiled.py tests/metal/test_model_kernels.py
+  step decode_0.8b 150 "${B[@]}" decode --model "$BIG" --reps 5 --lengths 16,96 --temps 0 \
+    --legs stock,plain,sequential,batched --k 2,3,adaptive --oracle-p 0.8 --compile-ab --out "$R/0.8b"
+  step oracle_0.8b 110 "${B[@]}" oracle --model "$BIG" --reps 3 --lengths 16,96 --oracle-ps 0,0.5,0.8,1 --k 2,3 \
+    --no-stock --compile-ab --out "$R/0.8b"
+  step decode_demo 80 "${B[@]}" decode --model demo --reps 5 --lengths 16,96 --workloads code --temps 0,0.7 \
+    --legs stock,plain,batched --k 2,adaptive --compile-ab --out "$R/demo"
+  step decode_4b 120 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
+    --k 2 --oracle-p 0.8 --compile-ab --out "$R/4b"
+  cat "$R/steps.txt"
+  ;;
 esac
 tar -czf "$OUT/$mode.tgz" -C /tmp/res "$mode"
