@@ -2,7 +2,9 @@
 prompt lookup (n-gram), and their hybrid. All share one protocol, so verify / accept / rollback is written once:
 
     start(prompt, first, hidden, cache)  once, after prefill (hidden: the target hidden of every prompt position)
-    propose(history, k) -> drafts, q     up to k drafts (q [len, V] when sampling, None for one-hot drafts)
+    propose(history, k) -> drafts, q     up to k drafts: a list of ids, or a lazy int array [len] that the verifier
+                                         evaluates with its own forward (one sync per round); q [len, V] when
+                                         sampling, None for one-hot drafts
     rollback()                           undo the draft's own scratch work after verification
     observe(tokens, hidden)              the verified tokens of a round and the target hidden that precedes each
 """
@@ -51,9 +53,9 @@ class MTPDrafter:
             drafts.append(d)
             qs += [q] if q is not None else []
             emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)
-        mx.eval(drafts, qs)
         self.drafted = k
-        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
+        # Lazy: the verifier builds its graph on these while the GPU computes them (one sync per round).
+        return (mx.stack(drafts) if drafts else []), (mx.stack(qs) if qs else None)
 
     def rollback(self) -> None:
         if self.drafted:
@@ -78,7 +80,8 @@ class OracleDrafter(MTPDrafter):
         self.prompt_len = len(prompt)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        super().propose(history, k)
+        head_drafts, _ = super().propose(history, k)
+        mx.async_eval(head_drafts)  # the head's work is paid, as a real draft's would be
         pos = len(history) - self.prompt_len
         truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
         return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
@@ -219,8 +222,7 @@ class SelfSpecDrafter:
             drafts.append(d)
             qs += [q] if q is not None else []
             tok = d.reshape(1, 1)
-        mx.eval(drafts, qs)
-        return [d.item() for d in drafts], (mx.stack(qs) if qs else None)
+        return (mx.stack(drafts) if drafts else []), (mx.stack(qs) if qs else None)
 
 
 def make_drafter(kind: str, model, sampler: Sampler, *, mtp_hidden: str = "post"):

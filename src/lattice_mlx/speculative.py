@@ -68,31 +68,44 @@ class Round:
     n: int
     token: int
     hidden: mx.array  # [n+1, H]
+    drafts: list[int]  # the drafts as ids (a lazy draft array is read back with the verify)
 
 
-def verify_batched(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
-    """One target forward over [y, d1..dK]; GDN layers record per-step states so rollback is a pick."""
+def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler, mode: str) -> Round:
+    """One target forward over [y, d1..dK]; GDN layers record per-step states so rollback is a pick.
+    `drafts` may be a lazy array: the forward is built on it and both are evaluated together."""
     caches.begin(cache)
-    logits, hidden = model(mx.array([[y, *drafts]]), cache, return_hidden=mode)
+    lazy = isinstance(drafts, mx.array)
+    tokens = mx.concatenate([mx.array([y]), drafts.astype(mx.int32)])[None] if lazy else mx.array([[y, *drafts]])
+    logits, hidden = model(tokens, cache, return_hidden=mode)
     logits, hidden = logits[0], hidden[0]  # [K+1, V], [K+1, H]
     if sampler.greedy:
-        targets = mx.argmax(logits, axis=-1).tolist()
+        targets = mx.argmax(logits, axis=-1)
+        if lazy:
+            mx.eval(targets, drafts)
+            drafts = drafts.tolist()
+        targets = targets.tolist()
         n = accept_greedy(targets, drafts)
         token = targets[n]
     else:
-        n, token = accept_sampled(sampler.probs(logits), q, drafts)
-    return Round(n, token, hidden[: n + 1])
+        probs = sampler.probs(logits)
+        if lazy:
+            mx.eval(probs, q, drafts)
+            drafts = drafts.tolist()
+        n, token = accept_sampled(probs, q, drafts)
+    return Round(n, token, hidden[: n + 1], drafts)
 
 
-def verify_sequential(model, cache: list, y: int, drafts: list[int], q, sampler: Sampler, mode: str) -> Round:
+def verify_sequential(model, cache: list, y: int, drafts, q, sampler: Sampler, mode: str) -> Round:
     """One target step per token, stopping at the first rejection: the cache never holds a rejected token, so there
     is nothing to roll back and no per-step GDN states to record (no begin())."""
+    drafts = drafts.tolist() if isinstance(drafts, mx.array) else drafts
     hs, tokens = [], [y, *drafts]
     for i, t in enumerate(tokens):
         logits, h = model(mx.array([[t]]), cache, return_hidden=mode)
         hs.append(h[0, -1])
         if i == len(drafts):
-            return Round(i, sampler(logits[0, -1]).item(), mx.stack(hs))
+            return Round(i, sampler(logits[0, -1]).item(), mx.stack(hs), drafts)
         if sampler.greedy:
             best = mx.argmax(logits[0, -1]).item()
             ok, token = best == drafts[i], best
@@ -100,7 +113,7 @@ def verify_sequential(model, cache: list, y: int, drafts: list[int], q, sampler:
             n, token = accept_sampled(sampler.probs(logits[0, -1:]), q[i : i + 1], [drafts[i]])
             ok = n == 1
         if not ok:
-            return Round(i, token, mx.stack(hs))
+            return Round(i, token, mx.stack(hs), drafts)
 
 
 VERIFIERS = {"batched": verify_batched, "sequential": verify_sequential}
@@ -175,10 +188,13 @@ def speculative_step(
     while True:
         tic = time.perf_counter()
         drafts, q = drafter.propose(history, k)
-        if q is None and drafts and not sampler.greedy:
+        if isinstance(drafts, mx.array):
+            mx.async_eval(drafts)  # the GPU drafts while the verify graph is built on top of it
+        elif q is None and drafts and not sampler.greedy:
             q = one_hot_q(drafts, model.args.vocab_size)
-        t_draft = time.perf_counter() - tic
+        t_draft = time.perf_counter() - tic  # with lazy drafts: graph building only; their GPU time lands in verify
         r = verifier(model, cache, y, drafts, q, sampler, mtp_hidden)
+        drafts = r.drafts
         mx.eval(r.hidden)
         t_verify = time.perf_counter() - tic - t_draft
         tic = time.perf_counter()
