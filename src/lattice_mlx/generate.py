@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> GenerationResult:
     elif result.mtp:
         m = result.mtp
         print(f"{m['draft_source']} drafts: acceptance {m['acceptance_rate']:.2f} per position "
-              f"{[round(a, 2) for a in m['accepted_per_position']]}, {m['rounds']} rounds", file=sys.stderr)
+              f"{[round(a, 2) for a in m['accepted_per_position']]}, {m['rounds']} rounds"
+              + "".join(f"; {d}" for d in m.get("decisions", [])), file=sys.stderr)
     return result
 
 
