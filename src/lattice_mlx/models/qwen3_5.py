@@ -215,8 +215,8 @@ class GatedDeltaNet(nn.Module):
             q = q.reshape(B, T, self.Hk, self.Dk)
             k = k.reshape(B, T, self.Hk, self.Dk)
             v = v.reshape(B, T, self.Hv, self.Dv)
-            y, node_states = gated_delta_tree(q, k, v, a, b, self.A_log, self.dt_bias, cache.ssm if cache else None,
-                                              list(tree.parents))
+            state = cache.ssm if cache is not None else None
+            y, node_states = gated_delta_tree(q, k, v, a, b, self.A_log, self.dt_bias, state, list(tree.parents))
             if cache is not None:
                 cache.record_tree(windows[:, :, 1:], node_states)
         else:
