@@ -32,7 +32,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--model", default="demo", help="demo, or a random shape (0.8b, 4b, cpu-small, tiny) for --oracle-p")
+    p.add_argument("--oracle-p", type=float, help="random shapes: per-position acceptance of the oracle drafts")
+    p.add_argument("--lengths", default="16,96", help="oracle mode: tok/s is the slope between these lengths")
     args = p.parse_args()
+    if args.model != "demo":
+        return oracle_main(args)
     spec = json.loads(Path(__file__).with_name("demo_heldout_prompts.json").read_text())["prompts"]
     prompts = [s["prompt"] for s in spec][: args.prompts]
     model, tok = load()
@@ -61,6 +66,66 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = [f"`{meta['command']}` at {meta['git']}, {meta['device']}", "",
              "| shape | nodes | accepted per round | median tok/s | vs plain | exact |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        nodes = "-" if name == "plain" else str(_nodes(name))
+        lines.append(f"| {name} | {nodes} | {r.get('mean_accepted_per_round', 0):.2f} | {r['median_tps']:.1f} | "
+                     f"{r['vs_plain']:.2f} | {r.get('exact', '')} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def oracle_main(args) -> None:
+    """Random model, oracle tree drafts (SYNTHETIC): per prompt, plain (warmed) then every shape, tok/s by slope."""
+    from lattice_mlx import bench
+    from lattice_mlx.generate import generate_step
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.tree import OracleTreeDrafter, TreeStats, parse_shape, tree_step
+
+    if args.oracle_p is None:
+        raise SystemExit("error: a random model needs --oracle-p (random heads accept ~0%)")
+    n1, n2 = (int(x) for x in args.lengths.split(","))
+    target = bench.load_target(args.model, bits=4, group_size=64, dtype=None, seed=0, stock=False)
+    prompts = bench.workload_prompts(target, "random", args.prompts, tokens=64, seed=0)
+    model = target.model
+    rows = {name: {"tps": [], "len": [], "exact": True} for name in ["plain", *SHAPES]}
+
+    def plain_stream(ids):
+        return generate_step(model, mx.array(ids), sampler=Sampler())
+
+    def tree_stream(ids, shape, reference, stats):
+        dims = parse_shape(shape)
+        drafter = OracleTreeDrafter(model, dims, reference, args.oracle_p, seed=len(reference))
+        return tree_step(model, mx.array(ids), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
+
+    for i, ids in enumerate(prompts):
+        reference = [t for t, _ in zip(plain_stream(ids), range(n2 + 16))]
+        bench.timed_run(plain_stream(ids), (8, 9))  # warm-up at this prompt
+        rows["plain"]["tps"].append(bench.timed_run(plain_stream(ids), (n1, n2))["tok_s"])
+        for shape in SHAPES:
+            bench.timed_run(tree_stream(ids, shape, reference, TreeStats(parse_shape(shape))), (8, 9))
+            stats = TreeStats(parse_shape(shape))
+            stream = tree_stream(ids, shape, reference, stats)
+            tokens = [t for t, _ in zip(stream, range(n2))]
+            rows[shape]["exact"] &= tokens == reference[:n2]
+            stats = TreeStats(parse_shape(shape))
+            run = bench.timed_run(tree_stream(ids, shape, reference, stats), (n1, n2))
+            rows[shape]["tps"].append(run["tok_s"])
+            rows[shape]["len"].append(stats.to_dict()["mean_accepted_length"])
+        print(f"prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+    ratios = {name: statistics.median(t / b for t, b in zip(r["tps"], rows["plain"]["tps"])) for name, r in rows.items()}
+    results = {name: {"median_tps": statistics.median(r["tps"]), "vs_plain": ratios[name],
+                      **({"mean_accepted_per_round": statistics.mean(r["len"]), "exact": r["exact"]}
+                         if r["len"] else {})} for name, r in rows.items()}
+    meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
+            "platform": platform.platform(), "model": target.label, "prompts": len(prompts),
+            "label": f"SYNTHETIC: oracle tree drafts at p={args.oracle_p} (rank r holds the truth w.p. p*0.6^r)",
+            "git": git_revision()[0]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    lines = [f"{meta['label']}; `{meta['command']}` at {meta['git']}, {meta['device']}, {meta['model']}", "",
+             "| shape | nodes | accepted per round | median tok/s | vs plain (paired median) | exact |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
         nodes = "-" if name == "plain" else str(_nodes(name))
         lines.append(f"| {name} | {nodes} | {r.get('mean_accepted_per_round', 0):.2f} | {r['median_tps']:.1f} | "

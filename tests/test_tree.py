@@ -108,3 +108,31 @@ def test_generate_api_and_cli_accept_a_tree(checkpoints):
     plain = generate(model, tok, PROMPT, max_tokens=20).tokens
     result = generate(model, tok, PROMPT, max_tokens=20, tree="2-1")
     assert result.tokens == plain and result.mtp["tree"] == "2-1"
+
+
+@pytest.mark.parametrize("shape,p", [("1-1-1", 1.0), ("2-2", 1.0), ("3", 0.0), ("2-1", 0.6), ("1-1-1-1", 0.5)])
+def test_oracle_tree_is_exact_and_accepts_as_asked(checkpoints, shape, p):
+    from lattice_mlx.tree import OracleTreeDrafter
+
+    model, _ = load(checkpoints["tied"])
+    plain = generate_step(model, mx.array(PROMPT), sampler=Sampler())
+    reference = [next(plain) for _ in range(160)]
+    dims = parse_shape(shape)
+    stats = TreeStats(dims)
+    drafter = OracleTreeDrafter(model, dims, reference, p, seed=1)
+    gen = tree_step(model, mx.array(PROMPT), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
+    assert [next(gen) for _ in range(120)] == reference[:120]
+    s = stats.to_dict()
+    depth = len(dims)
+    if p == 1.0:
+        assert s["mean_accepted_length"] == depth  # every round takes the full true path
+        assert all(h[0] == s["rounds"] for h in s["branch_hist"])  # always through rank 0
+    elif p == 0.0:
+        assert s["mean_accepted_length"] == 0
+    else:
+        # depth-1 hit rate: 1 - prod_r (1 - p decay^r) over the width, within sampling error
+        width, hit = dims[0], 1.0
+        for r in range(width):
+            hit *= 1 - p * 0.6**r
+        first = 1 - s["accepted_depth_hist"][0] / s["rounds"]
+        assert abs(first - (1 - hit)) < 3 * np.sqrt((1 - hit) * hit / s["rounds"]) + 0.02

@@ -104,13 +104,60 @@ class TreeDrafter:
             caches.rollback(self.cache, 1)
 
 
+class OracleTreeDrafter(TreeDrafter):
+    """SYNTHETIC tree drafts for benchmarks (greedy only): builds the real tree with the MTP head (its cost is paid),
+    then relabels it against a recorded greedy continuation. Under each node on the true path, the child of rank r
+    holds the true next token with probability p * decay**r given that the ranks before it did not (at most one
+    child does); every other node gets a token that is surely wrong. A chain (all widths 1) is then exactly the
+    chain oracle at per-position acceptance p. decay = 0.6 fits the demo head's measured top-k gains on the H200
+    (depth-1 acceptance 0.45 top-1, 0.66 top-3, 0.69 top-4; docs/adr/0004-tree-verification.md)."""
+
+    def __init__(self, model, shape: tuple[int, ...], reference: list[int], p: float, *, decay: float = 0.6,
+                 seed: int = 0, mode: str = "post"):
+        super().__init__(model, shape, mode)
+        import random
+
+        self.reference, self.p, self.decay = reference, p, decay
+        self.rng = random.Random(seed)
+        self.generated = 0
+        self.vocab = model.args.vocab_size
+
+    def observe(self, tokens: list[int], hidden: mx.array) -> None:
+        super().observe(tokens, hidden)
+        self.generated += len(tokens)
+
+    def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
+        tokens, parents, ranks = super().propose(y)
+        # generated counts the prompt tail observed at start too; the true next token is reference[position]
+        pos = self.generated - self.prompt_tail
+        truth = lambda d: self.reference[pos + d] if pos + d < len(self.reference) else 0  # noqa: E731
+        on_path = {0: 0}  # node -> depth, for nodes on the true path (node 0 = y)
+        out = []
+        for i, (t, parent, rank) in enumerate(zip(tokens, parents, ranks), start=1):
+            depth = on_path.get(parent)
+            if depth is not None and rank == 0:
+                self._hit = None  # a new sibling group starts at rank 0
+                for r in range(self.shape[depth]):
+                    if self.rng.random() < self.p * self.decay**r:
+                        self._hit = r
+                        break
+            if depth is not None and rank == self._hit:
+                on_path[i] = depth + 1
+                out.append(truth(depth))
+            else:
+                wrong = truth(depth if depth is not None else 0)
+                out.append(t if t != wrong else (t + 1) % self.vocab)
+        return out, parents, ranks
+
+
 def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sampler) -> tuple[list[int], int]:
     """The accepted path (node indices from the root) and the token that follows it."""
     children = {i: [j for j, p in enumerate(tree.parents) if p == i] for i in range(len(tree.parents))}
     node, path = 0, [0]
+    targets = mx.argmax(logits, axis=-1).tolist() if sampler.greedy else None  # one read-back for every node
     while True:
         if sampler.greedy:
-            best = mx.argmax(logits[node]).item()
+            best = targets[node]
             nxt = next((c for c in children[node] if tokens[c] == best), None)
             if nxt is None:
                 return path, best
@@ -130,14 +177,16 @@ def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sample
 
 
 def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...], stats: TreeStats,
-              mtp_hidden: str = "post") -> Iterator[int]:
-    """Yields tokens with the distribution of plain decoding (identical tokens when greedy)."""
+              mtp_hidden: str = "post", drafter: TreeDrafter | None = None) -> Iterator[int]:
+    """Yields tokens with the distribution of plain decoding (identical tokens when greedy). `drafter`: e.g. an
+    OracleTreeDrafter for benchmarks; by default the MTP head's top-k tree."""
     if not model.has_mtp:
         raise ValueError("tree drafting needs MTP weights (mtp.*), and this checkpoint has none")
-    cache, drafter = model.make_cache(), TreeDrafter(model, shape, mtp_hidden)
+    cache, drafter = model.make_cache(), drafter or TreeDrafter(model, shape, mtp_hidden)
     logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
     y = sampler(logits).item()
     yield y
+    drafter.prompt_tail = ids.size - 1  # observe() below counts these prompt tokens too
     drafter.observe([*ids.tolist()[1:], y], hidden)
     while True:
         tokens, parents, ranks = drafter.propose(y)
