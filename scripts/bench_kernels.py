@@ -1,6 +1,7 @@
-"""Kernel benchmark: plain-ops reference vs custom kernel vs MLX built-in, GDN recurrence and 4-bit matmul.
+"""Kernel benchmark: plain-ops reference vs custom kernel vs MLX built-in: GDN recurrence, 4-bit matmul, and (added
+after the first H200 run, not yet run there) the conv-fused GDN form, decode/verify attention and the tree GDN.
 
-    python scripts/bench_kernels.py --out docs/bench/kernels/results.json
+    python scripts/bench_kernels.py --out docs/bench/kernels/results.json [--ops gdn,q4,conv,attention,tree]
 
 Prints a table, then one JSON line. Times are microseconds per call: `inner` calls are queued and evaluated
 together (so one eval round trip is spread over them), repeated `reps` times; min / median / max over repetitions.
@@ -29,6 +30,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-ref-above", type=int, default=2048, help="largest T timed through the ops reference")
+    p.add_argument("--ops", default="gdn,q4,conv,attention,tree", help="which sections to run")
     return p
 
 
@@ -135,10 +137,86 @@ def bench_q4(args) -> list[dict]:
     return rows
 
 
+def _timed_legs(op: str, key: dict, legs: dict, args, inner: int) -> list[dict]:
+    rows = []
+    for leg, fn in legs.items():
+        try:
+            r = timeit(fn, inner=inner, reps=args.reps)
+        except Exception as e:  # recorded, not fatal (e.g. a kernel on a backend without it)
+            r = {"error": f"{type(e).__name__}: {e}"[:200]}
+        rows.append({"op": op, **key, "leg": leg, **r})
+        msg = f"{r['us_median']:10.1f} us" if "us_median" in r else r["error"]
+        print(f"{op} {key} {leg:28s} {msg}", flush=True)
+    return rows
+
+
+def bench_conv(args) -> list[dict]:
+    """The model's GDN mixer step after its input projection, 0.8B shape: conv-fused kernel vs concatenate + conv1d
+    + SiLU + split + the recurrence kernel (the path it replaced; gated_delta_conv_ref dispatches that kernel)."""
+    from lattice_mlx.metal.gated_delta import gated_delta_conv_kernel, gated_delta_conv_ref
+
+    rows, heads = [], (16, 128, 16, 128)
+    C = 2 * 16 * 128 + 16 * 128
+    for T in (1, 2, 4, 9, 15):
+        rng = np.random.default_rng(T)
+        qkv = mx.array(rng.standard_normal((1, T, C)).astype(np.float32)).astype(mx.bfloat16)
+        conv_state = mx.array(rng.standard_normal((1, 3, C)).astype(np.float32)).astype(mx.bfloat16)
+        conv_w = mx.array(rng.standard_normal((C, 4)).astype(np.float32) * 0.5).astype(mx.bfloat16)
+        _, _, _, a, b, A_log, dt_bias, state = gdn_inputs(T)
+        inputs = (qkv, conv_state, conv_w, a, b, A_log, dt_bias, state)
+        mx.eval(*inputs)
+        legs = {"conv_fused_kernel": functools.partial(gated_delta_conv_kernel, *inputs, heads=heads, step_states=T > 1),
+                "unfused_path": functools.partial(gated_delta_conv_ref, *inputs, heads=heads, step_states=T > 1)}
+        rows += _timed_legs("gdn_conv", {"T": T}, legs, args, inner=50)
+    return rows
+
+
+def bench_attention(args) -> list[dict]:
+    """0.8B attention (8 query heads, 2 KV heads, head_dim 256, bf16) reading a KV-cache view: kernel vs
+    mx.fast.scaled_dot_product_attention (on CUDA: its ops fallback at head_dim 256)."""
+    from lattice_mlx.metal.attention import sdpa_kernel
+
+    rows = []
+    for L in (256, 1024, 4096, 16384):
+        rng = np.random.default_rng(L)
+        buf_k = mx.array(rng.standard_normal((1, 2, L + 256, 256)).astype(np.float32)).astype(mx.bfloat16)
+        buf_v = mx.array(rng.standard_normal((1, 2, L + 256, 256)).astype(np.float32)).astype(mx.bfloat16)
+        mx.eval(buf_k, buf_v)
+        k, v = buf_k[..., :L, :], buf_v[..., :L, :]
+        for T in (1, 4, 9):
+            q = mx.array(rng.standard_normal((1, 8, T, 256)).astype(np.float32)).astype(mx.bfloat16)
+            mx.eval(q)
+            causal = T > 1
+            legs = {"kernel": functools.partial(sdpa_kernel, q, k, v, scale=256**-0.5, causal=causal),
+                    "mx_fast_sdpa": functools.partial(mx.fast.scaled_dot_product_attention, q, k, v, scale=256**-0.5,
+                                                      mask="causal" if causal else None)}
+            rows += _timed_legs("attention", {"T": T, "L": L}, legs, args, inner=50)
+    return rows
+
+
+def bench_tree(args) -> list[dict]:
+    """Tree-verify GDN recurrence, 0.8B GDN shape: kernel vs the plain-ops reference, for the shapes of ADR 0004."""
+    from lattice_mlx.metal.gated_delta import gated_delta_tree_ref
+    from lattice_mlx.metal.gated_delta_tree import gated_delta_tree_kernel
+
+    rows = []
+    trees = {"chain-4": [-1, 0, 1, 2], "width-4": [-1, -1, -1, -1], "2-2": [-1, -1, 0, 0, 1, 1],
+             "3-1": [-1, -1, -1, 0, 1, 2]}
+    for name, parents in trees.items():
+        inputs = gdn_inputs(len(parents))
+        legs = {"kernel": functools.partial(gated_delta_tree_kernel, *inputs, parents),
+                "ref_ops": functools.partial(gated_delta_tree_ref, *inputs, parents)}
+        rows += _timed_legs("gated_delta_tree", {"tree": name, "nodes": len(parents)}, legs, args, inner=50)
+    return rows
+
+
 def main():
     args = setup_arg_parser().parse_args()
     info = {"mlx": mx.__version__, "backend": "metal" if mx.metal.is_available() else "cuda"}
-    rows = bench_gdn(args) + bench_q4(args)
+    sections = {"gdn": bench_gdn, "q4": bench_q4, "conv": bench_conv, "attention": bench_attention, "tree": bench_tree}
+    rows = []
+    for name in args.ops.split(","):
+        rows += sections[name](args)
     result = {"info": info, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
