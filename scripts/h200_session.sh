@@ -68,6 +68,7 @@ next)
     --legs stock,plain,batched --k 2,adaptive --compile-ab --out "$R/demo"
   step tree_0.8b 100 python3 scripts/bench_tree.py --out "$R/tree_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
   step tree_demo 60 python3 scripts/bench_tree.py --out "$R/tree_demo" --prompts 6 --tokens 48
+  step first_call 40 python3 scripts/first_call.py --out "$R/first_call.json"
   step kernels_new 90 python3 scripts/bench_kernels.py --ops conv,attention,tree --out "$R/kernels_new.json"
   step decode_4b 120 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
     --k 2 --oracle-p 0.8 --compile-ab --out "$R/4b"
