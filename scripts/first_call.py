@@ -1,6 +1,6 @@
 """First vs repeated prefill at new prompt lengths: the one-off cost a new shape pays (seen on the H200 as plain
 generate() at 250-300 tok/s against 1,020 in warmed measurements; hypothesis: per-shape plan building, e.g. cuDNN
-for conv1d, or JIT work). Runs each length twice with LATTICE_CONV=... variants if given.
+for conv1d, or JIT work). Each length runs three times on a fresh cache; the first run pays whatever is per shape.
 
 Usage: python scripts/first_call.py [--model demo] [--lengths 37,53,71,97] [--out FILE]
 """
