@@ -78,28 +78,29 @@ class TreeDrafter:
         logits = self.model.lm_logits(head.to_target(post))[0, -1]
         return logits, (post if self.mode == "post" else x)[0]
 
-    def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
-        """Returns (tokens, parents, child rank) for nodes 1..N (node 0 is y, not included)."""
+    def propose(self, y: int) -> tuple[mx.array, list[int], list[int]]:
+        """Returns (tokens, parents, child rank) for nodes 1..N (node 0 is y, not included). The tokens are a lazy
+        int array [N]: the tree's layout depends only on the shape, so nothing is read back until the verify."""
         head = self.model.mtp
         hidden = head.from_target(mx.concatenate(self.hidden), self.mode)
         logits, h = self._head(mx.array(self.tokens), hidden)
         self.tokens, self.hidden = [], []
         tokens, parents, ranks = [], [], []
         self._expand(logits, h, 0, 0, tokens, parents, ranks)
-        return tokens, parents, ranks
+        return mx.stack(tokens), parents, ranks
 
     def _expand(self, logits, h, node: int, depth: int, tokens, parents, ranks) -> None:
-        top = mx.argsort(-logits)[: self.shape[depth]].tolist()
+        top = mx.argsort(-logits)[: self.shape[depth]]
         children = []
-        for r, t in enumerate(top):
-            tokens.append(t)
+        for r in range(self.shape[depth]):
+            tokens.append(top[r])
             parents.append(node)
             ranks.append(r)
-            children.append((len(tokens), t))
+            children.append((len(tokens), top[r : r + 1]))
         if depth + 1 == len(self.shape):
             return
         for child, t in children:
-            child_logits, child_h = self._head(mx.array([t]), h)
+            child_logits, child_h = self._head(t, h)
             self._expand(child_logits, child_h, child, depth + 1, tokens, parents, ranks)
             caches.rollback(self.cache, 1)
 
@@ -128,6 +129,7 @@ class OracleTreeDrafter(TreeDrafter):
 
     def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
         tokens, parents, ranks = super().propose(y)
+        tokens = tokens.tolist()
         # generated counts the prompt tail observed at start too; the true next token is reference[position]
         pos = self.generated - self.prompt_tail
         truth = lambda d: self.reference[pos + d] if pos + d < len(self.reference) else 0  # noqa: E731
@@ -191,9 +193,16 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     while True:
         tokens, parents, ranks = drafter.propose(y)
         tree = Tree(tuple([-1, *parents]))
-        all_tokens = [y, *tokens]
         caches.begin(cache)
-        logits, hidden = model(mx.array([all_tokens]), cache, return_hidden=mtp_hidden, tree=tree)
+        if isinstance(tokens, mx.array):  # lazy drafts: the verify is built on them, one read-back for both
+            mx.async_eval(tokens)
+            inputs = mx.concatenate([mx.array([y]), tokens.astype(mx.int32)])[None]
+            logits, hidden = model(inputs, cache, return_hidden=mtp_hidden, tree=tree)
+            mx.eval(logits, tokens)
+            tokens = tokens.tolist()
+        else:
+            logits, hidden = model(mx.array([[y, *tokens]]), cache, return_hidden=mtp_hidden, tree=tree)
+        all_tokens = [y, *tokens]
         path, token = accept_path(tree, all_tokens, logits[0], sampler)
         caches.keep(cache, path)
         caches.commit(cache)
