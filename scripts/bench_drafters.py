@@ -51,6 +51,7 @@ def main() -> None:
             plain, tps = run_leg(model, tok, prompt, None, 1, args.tokens)
             rows["plain"]["tps"].append(tps)
             for s, k in SOURCES:
+                run_leg(model, tok, prompt, s, k, 8)  # untimed warm-up of this leg at this prompt
                 r, tps = run_leg(model, tok, prompt, s, k, args.tokens)
                 row = rows[f"{s} K={k}"]
                 row["tps"].append(tps)

@@ -165,7 +165,7 @@ def test_compile_ab_twins_and_env():
     legs = [bench.Leg("stock"), bench.Leg("plain"), bench.Leg("mtp", "batched", 2)]
     ab = bench.with_compile_ab(legs, True)
     assert [leg.name for leg in ab] == ["stock", "plain", "plain+compile", "batched-K2", "batched-K2+compile"]
-    assert bench.with_compile_ab(legs, False) == legs
+    assert [leg.compiled for leg in ab] == [None, False, True, False, True]
     seen = []
 
     def stream():
@@ -176,3 +176,7 @@ def test_compile_ab_twins_and_env():
     before = os.environ.get("LATTICE_COMPILE")
     assert list(bench._compile_env(stream(), True)) == [0, 1, 2] and seen == ["1", "1", "1"]
     assert os.environ.get("LATTICE_COMPILE") == before
+    seen.clear()
+    assert list(bench._compile_env(stream(), False)) == [0, 1, 2] and seen == ["0", "0", "0"]
+    seen.clear()
+    assert list(bench._compile_env(stream(), None)) == [0, 1, 2] and seen == [before] * 3  # the user's setting

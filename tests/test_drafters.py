@@ -56,7 +56,9 @@ def test_self_spec_leaves_target_caches_as_plain_decoding_does(checkpoints):
     offsets = [c.offset for c in cache]
     drafter = SelfSpecDrafter(model, Sampler(), "first:4")  # GDN and attention layers both drafted
     drafter.start(prompt.tolist(), 3, None, cache)
-    drafter.propose(prompt.tolist() + [3], 4)
+    drafts, _ = drafter.propose(prompt.tolist() + [3], 4)
+    mx.eval(drafts)  # drafts are lazy: evaluate them, so that any write into the target's buffers would happen
+    assert drafts.shape == (4,)
     assert [c.offset for c in cache] == offsets
     for c, b in zip(cache, before):
         for arr, ref in zip(c.state[:2], b):

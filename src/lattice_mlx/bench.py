@@ -110,7 +110,7 @@ class Leg:
     adaptive: bool = False
     p: float | None = None
     hidden: str = "post"
-    compiled: bool = False  # LATTICE_COMPILE=1 while this leg runs (models/compiled.py)
+    compiled: bool | None = None  # --compile-ab: LATTICE_COMPILE forced to 1 / 0 while the leg runs; None: as set
 
     @property
     def name(self) -> str:
@@ -122,17 +122,24 @@ class Leg:
 
 
 def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
-    """With `on`, every lattice leg (plain and MTP) is followed by its compiled twin (--compile-ab)."""
+    """With `on`, every lattice leg (plain and MTP) runs uncompiled and is followed by its compiled twin."""
     if not on:
         return legs
     out = []
     for leg in legs:
-        out += [leg] + ([dataclasses.replace(leg, compiled=True)] if leg.kind != "stock" else [])
+        if leg.kind == "stock":
+            out.append(leg)
+        else:
+            out += [dataclasses.replace(leg, compiled=False), dataclasses.replace(leg, compiled=True)]
     return out
 
 
-def _compile_env(stream, compiled: bool):
-    """The stream with LATTICE_COMPILE set for each step it computes (legs of one process interleave)."""
+def _compile_env(stream, compiled: bool | None):
+    """The stream with LATTICE_COMPILE set for each step it computes (legs of one process interleave); None leaves
+    the environment as the user set it."""
+    if compiled is None:
+        yield from stream
+        return
     while True:
         before = os.environ.get("LATTICE_COMPILE")
         os.environ["LATTICE_COMPILE"] = "1" if compiled else "0"

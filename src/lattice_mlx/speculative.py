@@ -30,7 +30,7 @@ class SpecStats:
     rounds: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # building the draft (with lazy drafts its device time is counted in verify_s)
     verify_s: float = 0.0
     rollback_s: float = 0.0
     decisions: list[str] = field(default_factory=list)

@@ -110,8 +110,10 @@ class OracleTreeDrafter(TreeDrafter):
     then relabels it against a recorded greedy continuation. Under each node on the true path, the child of rank r
     holds the true next token with probability p * decay**r given that the ranks before it did not (at most one
     child does); every other node gets a token that is surely wrong. A chain (all widths 1) is then exactly the
-    chain oracle at per-position acceptance p. decay = 0.6 fits the demo head's measured top-k gains on the H200
-    (depth-1 acceptance 0.45 top-1, 0.66 top-3, 0.69 top-4; docs/adr/0004-tree-verification.md)."""
+    chain oracle at per-position acceptance p. decay is a modelling assumption, not a fit: on the demo head the
+    ranks below 1 added less (width-3 and width-4 trees accepted 0.66 / 0.69 per round where the 3-chain accepted
+    0.92), i.e. a smaller decay; the smaller it is, the more chains are favoured. This drafter reads its tokens
+    back before the verify (a sync the real lazy tree drafter no longer has)."""
 
     def __init__(self, model, shape: tuple[int, ...], reference: list[int], p: float, *, decay: float = 0.6,
                  seed: int = 0, mode: str = "post"):
@@ -152,11 +154,14 @@ class OracleTreeDrafter(TreeDrafter):
         return out, parents, ranks
 
 
-def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sampler) -> tuple[list[int], int]:
-    """The accepted path (node indices from the root) and the token that follows it."""
+def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sampler,
+                targets: list[int] | None = None) -> tuple[list[int], int]:
+    """The accepted path (node indices from the root) and the token that follows it. Greedy: `targets`, every
+    node's argmax, if the caller already read them back."""
     children = {i: [j for j, p in enumerate(tree.parents) if p == i] for i in range(len(tree.parents))}
     node, path = 0, [0]
-    targets = mx.argmax(logits, axis=-1).tolist() if sampler.greedy else None  # one read-back for every node
+    if sampler.greedy and targets is None:
+        targets = mx.argmax(logits, axis=-1).tolist()  # one read-back for every node
     while True:
         if sampler.greedy:
             best = targets[node]
@@ -194,16 +199,20 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
         tokens, parents, ranks = drafter.propose(y)
         tree = Tree(tuple([-1, *parents]))
         caches.begin(cache)
-        if isinstance(tokens, mx.array):  # lazy drafts: the verify is built on them, one read-back for both
+        lazy = isinstance(tokens, mx.array)
+        if lazy:  # the verify is built on the lazy drafts while they compute; one read-back for both
             mx.async_eval(tokens)
             inputs = mx.concatenate([mx.array([y]), tokens.astype(mx.int32)])[None]
-            logits, hidden = model(inputs, cache, return_hidden=mtp_hidden, tree=tree)
-            mx.eval(logits, tokens)
-            tokens = tokens.tolist()
         else:
-            logits, hidden = model(mx.array([[y, *tokens]]), cache, return_hidden=mtp_hidden, tree=tree)
+            inputs = mx.array([[y, *tokens]])
+        logits, hidden = model(inputs, cache, return_hidden=mtp_hidden, tree=tree)
+        targets = mx.argmax(logits[0], axis=-1) if sampler.greedy else None
+        if lazy:
+            mx.eval(tokens, *([targets] if targets is not None else [logits]))
+            tokens = tokens.tolist()
+        targets = targets.tolist() if targets is not None else None
         all_tokens = [y, *tokens]
-        path, token = accept_path(tree, all_tokens, logits[0], sampler)
+        path, token = accept_path(tree, all_tokens, logits[0], sampler, targets)
         caches.keep(cache, path)
         caches.commit(cache)
         accepted = [all_tokens[i] for i in path[1:]]

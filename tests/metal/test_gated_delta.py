@@ -7,6 +7,7 @@ from _tol import assert_close, out_key
 
 from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.gated_delta import (
+    conv_silu_ref,
     gated_delta_conv_kernel,
     gated_delta_conv_ref,
     gated_delta_conv_update,
@@ -258,7 +259,12 @@ def test_conv_kernel_matches_ref(case):
     B, T, Hk, Hv, Dk, Dv, dtype, step = CONV_CASES[case]
     inputs = make_conv_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=len(case))
     heads = (Hk, Dk, Hv, Dv)
-    y_ref, s_ref, c_ref = gated_delta_conv_ref(*inputs, heads=heads, step_states=step)
+    # The reference spelled out with the plain-ops recurrence (gated_delta_conv_ref would dispatch the GDN kernel).
+    qkv, cs, cw, a, b, A_log, dt_bias, state = inputs
+    c_ref = mx.concatenate([cs, qkv], axis=1)
+    q, k, v = mx.split(conv_silu_ref(c_ref, cw), [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    y_ref, s_ref = gated_delta_ref(q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv), a, b,
+                                   A_log, dt_bias, state, step_states=step)
     y, s, c = gated_delta_conv_kernel(*inputs, heads=heads, step_states=step, init_value=float("nan"))
     assert mx.array_equal(c, c_ref), "conv_in must be the exact concatenation"
     assert_close(y, y_ref, out_key(dtype), "y")
@@ -289,3 +295,6 @@ def test_conv_dispatch_uses_reference_when_forced(monkeypatch):
     got = gated_delta_conv_update(*inputs, heads=(2, 32, 2, 8), step_states=True)
     ref = gated_delta_conv_ref(*inputs, heads=(2, 32, 2, 8), step_states=True)
     assert all(mx.array_equal(g, r) for g, r in zip(got, ref))
+    y, s, c = got
+    assert y.shape == (1, 2, 2, 8) and y.dtype == mx.bfloat16 and s.shape == (1, 2, 2, 8, 32)
+    assert s.dtype == mx.float32 and c.shape == (1, 5, 2 * 2 * 32 + 2 * 8)
