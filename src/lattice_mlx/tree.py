@@ -127,6 +127,8 @@ class OracleTreeDrafter(TreeDrafter):
 
     def observe(self, tokens: list[int], hidden: mx.array) -> None:
         super().observe(tokens, hidden)
+        if not hasattr(self, "prompt_tail"):  # the first call carries prompt[1:] and the first generated token
+            self.prompt_tail = len(tokens) - 1
         self.generated += len(tokens)
 
     def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
@@ -193,7 +195,6 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
     y = sampler(logits).item()
     yield y
-    drafter.prompt_tail = ids.size - 1  # observe() below counts these prompt tokens too
     drafter.observe([*ids.tolist()[1:], y], hidden)
     while True:
         tokens, parents, ranks = drafter.propose(y)

@@ -42,8 +42,9 @@ def _concat(parts: list[nn.Module]) -> nn.Module:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse every group in FUSIONS whose members are the same kind of linear (same quantization, no bias).
-    The owner records the output sizes of the parts as `<fused name>_sizes` (on the owner, so that re-quantizing
-    the fused linear keeps them). Returns the model."""
+    The owner records the output sizes of the parts as `<fused name>_sizes` and the offsets to split the fused
+    output at as `<fused name>_points` (on the owner, so that re-quantizing the fused linear keeps them; computed
+    once here, not per call). Returns the model."""
     for _, module in list(model.named_modules()):
         for fused_name, names in FUSIONS.items():
             if not all(n in module for n in names):
@@ -52,21 +53,14 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             if not _same_kind(parts):
                 continue
             fused = _concat(parts)
-            object.__setattr__(module, f"{fused_name}_sizes", tuple(int(p["weight"].shape[0]) for p in parts))
+            sizes = [int(p["weight"].shape[0]) for p in parts]
+            object.__setattr__(module, f"{fused_name}_sizes", tuple(sizes))
+            object.__setattr__(module, f"{fused_name}_points", [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
             for n in names:
                 del module[n]
             module[fused_name] = fused
     mx.eval(model.parameters())
     return model
-
-
-def split_points(owner: nn.Module, fused_name: str) -> list[int]:
-    """Cumulative output offsets for mx.split of a fused linear's output."""
-    out, acc = [], 0
-    for n in getattr(owner, f"{fused_name}_sizes")[:-1]:
-        acc += n
-        out.append(acc)
-    return out
 
 
 def hf_parameters(model: nn.Module) -> dict[str, mx.array]:

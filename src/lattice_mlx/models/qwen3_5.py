@@ -14,7 +14,6 @@ from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
 from .compiled import run_layers
-from .fuse import split_points
 
 
 @dataclass
@@ -199,7 +198,7 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: GDNCache | None = None, tree: Tree | None = None) -> mx.array:
         B, T, _ = x.shape
         if "in_proj" in self:  # fused (models/fuse.py): [qkv | z | b | a]
-            qkv, z, b, a = mx.split(self.in_proj(x), split_points(self, "in_proj"), axis=-1)
+            qkv, z, b, a = mx.split(self.in_proj(x), self.in_proj_points, axis=-1)
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         z = z.reshape(B, T, self.Hv, self.Dv)
@@ -251,7 +250,7 @@ class Attention(nn.Module):
         """q, k, v [B, heads, T, D] (normed, RoPE at positions offset.. or the tree's depths) and the output gate."""
         B, T, _ = x.shape
         if "qkv_proj" in self:  # fused (models/fuse.py): [q and gate | k | v]
-            qg, k, v = mx.split(self.qkv_proj(x), split_points(self, "qkv_proj"), axis=-1)
+            qg, k, v = mx.split(self.qkv_proj(x), self.qkv_proj_points, axis=-1)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = mx.split(qg.reshape(B, T, self.n_heads, 2 * self.head_dim), 2, axis=-1)  # each [B, T, Hq, D]
