@@ -59,14 +59,19 @@ def main() -> None:
     results = {name: {"median_tps": statistics.median(r["tps"]), "vs_plain": statistics.median(r["tps"]) / base,
                       **({"mean_accepted_per_round": statistics.mean(r["len"]), "exact": r["exact"]}
                          if r["len"] else {})} for name, r in rows.items()}
+    write_results(Path(args.out), results, model="embedded demo", prompts=len(prompts), vs_plain="vs plain")
+
+
+def write_results(out: Path, results: dict, *, model: str, prompts: int, vs_plain: str, label: str = "") -> None:
+    """results.json (with provenance) and summary.md, the table printed too."""
     meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
-            "platform": platform.platform(), "model": "embedded demo", "prompts": len(prompts),
-            "git": git_revision()[0]}
-    out = Path(args.out)
+            "platform": platform.platform(), "model": model, "prompts": prompts, "git": git_revision()[0],
+            **({"label": label} if label else {})}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = [f"`{meta['command']}` at {meta['git']}, {meta['device']}", "",
-             "| shape | nodes | accepted per round | median tok/s | vs plain | exact |", "|---|---|---|---|---|---|"]
+    head = f"{label}; " if label else ""
+    lines = [f"{head}`{meta['command']}` at {meta['git']}, {meta['device']}, {model}", "",
+             f"| shape | nodes | accepted per round | median tok/s | {vs_plain} | exact |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         nodes = "-" if name == "plain" else str(_nodes(name))
         lines.append(f"| {name} | {nodes} | {r.get('mean_accepted_per_round', 0):.2f} | {r['median_tps']:.1f} | "
@@ -117,22 +122,9 @@ def oracle_main(args) -> None:
     results = {name: {"median_tps": statistics.median(r["tps"]), "vs_plain": ratios[name],
                       **({"mean_accepted_per_round": statistics.mean(r["len"]), "exact": r["exact"]}
                          if r["len"] else {})} for name, r in rows.items()}
-    meta = {"command": " ".join(sys.argv), "device": str(mx.default_device()), "mlx": mx.__version__,
-            "platform": platform.platform(), "model": target.label, "prompts": len(prompts),
-            "label": f"SYNTHETIC: oracle tree drafts at p={args.oracle_p} (rank r holds the truth w.p. p*0.6^r)",
-            "git": git_revision()[0]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = [f"{meta['label']}; `{meta['command']}` at {meta['git']}, {meta['device']}, {meta['model']}", "",
-             "| shape | nodes | accepted per round | median tok/s | vs plain (paired median) | exact |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        nodes = "-" if name == "plain" else str(_nodes(name))
-        lines.append(f"| {name} | {nodes} | {r.get('mean_accepted_per_round', 0):.2f} | {r['median_tps']:.1f} | "
-                     f"{r['vs_plain']:.2f} | {r.get('exact', '')} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.out), results, model=target.label, prompts=len(prompts),
+                  vs_plain="vs plain (paired median)",
+                  label=f"SYNTHETIC: oracle tree drafts at p={args.oracle_p} (rank r holds the truth w.p. p*0.6^r)")
 
 
 def _nodes(shape: str) -> int:

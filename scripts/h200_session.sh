@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, results under $OUT (one tarball, since $OUT returns few files).
-# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench
+# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next
 set -u
 export PYTHONUNBUFFERED=1
 mode=$1
 R=/tmp/res/$mode
 mkdir -p "$R"
+B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
+step() {  # step NAME LIMIT CMD...: one bounded process (bench/next modes), logged under $R, none after DEADLINE
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
+  if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$R/steps.txt"; return; fi
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$R/$name.out" 2> "$R/$name.log"
+  echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$R/steps.txt"
+}
 case $mode in
 tests)
   # new kernels first (conv-fused GDN, tree GDN, attention), then the model-level checks with every kernel on
@@ -23,15 +32,6 @@ bench)
   # Issue 6/8/9 evidence; each step bounded, the whole mode ends by DEADLINE seconds.
   DEADLINE=${DEADLINE:-500}
   BIG=${BIG:-0.8b}  # a smaller shape for a CPU dry run
-  B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
-  step() {  # step NAME LIMIT CMD...
-    local name=$1 limit=$2; shift 2
-    local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
-    if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$R/steps.txt"; return; fi
-    local t0=$SECONDS
-    timeout --kill-after=5 "$limit" "$@" > "$R/$name.out" 2> "$R/$name.log"
-    echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$R/steps.txt"
-  }
   step model_test 45 python3 -m pytest -q tests/metal/test_model_kernels.py -k logits
   step decode_0.8b 110 "${B[@]}" decode --model "$BIG" --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
     --k 2,3 --oracle-p 0.8 --out "$R/0.8b"
@@ -50,15 +50,6 @@ next)
   # Planned for the next device session (not yet run): the compiled path on the GPU and the gaps of run 2.
   DEADLINE=${DEADLINE:-540}
   BIG=${BIG:-0.8b}
-  B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
-  step() {
-    local name=$1 limit=$2; shift 2
-    local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
-    if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$R/steps.txt"; return; fi
-    local t0=$SECONDS
-    timeout --kill-after=5 "$limit" "$@" > "$R/$name.out" 2> "$R/$name.log"
-    echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$R/steps.txt"
-  }
   step compiled_tests 90 python3 -m pytest -q tests/test_compiled.py tests/metal/test_model_kernels.py
   step decode_0.8b 150 "${B[@]}" decode --model "$BIG" --reps 5 --lengths 16,96 --temps 0 \
     --legs stock,plain,sequential,batched --k 2,3,adaptive --oracle-p 0.8 --compile-ab --out "$R/0.8b"

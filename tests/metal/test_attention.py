@@ -2,7 +2,6 @@
 backends); on a GPU the kernel against the fp32 reference over T x L x D x heads x dtype x causal, NaN-poisoned."""
 
 import itertools
-import re
 import shutil
 import subprocess
 
@@ -10,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_dialect import MARKERS, OTHER, balanced, cuda_translation_unit
+from test_dialect import assert_render_is_syntax_shaped, cuda_translation_unit
 
-from lattice_mlx.metal import _dialect, attention, use_kernels
+from lattice_mlx.metal import attention, use_kernels
 from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_kernel, sdpa_ref, supported
 
 needs_gpu = pytest.mark.skipif(
@@ -128,11 +127,7 @@ BODIES = {"attention": _BODY, "attention_combine": _COMBINE}
 @pytest.mark.parametrize("dialect", ["metal", "cuda"])
 @pytest.mark.parametrize("op", list(BODIES))
 def test_body_renders(op, dialect):
-    src = _dialect.header(dialect) + _dialect.render(BODIES[op], dialect)
-    assert balanced(src), "unbalanced brackets"
-    assert not re.search(r"\bLX_\w+", src), "a dialect macro was left unexpanded"
-    assert len([m for m in MARKERS[dialect] if m in src]) >= 2, f"too few {dialect} tokens"
-    assert not [m for m in MARKERS[OTHER[dialect]] if m in src], f"{OTHER[dialect]} tokens leaked into {dialect}"
+    assert_render_is_syntax_shaped(BODIES[op], dialect)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")

@@ -32,15 +32,20 @@ def balanced(src: str) -> bool:
     return not stack
 
 
-@pytest.mark.parametrize("dialect", ["metal", "cuda"])
-@pytest.mark.parametrize("op", list(BODIES))
-def test_render_is_syntax_shaped(op, dialect):
-    src = _dialect.header(dialect) + _dialect.render(BODIES[op], dialect)
+def assert_render_is_syntax_shaped(body: str, dialect: str) -> None:
+    """Balanced brackets, no LX_ macro left, the dialect's own tokens present and the other's absent."""
+    src = _dialect.header(dialect) + _dialect.render(body, dialect)
     assert balanced(src), "unbalanced brackets"
     assert not re.search(r"\bLX_\w+", src), "a dialect macro was left unexpanded"
     present = [m for m in MARKERS[dialect] if m in src]
     assert len(present) >= 2, f"too few {dialect} tokens: {present}"
     assert not [m for m in MARKERS[OTHER[dialect]] if m in src], f"{OTHER[dialect]} tokens leaked into {dialect}"
+
+
+@pytest.mark.parametrize("dialect", ["metal", "cuda"])
+@pytest.mark.parametrize("op", list(BODIES))
+def test_render_is_syntax_shaped(op, dialect):
+    assert_render_is_syntax_shaped(BODIES[op], dialect)
 
 
 def test_unknown_macro_is_an_error():

@@ -1,7 +1,6 @@
 """Tree GDN: every root-to-leaf path equals the chain recurrence run along it (all backends); on a GPU the kernel
 equals `gated_delta_tree_ref` over tree shapes x heads x head dims x dtypes, with NaN-poisoned outputs."""
 
-import re
 import shutil
 import subprocess
 
@@ -9,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_dialect import MARKERS, OTHER, balanced, cuda_translation_unit
+from test_dialect import assert_render_is_syntax_shaped, cuda_translation_unit
 from test_gated_delta import make_inputs
 
-from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, gated_delta_tree_ref
 from lattice_mlx.metal.gated_delta_tree import _BODY, gated_delta_tree, gated_delta_tree_kernel
 from lattice_mlx.tree import parse_shape
@@ -117,11 +116,7 @@ def test_kernel_rejects_a_parent_that_is_not_earlier():
 
 @pytest.mark.parametrize("dialect", ["metal", "cuda"])
 def test_tree_body_renders(dialect):
-    src = _dialect.header(dialect) + _dialect.render(_BODY, dialect)
-    assert balanced(src), "unbalanced brackets"
-    assert not re.search(r"\bLX_\w+", src), "a dialect macro was left unexpanded"
-    assert len([m for m in MARKERS[dialect] if m in src]) >= 2, f"too few {dialect} tokens"
-    assert not [m for m in MARKERS[OTHER[dialect]] if m in src], f"{OTHER[dialect]} tokens leaked into {dialect}"
+    assert_render_is_syntax_shaped(_BODY, dialect)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
