@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, results under $OUT (one tarball, since $OUT returns few files).
-# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next
+# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2
 set -u
 export PYTHONUNBUFFERED=1
 mode=$1
@@ -47,21 +47,27 @@ bench)
   cat "$R/steps.txt"
   ;;
 next)
-  # Planned for the next device session (not yet run): the compiled path on the GPU and the gaps of run 2.
-  DEADLINE=${DEADLINE:-540}
+  # Run 3, first call: the open tree measurement (#9) first, then the compiled path on the GPU and its A/B.
+  DEADLINE=${DEADLINE:-520}
   BIG=${BIG:-0.8b}
+  step tree_0.8b 180 python3 scripts/bench_tree.py --out "$R/tree_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
   step compiled_tests 90 python3 -m pytest -q tests/test_compiled.py tests/metal/test_model_kernels.py
   step decode_0.8b 150 "${B[@]}" decode --model "$BIG" --reps 5 --lengths 16,96 --temps 0 \
     --legs stock,plain,sequential,batched --k 2,3,adaptive --oracle-p 0.8 --compile-ab --out "$R/0.8b"
   step oracle_0.8b 110 "${B[@]}" oracle --model "$BIG" --reps 3 --lengths 16,96 --oracle-ps 0,0.5,0.8,1 --k 2,3 \
     --no-stock --compile-ab --out "$R/0.8b"
+  cat "$R/steps.txt"
+  ;;
+next2)
+  # Run 3, second call (warm machine): demo with compile A/B, demo trees, first-call cost, new kernels, 4B shape.
+  DEADLINE=${DEADLINE:-560}
+  BIG=${BIG:-0.8b}
   step decode_demo 80 "${B[@]}" decode --model demo --reps 5 --lengths 16,96 --workloads code --temps 0,0.7 \
     --legs stock,plain,batched --k 2,adaptive --compile-ab --out "$R/demo"
-  step tree_0.8b 100 python3 scripts/bench_tree.py --out "$R/tree_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
-  step tree_demo 60 python3 scripts/bench_tree.py --out "$R/tree_demo" --prompts 6 --tokens 48
+  step tree_demo 70 python3 scripts/bench_tree.py --out "$R/tree_demo" --prompts 6 --tokens 48
   step first_call 40 python3 scripts/first_call.py --out "$R/first_call.json"
-  step kernels_new 90 python3 scripts/bench_kernels.py --ops conv,attention,tree --out "$R/kernels_new.json"
-  step decode_4b 120 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
+  step kernels_new 120 python3 scripts/bench_kernels.py --ops conv,attention,tree --out "$R/kernels_new.json"
+  step decode_4b 150 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
     --k 2 --oracle-p 0.8 --compile-ab --out "$R/4b"
   cat "$R/steps.txt"
   ;;
