@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, results under $OUT (one tarball, since $OUT returns few files).
-# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2
+# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2|final|extra
 set -u
 export PYTHONUNBUFFERED=1
 mode=$1
@@ -69,6 +69,29 @@ next2)
   step kernels_new 120 python3 scripts/bench_kernels.py --ops conv,attention,tree --out "$R/kernels_new.json"
   step decode_4b 150 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs stock,plain,batched \
     --k 2 --oracle-p 0.8 --compile-ab --out "$R/4b"
+  cat "$R/steps.txt"
+  ;;
+final)
+  # Run 4 (compile on by default): the compiled path's GPU tests with failures spelled out, first-call cost by op,
+  # demo and 0.8B decode with the compile A/B.
+  DEADLINE=${DEADLINE:-520}
+  BIG=${BIG:-0.8b}
+  step compiled_tests 200 python3 -m pytest -q -rf --tb=short tests/test_compiled.py tests/metal/test_model_kernels.py
+  step first_call 60 python3 scripts/first_call.py --out "$R/first_call.json"
+  step decode_demo 120 "${B[@]}" decode --model demo --reps 5 --lengths 16,96 --workloads code --temps 0,0.7 \
+    --legs stock,plain,batched --k 2,adaptive --compile-ab --out "$R/demo"
+  step decode_0.8b 130 "${B[@]}" decode --model "$BIG" --reps 7 --lengths 16,96 --temps 0 --legs plain,batched \
+    --k 2,3 --oracle-p 0.8 --compile-ab --no-stock --out "$R/0.8b"
+  cat "$R/steps.txt"; grep -E "passed|failed|FAILED|Error" "$R/compiled_tests.out" | tail -8
+  ;;
+extra)
+  # Leftover time (warm machine): the 4B shape and the oracle curve, compiled by default.
+  DEADLINE=${DEADLINE:-400}
+  BIG=${BIG:-0.8b}
+  step oracle_0.8b 150 "${B[@]}" oracle --model "$BIG" --reps 3 --lengths 16,96 --oracle-ps 0.5,0.8,1 --k 2,3 \
+    --no-stock --out "$R/0.8b"
+  step decode_4b 150 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs plain,batched \
+    --k 2 --oracle-p 0.8 --no-stock --out "$R/4b"
   cat "$R/steps.txt"
   ;;
 esac

@@ -27,15 +27,45 @@ def steps(model, n: int) -> tuple[list[mx.array], list]:
 
 def test_compiled_decode_steps_equal_the_layer_path(checkpoint, monkeypatch):
     model, _ = load_model(checkpoint)
+    monkeypatch.setenv("LATTICE_COMPILE", "0")
     ref, ref_cache = steps(model, 12)
     monkeypatch.setenv("LATTICE_COMPILE", "1")
     got, cache = steps(model, 12)
     assert model.model.__dict__.get("_compiled") is not None, "the compiled path did not run"
-    for r, g in zip(ref, got):
-        assert mx.abs(r - g).max().item() <= 1e-5 * max(1.0, mx.abs(r).max().item())
-    for rc, c in zip(ref_cache, cache):
+    diffs = [mx.abs(r - g).max().item() / max(1.0, mx.abs(r).max().item()) for r, g in zip(ref, got)]
+    assert max(diffs) <= 1e-5, f"relative logit differences per step: {[f'{d:.1e}' for d in diffs]}"
+    for i, (rc, c) in enumerate(zip(ref_cache, cache)):
         for a, b in zip(rc.state, c.state):
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5)
+            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, err_msg=f"cache of layer {i}")
+
+
+def test_compiled_path_follows_weights_changed_after_tracing(checkpoints, monkeypatch):
+    """Traces read the layers' arrays on every call: after an update of every weight, and after quantizing the
+    layers (submodules swapped), the compiled forward computes what the layer path computes with the new weights."""
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    model, _ = load_model(checkpoints["tied"])
+
+    def both() -> tuple[mx.array, mx.array]:
+        out = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("LATTICE_COMPILE", flag)
+            out.append(steps(model, 3)[0][-1])
+        return out[0], out[1]
+
+    before, compiled_before = both()
+    assert model.model.__dict__.get("_compiled") is not None, "the compiled path did not run"
+    assert mx.allclose(before, compiled_before, atol=1e-5)
+    model.update(tree_map(lambda x: x * 1.05 if x.ndim == 2 else x, model.parameters()))
+    after, compiled_after = both()
+    assert not mx.allclose(before, after, atol=1e-3), "the update did not change the model"
+    assert mx.allclose(after, compiled_after, atol=1e-5)
+    nn.quantize(model.model, group_size=32, bits=4,
+                class_predicate=lambda path, m: path.startswith("layers") and isinstance(m, nn.Linear))
+    quantized, compiled_quantized = both()
+    assert not mx.allclose(after, quantized, atol=1e-3), "quantizing did not change the model"
+    assert mx.allclose(quantized, compiled_quantized, atol=1e-5)
 
 
 def test_compiled_verify_with_rollback_equals_the_layer_path(checkpoints, monkeypatch):
@@ -61,6 +91,7 @@ def test_compiled_verify_with_rollback_equals_the_layer_path(checkpoints, monkey
 @pytest.mark.parametrize("k", [1, 3])
 def test_compiled_greedy_mtp_equals_plain_greedy(checkpoints, monkeypatch, k):
     model, _ = load_model(checkpoints["tied"])
+    monkeypatch.setenv("LATTICE_COMPILE", "0")
     plain = generate_step(model, mx.array(PROMPT), sampler=Sampler())
     ref = [next(plain) for _ in range(40)]
     monkeypatch.setenv("LATTICE_COMPILE", "1")
@@ -76,6 +107,7 @@ def test_compiled_demo_greedy_mtp_and_sampling_match(monkeypatch):
     from lattice_mlx import generate
 
     model, tok = load()
+    monkeypatch.setenv("LATTICE_COMPILE", "0")
     prompt = "def fibonacci(n):\n"
     ref = generate(model, tok, prompt, max_tokens=48, chat_template=False)
     mx.random.seed(7)

@@ -1,6 +1,7 @@
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
@@ -241,6 +242,20 @@ def test_conv_ref_equals_conv_then_recurrence():
                                    A_log, dt_bias, state)
     np.testing.assert_allclose(np.array(y), np.array(y_ref), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(s), np.array(s_ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_conv_silu_ref_equals_mx_conv1d(dtype):
+    """The shifted multiply-add conv (no cuDNN plan per shape on CUDA) equals MLX's depthwise conv1d at a prompt
+    length, up to the rounding of the conv1d's own dtype."""
+    C, KC, T = 96, 4, 300
+    conv_in = mx.random.normal((2, KC - 1 + T, C), key=mx.random.key(3)).astype(dtype)
+    w = (0.5 * mx.random.normal((C, KC), key=mx.random.key(4))).astype(dtype)
+    got = conv_silu_ref(conv_in, w)
+    want = nn.silu(mx.conv1d(conv_in.astype(mx.float32), w[:, :, None].astype(mx.float32), groups=C))
+    assert got.dtype == dtype and got.shape == (2, T, C)
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=tol, atol=tol)
 
 
 # (B, T, Hk, Hv, Dk, Dv, dtype, step_states)

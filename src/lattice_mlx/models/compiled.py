@@ -26,7 +26,8 @@ MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
 
 
 def enabled() -> bool:
-    return os.environ.get("LATTICE_COMPILE", "0") == "1"
+    """On unless LATTICE_COMPILE=0 (the layer-by-layer reference path)."""
+    return os.environ.get("LATTICE_COMPILE", "1") != "0"
 
 
 class _GDNState:
@@ -60,8 +61,11 @@ class CompiledLayers:
 
     def __init__(self, layers: list):
         self.layers = layers
-        self.fns = [mx.compile(partial(_gdn_layer, layer)) if layer.is_linear else
-                    (mx.compile(partial(_attn_in, layer)), mx.compile(partial(_attn_out, layer)))
+        # inputs=layer.state: the layer's arrays are read on every call (not frozen into the trace), so weights
+        # changed after tracing (an update, a swapped or quantized submodule) are what the next call computes with
+        self.fns = [mx.compile(partial(_gdn_layer, layer), inputs=layer.state) if layer.is_linear else
+                    (mx.compile(partial(_attn_in, layer), inputs=layer.state),
+                     mx.compile(partial(_attn_out, layer), inputs=layer.state))
                     for layer in layers]
 
     def __call__(self, h: mx.array, cache: list) -> mx.array:
