@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, results under $OUT (one tarball, since $OUT returns few files).
-# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2|final|extra
+# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2|final|extra|diag
 set -u
 export PYTHONUNBUFFERED=1
 mode=$1
@@ -93,6 +93,17 @@ extra)
   step decode_4b 150 "${B[@]}" decode --model 4b --reps 5 --lengths 16,96 --temps 0 --legs plain,batched \
     --k 2 --oracle-p 0.8 --no-stock --out "$R/4b"
   cat "$R/steps.txt"
+  ;;
+diag)
+  # Run 4 follow-up: where compiled verify differs on the GPU, the model-level kernel tests with durations, and the
+  # first request's one-off cost with and without the compiled path (fresh processes).
+  DEADLINE=${DEADLINE:-450}
+  step compiled_diag 60 python3 scripts/compiled_diag.py --out "$R/compiled_diag.json"
+  step model_kernels 200 python3 -m pytest -q -rf --tb=short --durations=0 tests/metal/test_model_kernels.py
+  step first_gen_layers 50 env LATTICE_COMPILE=0 python3 scripts/first_generate.py --mtp --out "$R/first_gen_layers.json"
+  step first_gen_compiled 50 env LATTICE_COMPILE=1 python3 scripts/first_generate.py --mtp --out "$R/first_gen_compiled.json"
+  cat "$R/steps.txt"; cat "$R/compiled_diag.out" | tr -d '\n ' | head -c 1500; echo; tail -n 25 "$R/model_kernels.out"
+  cat "$R"/first_gen_*.out
   ;;
 esac
 tar -czf "$OUT/$mode.tgz" -C /tmp/res "$mode"
