@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, results under $OUT (one tarball, since $OUT returns few files).
-# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2|final|extra|diag
+# Usage (device machine, repo root, PYTHONPATH set): bash scripts/h200_session.sh tests|profile|bench|next|next2|final|extra|diag|again
 set -u
 export PYTHONUNBUFFERED=1
 mode=$1
@@ -104,6 +104,13 @@ diag)
   step first_gen_compiled 50 env LATTICE_COMPILE=1 python3 scripts/first_generate.py --mtp --out "$R/first_gen_compiled.json"
   cat "$R/steps.txt"; cat "$R/compiled_diag.out" | tr -d '\n ' | head -c 1500; echo; tail -n 25 "$R/model_kernels.out"
   cat "$R"/first_gen_*.out
+  ;;
+again)
+  # Run 4, last call: the 0.8B oracle decode again (compiled by default), to weigh runs 3 and 4 against each other.
+  DEADLINE=${DEADLINE:-170}
+  step decode_0.8b 150 "${B[@]}" decode --model "${BIG:-0.8b}" --reps 9 --lengths 16,96 --temps 0 \
+    --legs plain,batched --k 2,3 --oracle-p 0.8 --no-stock --out "$R/0.8b"
+  cat "$R/steps.txt"
   ;;
 esac
 tar -czf "$OUT/$mode.tgz" -C /tmp/res "$mode"
