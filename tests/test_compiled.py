@@ -12,6 +12,15 @@ from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import SpecStats, speculative_step
 
 PROMPT = [5, 9, 33, 21, 7, 100, 3, 3, 17]
+# Relative tolerance (of max(1, |reference|)) between the compiled and the layer path. CPU: fp32 throughout. GPU: MLX's
+# CUDA fp32 matmuls run as TF32, so a last-bit difference from a fused element-wise op can round a matmul input to a
+# different TF32 value: ~1e-3 relative in multi-row forwards on the H200 (docs/bench/h200/run4/compiled_diag.json),
+# where a real defect (wrong position, stale weight, wrong cache row) moves logits by O(1).
+TOL = 1e-5 if mx.default_device() == mx.cpu else 5e-3
+
+
+def close(a: mx.array, b: mx.array) -> bool:
+    return mx.abs(a - b).max().item() <= TOL * max(1.0, mx.abs(a).max().item())
 
 
 def steps(model, n: int) -> tuple[list[mx.array], list]:
@@ -33,10 +42,10 @@ def test_compiled_decode_steps_equal_the_layer_path(checkpoint, monkeypatch):
     got, cache = steps(model, 12)
     assert model.model.__dict__.get("_compiled") is not None, "the compiled path did not run"
     diffs = [mx.abs(r - g).max().item() / max(1.0, mx.abs(r).max().item()) for r, g in zip(ref, got)]
-    assert max(diffs) <= 1e-5, f"relative logit differences per step: {[f'{d:.1e}' for d in diffs]}"
+    assert max(diffs) <= TOL, f"relative logit differences per step: {[f'{d:.1e}' for d in diffs]}"
     for i, (rc, c) in enumerate(zip(ref_cache, cache)):
         for a, b in zip(rc.state, c.state):
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, err_msg=f"cache of layer {i}")
+            np.testing.assert_allclose(np.array(b), np.array(a), atol=TOL, err_msg=f"cache of layer {i}")
 
 
 def test_compiled_path_follows_weights_changed_after_tracing(checkpoints, monkeypatch):
@@ -56,16 +65,16 @@ def test_compiled_path_follows_weights_changed_after_tracing(checkpoints, monkey
 
     before, compiled_before = both()
     assert model.model.__dict__.get("_compiled") is not None, "the compiled path did not run"
-    assert mx.allclose(before, compiled_before, atol=1e-5)
+    assert close(before, compiled_before)
     model.update(tree_map(lambda x: x * 1.05 if x.ndim == 2 else x, model.parameters()))
     after, compiled_after = both()
     assert not mx.allclose(before, after, atol=1e-3), "the update did not change the model"
-    assert mx.allclose(after, compiled_after, atol=1e-5)
+    assert close(after, compiled_after)
     nn.quantize(model.model, group_size=32, bits=4,
                 class_predicate=lambda path, m: path.startswith("layers") and isinstance(m, nn.Linear))
     quantized, compiled_quantized = both()
     assert not mx.allclose(after, quantized, atol=1e-3), "quantizing did not change the model"
-    assert mx.allclose(quantized, compiled_quantized, atol=1e-5)
+    assert close(quantized, compiled_quantized)
 
 
 def test_compiled_verify_with_rollback_equals_the_layer_path(checkpoints, monkeypatch):
@@ -85,7 +94,7 @@ def test_compiled_verify_with_rollback_equals_the_layer_path(checkpoints, monkey
         results.append((logits, model(mx.array([[23]]), cache)))
     assert model.model.__dict__.get("_compiled") is not None, "the compiled path did not run"
     (a1, a2), (b1, b2) = results
-    assert mx.allclose(a1, b1, atol=1e-5) and mx.allclose(a2, b2, atol=1e-5)
+    assert close(a1, b1) and close(a2, b2)
 
 
 @pytest.mark.parametrize("k", [1, 3])

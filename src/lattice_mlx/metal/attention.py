@@ -281,9 +281,21 @@ def sdpa_kernel(
     )[0]
 
 
+# Above this many (query row, key) pairs with T > 1 the kernel lost to MLX's SDPA on the H200 (run 3,
+# docs/bench/h200/run3/kernels_new.out, Qwen3.5-0.8B attention shapes): T=9 at 16,384 keys 231 vs 153 us; at or
+# below it the kernel won (T=4 at 16,384 keys 137 vs 145 us, T=9 at 4,096 keys 98 vs 138 us). T = 1 won at every
+# length measured (77 vs 81 us at 16,384 keys).
+KERNEL_MAX_ROW_KEYS = 65536
+
+
+def kernel_wins(q: mx.array, k: mx.array) -> bool:
+    T, L = q.shape[2], k.shape[2]
+    return T == 1 or T * L <= KERNEL_MAX_ROW_KEYS
+
+
 def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
     """The one entry point the model calls; same contract as `sdpa_ref`. Array masks go to the reference."""
     causal = isinstance(mask, str) and mask == "causal"
-    if use_kernels() and (mask is None or causal) and supported(q, k, v, causal=causal):
+    if use_kernels() and (mask is None or causal) and supported(q, k, v, causal=causal) and kernel_wins(q, k):
         return sdpa_kernel(q, k, v, scale=scale, causal=causal)
     return sdpa_ref(q, k, v, scale=scale, mask=mask)

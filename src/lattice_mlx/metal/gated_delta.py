@@ -484,15 +484,16 @@ CONV_FUSED_MAX_T = BATCHED_FROM_T - 1
 def conv_silu_ref(conv_in: mx.array, conv_w: mx.array) -> mx.array:
     """Depthwise causal conv + SiLU over conv_in [B, KC-1+T, C] with weight [C, KC]: [B, T, C].
 
-    KC shifted multiply-adds in fp32 (as the fused kernel accumulates), not `mx.conv1d`: on CUDA, conv1d goes
-    through cuDNN, which plans per input shape, so every new prompt length paid a plan (docs/bench/h200/run3)."""
+    KC shifted multiply-adds accumulated in fp32, the sum rounded to the activation type before the SiLU (where
+    conv1d and the fused kernel round), not `mx.conv1d`: on CUDA conv1d goes through cuDNN, which plans per input
+    shape, so every new prompt length paid ~155-205 ms once (docs/bench/h200/run4/first_call.out)."""
     KC = conv_w.shape[1]
     T = conv_in.shape[1] - KC + 1
     w = conv_w.astype(mx.float32)
     acc = conv_in[:, :T].astype(mx.float32) * w[:, 0]
     for j in range(1, KC):
         acc = acc + conv_in[:, j : j + T].astype(mx.float32) * w[:, j]
-    return nn.silu(acc).astype(conv_in.dtype)
+    return nn.silu(acc.astype(conv_in.dtype))
 
 
 def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *, heads: tuple[int, int, int, int],
