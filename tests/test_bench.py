@@ -161,6 +161,22 @@ def test_acceptance_experiment_on_checkpoint(tiny_target, tmp_path):
     mx.clear_cache()
 
 
+def test_compiled_twins_are_measured_against_compiled_plain(tiny_target):
+    """With --compile-ab a +compile leg's x plain is against plain+compile; plain+compile's own against plain."""
+    rates = {"plain": [100.0, 100.0, 100.0], "plain+compile": [150.0, 150.0, 150.0],
+             "batched-K2": [90.0, 90.0, 90.0], "batched-K2+compile": [165.0, 165.0, 165.0]}
+    legs = bench.with_compile_ab([bench.Leg("plain"), bench.Leg("mtp", "batched", 2)], True)
+    records = {}
+    for leg in legs:
+        records[leg.name] = bench.LegRecord(leg)
+        for r in rates[leg.name]:
+            records[leg.name].runs.append({"tok_s": r, "ttft_s": 0.01})
+    ratio = {name: bench.leg_summary(rec, records, tiny_target).get("vs_plain", {}).get("median")
+             for name, rec in records.items()}
+    assert ratio == {"plain": None, "plain+compile": pytest.approx(1.5), "batched-K2": pytest.approx(0.9),
+                     "batched-K2+compile": pytest.approx(1.1)}
+
+
 def test_compile_ab_twins_and_env():
     legs = [bench.Leg("stock"), bench.Leg("plain"), bench.Leg("mtp", "batched", 2)]
     ab = bench.with_compile_ab(legs, True)

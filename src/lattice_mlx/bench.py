@@ -360,6 +360,14 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
     return records
 
 
+def plain_baseline(rec: LegRecord, records: dict[str, LegRecord]) -> str:
+    """The plain leg a leg is measured against: with --compile-ab a compiled twin against compiled plain (so its
+    `x plain` and costs compare like with like; plain+compile itself against plain: the compile gain)."""
+    if rec.leg.compiled and rec.leg.name != "plain+compile" and "plain+compile" in records:
+        return "plain+compile"
+    return "plain"
+
+
 def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -> dict:
     """Rates, ratios against plain and stock (paired by repetition), acceptance, time split, costs, break-even."""
     rates = [r["tok_s"] for r in rec.runs]
@@ -370,9 +378,10 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
            "tok_s": bs.summarize(rates), "ttft_s": bs.summarize([r["ttft_s"] for r in rec.runs]), "runs": rec.runs,
            "peak_memory_gb": rec.peak_memory / 1e9,
            "effective_gb_s": target.bytes_per_token * bs.summarize(rates)["median"] / 1e9}
-    for base in ("plain", "stock"):
+    plain_name = plain_baseline(rec, records)
+    for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:
-            out[f"vs_{base}"] = bs.paired_ratio(rates, [r["tok_s"] for r in records[base].runs])
+            out[f"vs_{key}"] = bs.paired_ratio(rates, [r["tok_s"] for r in records[base].runs])
     if rec.spec is None:
         return out
     s = rec.spec
@@ -388,7 +397,7 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
     if rec.leg.adaptive:
         return out
     out.update(bs.acceptance_estimates(s["accepted_at"], s["rounds"], rec.leg.k))
-    plain = records.get("plain")
+    plain = records.get(plain_name)
     if plain and plain.runs:
         step_s = 1.0 / bs.summarize([r["tok_s"] for r in plain.runs])["median"]
         costs = bs.measured_costs(s, step_s)
@@ -620,7 +629,9 @@ def write_markdown(out: Path, name: str, result: dict, meta: dict, plots: list[s
     if result.get("note"):
         lines += [f"Note: {result['note']}.", ""]
     lines += [("Decode tok/s is the slope between two generation lengths; `x plain` / `x stock` are medians of "
-               "ratios paired by repetition; `alpha` is the pooled per-position acceptance; `model x` is the speedup "
+               "ratios paired by repetition (with `--compile-ab`, a `+compile` leg's `x plain` is against "
+               "`plain+compile`, and `plain+compile`'s against `plain`); `alpha` is the pooled per-position "
+               "acceptance; `model x` is the speedup "
                "the cost model predicts from this leg's measured draft/verify/rollback costs at its alpha; `!` marks "
                "CV > 20%."), ""]
     for table in group_tables(name, result, markdown_table):
