@@ -97,8 +97,9 @@ extra)
 diag)
   # Run 4 follow-up: where compiled verify differs on the GPU, the model-level kernel tests with durations, and the
   # first request's one-off cost with and without the compiled path (fresh processes).
-  DEADLINE=${DEADLINE:-450}
-  step compiled_diag 60 python3 scripts/compiled_diag.py --out "$R/compiled_diag.json"
+  DEADLINE=${DEADLINE:-520}
+  step compiled_tests 120 python3 -m pytest -q -rf --tb=short tests/test_compiled.py
+  step compiled_diag 150 python3 scripts/compiled_diag.py --out "$R/compiled_diag.json"
   step model_kernels 200 python3 -m pytest -q -rf --tb=short --durations=0 tests/metal/test_model_kernels.py
   step first_gen_layers 50 env LATTICE_COMPILE=0 python3 scripts/first_generate.py --mtp --out "$R/first_gen_layers.json"
   step first_gen_compiled 50 env LATTICE_COMPILE=1 python3 scripts/first_generate.py --mtp --out "$R/first_gen_compiled.json"

@@ -1,3 +1,9 @@
+import os
+
+# MLX runs fp32 matmuls as TF32 on CUDA (and on Apple M5-class GPUs) unless this is 0; set before MLX is imported.
+# The equivalence tests compare fp32 paths and want fp32 arithmetic. No effect on the CPU backend.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 import pytest
 
 from lattice_mlx.synthetic import random_checkpoint
@@ -10,6 +16,13 @@ CONFIGS = {
                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
                                  "linear_attention"]),
 }
+
+
+@pytest.fixture(params=["compiled", "layers"])
+def compile_mode(request, monkeypatch):
+    """Runs a test on both decode/verify paths: the compiled default and LATTICE_COMPILE=0 (layer by layer)."""
+    monkeypatch.setenv("LATTICE_COMPILE", "1" if request.param == "compiled" else "0")
+    return request.param
 
 
 @pytest.fixture(scope="session")

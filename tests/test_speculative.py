@@ -21,7 +21,7 @@ def run_spec(model, prompt, n, **kw):
 
 @pytest.mark.parametrize("verify", ["batched", "sequential"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_greedy_mtp_equals_plain_greedy(checkpoints, k, verify):
+def test_greedy_mtp_equals_plain_greedy(checkpoints, k, verify, compile_mode):
     for name, path in checkpoints.items():
         model, tok = load(path)
         for prompt in PROMPTS:
@@ -61,7 +61,7 @@ def test_partial_acceptance_is_exact_and_reports_per_position_rates(checkpoints)
     assert 0.5 < rates[0] < 0.9 and rates[0] >= rates[1] >= rates[2] > 0
 
 
-def test_rollback_equals_recomputing_the_accepted_prefix(checkpoints):
+def test_rollback_equals_recomputing_the_accepted_prefix(checkpoints, compile_mode):
     model, _ = load(checkpoints["tied"])
     prompt, extra = mx.array(PROMPTS[0]), [40, 41, 42, 43, 44]
     for n_keep in range(len(extra) + 1):

@@ -284,13 +284,15 @@ def sdpa_kernel(
 # Above this many (query row, key) pairs with T > 1 the kernel lost to MLX's SDPA on the H200 (run 3,
 # docs/bench/h200/run3/kernels_new.out, Qwen3.5-0.8B attention shapes): T=9 at 16,384 keys 231 vs 153 us; at or
 # below it the kernel won (T=4 at 16,384 keys 137 vs 145 us, T=9 at 4,096 keys 98 vs 138 us). T = 1 won at every
-# length measured (77 vs 81 us at 16,384 keys).
+# length measured, up to 16,384 keys (77 vs 81 us), with its lead shrinking (~2.2 vs ~0.7 us per 1k keys): longer
+# decode contexts, never measured, go to MLX too. Measured at the 0.8B's heads (8 query, 2 kv, D=256) only.
 KERNEL_MAX_ROW_KEYS = 65536
+KERNEL_MAX_DECODE_KEYS = 16384
 
 
 def kernel_wins(q: mx.array, k: mx.array) -> bool:
     T, L = q.shape[2], k.shape[2]
-    return T == 1 or T * L <= KERNEL_MAX_ROW_KEYS
+    return L <= KERNEL_MAX_DECODE_KEYS if T == 1 else T * L <= KERNEL_MAX_ROW_KEYS
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
