@@ -10,8 +10,9 @@ faster, fixed-K MTP rounds 1.06-1.24x.
 What is compiled: a GDN decoder layer whole (its cache passes in and out as arrays: conv window, state, and the
 per-step states when recording); a full-attention layer in two pieces around the KV-cache write and attention
 (norm + projections + q/k norm + RoPE at an array offset; output gate + o_proj + residual + MLP), because the KV
-cache is written in place and grows every step. Embedding, final norm and lm_head stay as they are; prefill chunks
-(T > MAX_T) and tree verifies take the layer path.
+cache is written in place and grows every step. Embedding, final norm and lm_head stay as they are. Any cached
+forward of T <= MAX_T tokens is compiled (decode, verify, and prompts or prefill chunks that short); longer prefill
+chunks, tree verifies, explicit masks and uncached calls take the layer path.
 
 Exactness (tests/test_compiled.py): the same logits and caches as the layer path to 1e-5 and the same greedy and
 seeded-sampled MTP tokens, on the CPU. On the H200 (run 4, an earlier version of those tests): the same greedy and
