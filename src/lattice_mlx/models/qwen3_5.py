@@ -209,7 +209,9 @@ class GatedDeltaNet(nn.Module):
         if tree is not None:
             conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
             windows = conv_in[:, tree.conv_windows(self.kernel_size)]  # [B, T, K, C]
-            conv_out = nn.silu((windows * self.conv1d.weight[:, :, 0].T).sum(axis=2))
+            # fp32 sums rounded before the SiLU, as the chain path's kernel and conv_silu_ref do
+            w = self.conv1d.weight[:, :, 0].T.astype(mx.float32)
+            conv_out = nn.silu((windows.astype(mx.float32) * w).sum(axis=2).astype(qkv.dtype))
             q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
             q = q.reshape(B, T, self.Hk, self.Dk)
             k = k.reshape(B, T, self.Hk, self.Dk)
