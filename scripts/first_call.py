@@ -16,7 +16,8 @@ Usage: python scripts/first_call.py [--model demo] [--out FILE]
 import argparse
 import json
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,16 +59,6 @@ def sdpa_ops(q, k, v, *, scale, mask=None):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     p = mx.softmax(s, axis=-1).astype(v.dtype).reshape(B, Hkv, Hq // Hkv * T, L)
     return (p @ v).reshape(B, Hq, T, D)
-
-
-@contextmanager
-def patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def main() -> None:
@@ -131,23 +122,15 @@ def main() -> None:
     for label, patches in variants:
         for T in (fresh(), fresh(), fresh(), 1500 + fresh()):
             ids = mx.array([[(i * 7919) % 1000 + 1 for i in range(T)]])
-            with _all(patches):
+            with ExitStack() as stack:
+                for module, name, value in patches:
+                    stack.enter_context(patch.object(module, name, value))
                 t = times(lambda: model(ids, model.make_cache()))
             result["model_variants"].append({"variant": label, "T": T, "first_ms": t[0], "then_ms": t[1:]})
             print(f"model {label:24s} T={T:5d} first {t[0]:8.1f} ms  then {t[1]:7.1f} / {t[2]:7.1f} ms", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-
-
-@contextmanager
-def _all(patches):
-    if not patches:
-        yield
-        return
-    (module, name, value), rest = patches[0], patches[1:]
-    with patched(module, name, value), _all(rest):
-        yield
 
 
 if __name__ == "__main__":

@@ -182,14 +182,13 @@ _STEP = """\
     out = LX_SIMD_SUM(out) * qr;
 """
 
-# One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
-# Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
-# The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
-_BODY = _PREAMBLE + """
-  // Iteration t issues the loads of step t + 1, then computes step t from the registers loaded last time.
+def _prefetch_loop(decl: str = "", shift: str = "", load: str = "") -> str:
+    """Opens the serial loop over t that loads step t + 1's q, k, v, a, b while step t computes from the registers
+    loaded last time (shared by the chain and the tree body; `decl`, `shift`, `load` add a per-step value)."""
+    return """
   float qn[NK] = {0.0f}, kn[NK] = {0.0f}, vn = 0.0f, an = 0.0f, bn = 0.0f;
   float qc[NK], kc[NK], vc = 0.0f, ac = 0.0f, bc = 0.0f;
-  for (int t = -1; t < T; ++t) {
+""" + decl + """  for (int t = -1; t < T; ++t) {
     for (int i = 0; i < NK; ++i) {
       qc[i] = qn[i];
       kc[i] = kn[i];
@@ -197,7 +196,7 @@ _BODY = _PREAMBLE + """
     vc = vn;
     ac = an + dtb;
     bc = bn;
-    if (t + 1 < T) {
+""" + shift + """    if (t + 1 < T) {
       const int qk = ((bi * T + t + 1) * Hk + hk) * Dk + lane;
       const int hvn = (bi * T + t + 1) * Hv + hv;
       for (int i = 0; i < NK; ++i) {
@@ -207,9 +206,17 @@ _BODY = _PREAMBLE + """
       vn = LX_F32(v[hvn * Dv + dv]);
       an = LX_F32(a[hvn]);
       bn = LX_F32(b[hvn]);
-    }
+""" + load + """    }
     if (t < 0) continue;
+"""
 
+
+# One simdgroup/warp per state row (b, hv, dv); lane l holds S[dv, l + 32 i] in registers for the whole sequence.
+# Each step: L2-normalise q and k (two lane sums), gates from a/b, then the delta rule with two more lane sums.
+# The next step's inputs are loaded before the current step's arithmetic so their latency overlaps it.
+_BODY = _PREAMBLE + """
+  // Iteration t issues the loads of step t + 1, then computes step t from the registers loaded last time.""" + \
+    _prefetch_loop() + """
 """ + _STEP + """\
     const int hvt = (bi * T + t) * Hv + hv;
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);

@@ -9,38 +9,12 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from lattice_mlx.metal import _dialect, use_kernels
-from lattice_mlx.metal.gated_delta import _PREAMBLE, _STEP, gated_delta_tree_ref, supported
+from lattice_mlx.metal.gated_delta import _PREAMBLE, _STEP, _prefetch_loop, gated_delta_tree_ref, supported
 
 # The chain kernel's serial form with T = N nodes and a parent lookup per node. The preamble has loaded the
 # committed state into S; node t reloads S only when its parent is not t - 1 (node 0's parent is -1, so a chain
 # never reloads), from state_in or from the parent's row of state_out, which this same thread wrote.
-_BODY = _PREAMBLE + """
-  float qn[NK] = {0.0f}, kn[NK] = {0.0f}, vn = 0.0f, an = 0.0f, bn = 0.0f;
-  float qc[NK], kc[NK], vc = 0.0f, ac = 0.0f, bc = 0.0f;
-  int pn = -1, pc = -1;
-  for (int t = -1; t < T; ++t) {
-    for (int i = 0; i < NK; ++i) {
-      qc[i] = qn[i];
-      kc[i] = kn[i];
-    }
-    vc = vn;
-    ac = an + dtb;
-    bc = bn;
-    pc = pn;
-    if (t + 1 < T) {
-      const int qk = ((bi * T + t + 1) * Hk + hk) * Dk + lane;
-      const int hvn = (bi * T + t + 1) * Hv + hv;
-      for (int i = 0; i < NK; ++i) {
-        qn[i] = LX_F32(q[qk + 32 * i]);
-        kn[i] = LX_F32(k[qk + 32 * i]);
-      }
-      vn = LX_F32(v[hvn * Dv + dv]);
-      an = LX_F32(a[hvn]);
-      bn = LX_F32(b[hvn]);
-      pn = parents[t + 1];
-    }
-    if (t < 0) continue;
-
+_BODY = _PREAMBLE + _prefetch_loop("  int pn = -1, pc = -1;\n", "    pc = pn;\n", "      pn = parents[t + 1];\n") + """
     if (pc != t - 1) {
       if (pc < 0) {
         for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
