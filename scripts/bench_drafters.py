@@ -14,14 +14,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from lattice_mlx import generate, load
-from lattice_mlx.bench import git_revision
+from lattice_mlx import SpecOptions, generate, load
+from lattice_mlx.bench import HELDOUT_PROMPTS
+from lattice_mlx.bench_report import git_revision
 
 SOURCES = [("mtp", 2), ("mtp", 3), ("self", 2), ("self:first:4", 2), ("ngram", 4), ("mtp+ngram", 3)]
 
 
 def workloads(n: int) -> dict[str, list[str]]:
-    prompts = json.loads(Path(__file__).with_name("demo_heldout_prompts.json").read_text())
+    prompts = json.loads(HELDOUT_PROMPTS.read_text())
     texts = [p["prompt"] if isinstance(p, dict) else p for p in (prompts["prompts"] if isinstance(prompts, dict)
                                                                  else prompts)][:n]
     # Copy-heavy: the code is given once, then its first half again, so the continuation can be copied.
@@ -30,7 +31,8 @@ def workloads(n: int) -> dict[str, list[str]]:
 
 def run_leg(model, tok, prompt: str, draft: str | None, k: int, tokens: int):
     tic = time.perf_counter()
-    r = generate(model, tok, prompt, max_tokens=tokens, draft=draft, draft_tokens=k, chat_template=False)
+    spec = SpecOptions(draft=draft, draft_tokens=k, adaptive=False) if draft else None
+    r = generate(model, tok, prompt, max_tokens=tokens, speculation=spec, chat_template=False)
     return r, r.generation_tokens / (time.perf_counter() - tic)
 
 
@@ -55,7 +57,7 @@ def main() -> None:
                 r, tps = run_leg(model, tok, prompt, s, k, args.tokens)
                 row = rows[f"{s} K={k}"]
                 row["tps"].append(tps)
-                row["acc"].append(r.mtp["acceptance_rate"])
+                row["acc"].append(r.speculation["acceptance_rate"])
                 row["exact"] &= r.tokens == plain.tokens
             print(f"{name} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
         base = statistics.median(rows["plain"]["tps"])

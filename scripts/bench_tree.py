@@ -14,8 +14,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from lattice_mlx import generate, load
-from lattice_mlx.bench import git_revision
+from lattice_mlx import SpecOptions, generate, load
+from lattice_mlx.bench import HELDOUT_PROMPTS
+from lattice_mlx.bench_report import git_revision
 
 # Pairs at equal node budgets: 3 nodes, 4 nodes, 6 nodes.
 SHAPES = ["1-1-1", "3", "1-1-1-1", "2-1", "4", "1-1-1-1-1-1", "2-2", "3-1"]
@@ -23,7 +24,8 @@ SHAPES = ["1-1-1", "3", "1-1-1-1", "2-1", "4", "1-1-1-1-1-1", "2-2", "3-1"]
 
 def leg(model, tok, prompt: str, tree: str | None, tokens: int):
     tic = time.perf_counter()
-    r = generate(model, tok, prompt, max_tokens=tokens, tree=tree, chat_template=False)
+    spec = SpecOptions(tree=tree) if tree else None
+    r = generate(model, tok, prompt, max_tokens=tokens, speculation=spec, chat_template=False)
     return r, r.generation_tokens / (time.perf_counter() - tic)
 
 
@@ -38,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
     if args.model != "demo":
         return oracle_main(args)
-    spec = json.loads(Path(__file__).with_name("demo_heldout_prompts.json").read_text())["prompts"]
+    spec = json.loads(HELDOUT_PROMPTS.read_text())["prompts"]
     prompts = [s["prompt"] for s in spec][: args.prompts]
     model, tok = load()
     leg(model, tok, "import os", "2-1", 8)  # warm-up
@@ -52,7 +54,7 @@ def main() -> None:
             leg(model, tok, prompt, shape, 8)  # untimed, like plain: no leg pays a first-use cost in its timing
             r, tps = leg(model, tok, prompt, shape, args.tokens)
             rows[shape]["tps"].append(tps)
-            rows[shape]["len"].append(r.mtp["mean_accepted_length"])
+            rows[shape]["len"].append(r.speculation["mean_accepted_length"])
             rows[shape]["exact"] &= r.tokens == plain.tokens
         print(f"prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     base = statistics.median(rows["plain"]["tps"])
@@ -83,9 +85,11 @@ def write_results(out: Path, results: dict, *, model: str, prompts: int, vs_plai
 def oracle_main(args) -> None:
     """Random model, oracle tree drafts (SYNTHETIC): per prompt, plain (warmed) then every shape, tok/s by slope."""
     from lattice_mlx import bench
-    from lattice_mlx.generate import generate_step
+    from lattice_mlx.decode import generate_step
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.tree import OracleTreeDrafter, TreeStats, parse_shape, tree_step
+    from lattice_mlx.spec import SpecStats, parse_tree
+    from lattice_mlx.synthetic import OracleTreeDrafter
+    from lattice_mlx.tree import tree_step
 
     if args.oracle_p is None:
         raise SystemExit("error: a random model needs --oracle-p (random heads accept ~0%)")
@@ -99,7 +103,7 @@ def oracle_main(args) -> None:
         return generate_step(model, mx.array(ids), sampler=Sampler())
 
     def tree_stream(ids, shape, reference, stats):
-        dims = parse_shape(shape)
+        dims = parse_tree(shape)
         drafter = OracleTreeDrafter(model, dims, reference, args.oracle_p, seed=len(reference))
         return tree_step(model, mx.array(ids), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
 
@@ -108,12 +112,12 @@ def oracle_main(args) -> None:
         bench.timed_run(plain_stream(ids), (8, 9))  # warm-up at this prompt
         rows["plain"]["tps"].append(bench.timed_run(plain_stream(ids), (n1, n2))["tok_s"])
         for shape in SHAPES:
-            bench.timed_run(tree_stream(ids, shape, reference, TreeStats(parse_shape(shape))), (8, 9))
-            stats = TreeStats(parse_shape(shape))
+            bench.timed_run(tree_stream(ids, shape, reference, SpecStats(tree=shape)), (8, 9))
+            stats = SpecStats(tree=shape)
             stream = tree_stream(ids, shape, reference, stats)
             tokens = [t for t, _ in zip(stream, range(n2))]
             rows[shape]["exact"] &= tokens == reference[:n2]
-            stats = TreeStats(parse_shape(shape))
+            stats = SpecStats(tree=shape)
             run = bench.timed_run(tree_stream(ids, shape, reference, stats), (n1, n2))
             rows[shape]["tps"].append(run["tok_s"])
             rows[shape]["len"].append(stats.to_dict()["mean_accepted_length"])

@@ -33,7 +33,7 @@ def forward(model, compile_flag: str, tokens: list[int], recorded: bool):
     import mlx.core as mx
 
     from lattice_mlx import cache as caches
-    from lattice_mlx.generate import prefill
+    from lattice_mlx.decode import prefill
 
     os.environ["LATTICE_COMPILE"] = compile_flag
     cache = model.make_cache()

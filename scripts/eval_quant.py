@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from lattice_mlx import generate, load
-from lattice_mlx.bench import git_revision
+from lattice_mlx import SpecOptions, generate, load
+from lattice_mlx.bench_report import git_revision
 from lattice_mlx.convert import convert
 
 VARIANTS = {"bf16": {}, "q4-g64": {"quantize_bits": 4, "group_size": 64},
@@ -35,11 +35,11 @@ def teacher_forced(model, docs: list[list[int]]) -> dict:
     nll, n, hits_mtp, n_mtp = 0.0, 0, 0, 0
     for ids in docs:
         x = mx.array([ids])
-        logits, h = model(x, return_hidden="post")
+        logits, h = model(x, return_hidden=True)
         nll += nn.losses.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").item()
         n += len(ids) - 1
         head = model.mtp
-        u = head(model.model.embed_tokens(x[:, 1:]), head.from_target(h[:, :-1], "post"))
+        u = head(model.model.embed_tokens(x[:, 1:]), head.from_target(h[:, :-1]))
         pred = mx.argmax(model.lm_logits(head.to_target(head.norm(u)))[0, :-1], axis=-1)
         hits_mtp += (pred == x[0, 2:]).sum().item()
         n_mtp += len(ids) - 2
@@ -49,8 +49,9 @@ def teacher_forced(model, docs: list[list[int]]) -> dict:
 def acceptance(model, tok, prompts: list[str], tokens: int) -> dict:
     out = {}
     for k in (1, 2, 3):
-        rates = [generate(model, tok, p, max_tokens=tokens, mtp=True, draft_tokens=k, chat_template=False)
-                 .mtp["acceptance_rate"] for p in prompts]
+        spec = SpecOptions(draft_tokens=k, adaptive=False)
+        rates = [generate(model, tok, p, max_tokens=tokens, speculation=spec, chat_template=False)
+                 .speculation["acceptance_rate"] for p in prompts]
         out[f"K={k}"] = sum(rates) / len(rates)
     return out
 

@@ -4,7 +4,7 @@ Writes a Hugging Face hub-layout checkpoint (Qwen3_5ForConditionalGeneration nam
 bf16 shards), a byte-level BPE tokenizer, and train_log.json with held-out metrics.
 
     python scripts/train_demo.py --out-dir .demo-build/run
-    python scripts/train_demo.py --write-prompts scripts/demo_heldout_prompts.json
+    python scripts/train_demo.py --write-prompts src/lattice_mlx/assets/prompts/demo_heldout.json
 """
 
 import argparse

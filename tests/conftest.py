@@ -48,7 +48,7 @@ def two_token_pvalue(model, prompt: list[int], sampler, speculative, *, trials: 
     import numpy as np
     from scipy.stats import chi2_contingency
 
-    from lattice_mlx.generate import generate_step
+    from lattice_mlx.decode import generate_step
 
     counts = np.zeros((2, vocab * vocab))
     for i in range(trials):

@@ -11,6 +11,7 @@ import pytest
 
 from lattice_mlx import bench
 from lattice_mlx import bench_stats as bs
+from lattice_mlx.models import compiled
 from lattice_mlx.synthetic import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def test_acceptance_experiment_on_checkpoint(tiny_target, tmp_path):
     lock = {"path": str(tmp_path / "lock"), "timeout": 5.0, "waited_s": 0.0}
     result = bench.experiment_acceptance(tiny_target, args, lock)
     legs = {g["temp"]: [s["leg"] for s in g["legs"]] for g in result["groups"]}
-    assert legs[0.0] == ["plain", "batched-K1", "batched-K2", "batched-K1-pre", "batched-K2-pre"]
+    assert legs[0.0] == ["plain", "batched-K1", "batched-K2"]
     for g in result["groups"]:
         for s in g["legs"][1:]:
             assert s["drafts"] == "real MTP head" and len(s["accepted_per_position"]) == s["k"]
@@ -177,7 +178,7 @@ def test_compiled_twins_are_measured_against_compiled_plain(tiny_target):
                      "batched-K2+compile": pytest.approx(1.1)}
 
 
-def test_compile_ab_twins_and_env():
+def test_compile_ab_twins_and_forced_path(monkeypatch):
     legs = [bench.Leg("stock"), bench.Leg("plain"), bench.Leg("mtp", "batched", 2)]
     ab = bench.with_compile_ab(legs, True)
     assert [leg.name for leg in ab] == ["stock", "plain", "plain+compile", "batched-K2", "batched-K2+compile"]
@@ -186,13 +187,13 @@ def test_compile_ab_twins_and_env():
 
     def stream():
         for i in range(3):
-            seen.append(os.environ.get("LATTICE_COMPILE"))
+            seen.append(compiled.enabled())
             yield i
 
-    before = os.environ.get("LATTICE_COMPILE")
-    assert list(bench._compile_env(stream(), True)) == [0, 1, 2] and seen == ["1", "1", "1"]
-    assert os.environ.get("LATTICE_COMPILE") == before
-    seen.clear()
-    assert list(bench._compile_env(stream(), False)) == [0, 1, 2] and seen == ["0", "0", "0"]
-    seen.clear()
-    assert list(bench._compile_env(stream(), None)) == [0, 1, 2] and seen == [before] * 3  # the user's setting
+    for env in ("0", "1"):
+        monkeypatch.setenv("LATTICE_COMPILE", env)
+        for forced, expected in ((True, True), (False, False), (None, env == "1")):
+            seen.clear()
+            bench.timed_run(stream(), (1, 3), compiled_path=forced)
+            assert seen == [expected] * 3, (env, forced)
+            assert compiled.enabled() == (env == "1")  # the user's setting again after the run

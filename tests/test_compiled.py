@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from lattice_mlx import load
-from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.load import load_model
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import SpecStats, speculative_step
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
 
 PROMPT = [5, 9, 33, 21, 7, 100, 3, 3, 17]
 # Relative tolerance (of max(1, |reference|)) between the compiled and the layer path. fp32 throughout, on the GPU
@@ -123,8 +124,8 @@ def test_compiled_greedy_mtp_equals_plain_greedy(checkpoints, monkeypatch, k):
     plain = generate_step(model, mx.array(PROMPT), sampler=Sampler())
     ref = [next(plain) for _ in range(40)]
     monkeypatch.setenv("LATTICE_COMPILE", "1")
-    gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), stats=SpecStats(k, "batched"),
-                           draft_tokens=k)
+    options = SpecOptions(draft_tokens=k, adaptive=False)
+    gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert [next(gen) for _ in range(40)] == ref
     assert model.mtp.__dict__.get("_compiled") is not None
 
@@ -139,10 +140,10 @@ def test_compiled_demo_greedy_mtp_and_sampling_match(monkeypatch):
     prompt = "def fibonacci(n):\n"
     ref = generate(model, tok, prompt, max_tokens=48, chat_template=False)
     mx.random.seed(7)
-    sampled_ref = generate(model, tok, prompt, max_tokens=32, temp=0.7, mtp=True, chat_template=False)
+    mtp = SpecOptions(adaptive=False)
+    sampled_ref = generate(model, tok, prompt, max_tokens=32, temp=0.7, speculation=mtp, chat_template=False)
     monkeypatch.setenv("LATTICE_COMPILE", "1")
-    assert generate(model, tok, prompt, max_tokens=48, mtp=True, draft_tokens=2, chat_template=False).tokens == \
-        ref.tokens
+    assert generate(model, tok, prompt, max_tokens=48, speculation=mtp, chat_template=False).tokens == ref.tokens
     mx.random.seed(7)
-    assert generate(model, tok, prompt, max_tokens=32, temp=0.7, mtp=True, chat_template=False).tokens == \
+    assert generate(model, tok, prompt, max_tokens=32, temp=0.7, speculation=mtp, chat_template=False).tokens == \
         sampled_ref.tokens

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lattice_mlx import generate, load
+from lattice_mlx import SpecOptions, generate, load
 from lattice_mlx.load import DEMO_MODEL
 
 MAX_BYTES = 12_000_000
@@ -41,7 +41,7 @@ def test_mtp_greedy_equals_plain_greedy(demo, k):
     model, tokenizer = demo
     prompt = "class Queue:\n    def __init__(self):\n"
     plain = generate(model, tokenizer, prompt, max_tokens=60)
-    spec = generate(model, tokenizer, prompt, max_tokens=60, mtp=True, draft_tokens=k)
+    spec = generate(model, tokenizer, prompt, max_tokens=60, speculation=SpecOptions(draft_tokens=k, adaptive=False))
     assert spec.tokens == plain.tokens
     # A trained head, unlike a random one, gets drafts accepted.
-    assert spec.mtp["acceptance_rate"] > 0.1
+    assert spec.speculation["acceptance_rate"] > 0.1

@@ -6,19 +6,20 @@ import pytest
 from conftest import two_token_pvalue
 
 from lattice_mlx import load
+from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.drafters import NgramDrafter, SelfSpecDrafter, parse_layers
-from lattice_mlx.generate import generate_step, prefill
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import SpecStats, speculative_step
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
 
 # A prompt that repeats itself, so prompt lookup finds matches (copy-heavy workload).
 COPY_PROMPT = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9]
 
 
-def spec_tokens(model, prompt, n, draft, **kw):
-    stats = SpecStats(kw.get("draft_tokens", 3), "batched", draft)
-    gen = speculative_step(model, mx.array(prompt), sampler=kw.pop("sampler", Sampler()), stats=stats,
-                           draft=draft, **kw)
+def spec_tokens(model, prompt, n, draft, *, sampler=None, **options):
+    options = SpecOptions(draft=draft, **{"draft_tokens": 3, "adaptive": False, **options})
+    stats = SpecStats.of(options)
+    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
 
@@ -32,7 +33,7 @@ def test_every_source_is_exact_under_greedy(checkpoints, draft, verify):
             plain = [next(steps) for _ in range(40)]
             spec, stats = spec_tokens(model, prompt, 40, draft, verify=verify)
             assert spec == plain, (name, draft, prompt)
-            assert stats["draft_source"] == draft
+            assert stats["draft"] == draft
 
 
 def test_ngram_proposes_on_repeated_text_and_stays_exact(checkpoints):
@@ -100,10 +101,10 @@ def test_cli_draft_sources(checkpoints):
     base = [sys.executable, "-m", "lattice_mlx.generate", "--model", str(checkpoints["tied"]), "--prompt", "a b a b",
             "--max-tokens", "12", "--json", "--no-chat-template"]
     plain = json.loads(subprocess.run(base, capture_output=True, text=True).stdout.splitlines()[-1])["tokens"]
-    for extra, env in ((["--draft", "mtp+ngram"], {}), ([], {"LATTICE_SELF_SPEC": "1"})):
-        out = subprocess.run(base + extra, capture_output=True, text=True, env={**__import__("os").environ, **env})
+    for draft in ("mtp+ngram", "self"):
+        out = subprocess.run(base + ["--draft", draft, "--no-adaptive"], capture_output=True, text=True)
         result = json.loads(out.stdout.splitlines()[-1])
-        assert result["tokens"] == plain and result["draft_source"] in ("mtp+ngram", "self")
+        assert result["tokens"] == plain and result["speculation"]["draft"] == draft
     bad = subprocess.run(base + ["--draft", "self:99"], capture_output=True, text=True)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
 

@@ -1,6 +1,7 @@
 """The generate API and CLI: mlx-lm compatibility, JSON output, and one-line errors for everything a user can get wrong."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,9 +11,9 @@ import pytest
 from lattice_mlx import generate, load, stream_generate
 
 
-def run_cli(*args, stdin: str | None = None, module: str = "lattice_mlx.generate"):
+def run_cli(*args, stdin: str | None = None, module: str = "lattice_mlx.generate", env: dict | None = None):
     return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_mlx_lm_stream_generate_runs_the_model_with_the_same_greedy_tokens(checkpoints):
@@ -49,14 +50,23 @@ def test_cli_json_and_stdin_prompt(checkpoints):
 def test_cli_mtp_json_stats_and_exactness(checkpoints):
     base = ["--model", str(checkpoints["tied"]), "--prompt", "hello", "--max-tokens", "16", "--json"]
     plain = json.loads(run_cli(*base).stdout.splitlines()[-1])
-    spec = run_cli(*base, "--mtp", "--draft-tokens", "3")
+    assert "speculation" not in plain
+    spec = run_cli(*base, "--mtp", "--draft-tokens", "3", "--no-adaptive")
     assert spec.returncode == 0, spec.stderr
     result = json.loads(spec.stdout.splitlines()[-1])
     assert result["tokens"] == plain["tokens"]
+    stats = result["speculation"]
     for key in ("acceptance_rate", "accepted_per_position", "mean_accepted_length", "draft_tokens", "verify",
-                "rounds"):
-        assert key in result
-    assert result["draft_tokens"] == 3 and result["verify"] == "batched"
+                "rounds", "proposed_at", "accepted_at", "accepted_hist", "draft_time_s", "verify_time_s"):
+        assert key in stats
+    assert stats["draft"] == "mtp" and stats["draft_tokens"] == 3 and stats["verify"] == "batched"
+    assert sum(stats["accepted_hist"]) == stats["rounds"] and stats["proposed_at"] == [stats["rounds"]] * 3
+    by_env = json.loads(run_cli(*base, "--draft-tokens", "3", "--no-adaptive", env={"LATTICE_MTP": "1"})
+                        .stdout.splitlines()[-1])
+    times = ("draft_time_s", "verify_time_s", "rollback_time_s")
+    assert by_env["tokens"] == plain["tokens"]
+    assert {k: v for k, v in by_env["speculation"].items() if k not in times} == \
+        {k: v for k, v in stats.items() if k not in times}
 
 
 def _corrupt(src, dst, how):
@@ -107,10 +117,17 @@ def test_cli_bad_checkpoint_is_one_line(checkpoints, tmp_path, how, message):
     (["--top-p", "0"], "--top-p"),
     (["--draft-tokens", "9"], "--draft-tokens"),
     (["--verify", "tree"], "--verify"),
+    (["--mtp", "--draft", "ngram"], "two draft sources"),
+    (["--tree", "2-x"], "bad tree shape"),
+    (["--draft", "bogus"], "unknown draft source"),
+    (["--env", "LATTICE_MTP=yes"], "LATTICE_MTP"),
+    (["--env", "LATTICE_KERNELS=bogus"], "LATTICE_KERNELS"),
+    (["--env", "LATTICE_COMPILE=2"], "LATTICE_COMPILE"),
 ])
 def test_cli_bad_flags_are_one_line(args, message, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = run_cli(*args)
+    env = dict([args[1].split("=")]) if args[0] == "--env" else {}
+    out = run_cli(*(["--max-tokens", "2"] if env else args), env=env)
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr

@@ -7,8 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lattice_mlx.convert import convert, quantize
-from lattice_mlx.load import LoadError, load, read_weights, sanitize
+from lattice_mlx.convert import convert
+from lattice_mlx.load import LoadError, load, quantize, read_weights
+from lattice_mlx.models.qwen3_5 import sanitize
 
 IDS = mx.array([[3, 17, 250, 9, 64, 128, 5, 77]])
 
@@ -30,6 +31,26 @@ def test_sanitize_is_idempotent_and_shifts_norms_once(checkpoints):
     gated = "model.layers.0.linear_attn.norm.weight"
     assert mx.array_equal(once[gated], raw[gated.replace("model.", "model.language_model.", 1)])
     assert once["model.layers.0.linear_attn.conv1d.weight"].shape[-1] == 1
+
+
+def test_top_level_tie_with_a_shipped_lm_head_loads_and_converts(checkpoints, tmp_path):
+    """tie_word_embeddings only at the top level of a hub config, lm_head.weight still in the file: the tied model
+    ignores it, in load() and in convert() alike (they share one load path)."""
+    from safetensors.numpy import load_file, save_file
+
+    src = shutil.copytree(checkpoints["tied"], tmp_path / "toplevel")
+    config = json.loads((src / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    del config["text_config"]["tie_word_embeddings"]
+    (src / "config.json").write_text(json.dumps(config))
+    w = load_file(str(src / "model.safetensors"))
+    w["lm_head.weight"] = w["model.language_model.embed_tokens.weight"] * 3.0  # would change the logits if used
+    save_file(w, str(src / "model.safetensors"))
+    ref, _ = load(checkpoints["tied"])
+    model, _ = load(src)
+    converted, _ = load(convert(str(src), str(tmp_path / "out"), mtp_dtype=None))
+    assert model.args.tie_word_embeddings and converted.args.tie_word_embeddings
+    assert mx.array_equal(model(IDS), ref(IDS)) and mx.array_equal(converted(IDS), ref(IDS))
 
 
 def test_mtp_weights_survive_load_and_convert(checkpoints, tmp_path):

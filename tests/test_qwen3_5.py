@@ -75,7 +75,7 @@ def test_incremental_decode_equals_full_forward(checkpoint):
 
 
 def test_chunked_prefill_equals_one_shot(checkpoint):
-    from lattice_mlx.generate import prefill
+    from lattice_mlx.decode import prefill
 
     model, _ = load(checkpoint)
     ids = mx.array(IDS)

@@ -4,22 +4,25 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import lattice_mlx
 from lattice_mlx import load
 from lattice_mlx.convert import convert
-from lattice_mlx.generate import generate_step
+from lattice_mlx.decode import generate_step
 from lattice_mlx.rotate import rotate_model, rotation
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import SpecStats, speculative_step
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
 
 IDS = mx.array([[3, 17, 250, 9, 64, 128, 5, 77, 300, 12]])
 
 
 def mtp_logits(model, mode: str) -> mx.array:
     """Target forward, then one MTP step at every position, through the same basis changes the drafter uses."""
-    _, hidden = model(IDS, return_hidden=mode)
     head = model.mtp
+    head.input_hidden = mode
+    _, hidden = model(IDS, return_hidden=True)
     emb = model.model.embed_tokens(mx.array([[17, 250, 9, 64, 128, 5, 77, 300, 12, 4]]))
-    x = head(emb, head.from_target(hidden, mode))
+    x = head(emb, head.from_target(hidden))
     return model.lm_logits(head.to_target(head.norm(x)))
 
 
@@ -70,7 +73,8 @@ def test_greedy_mtp_equals_plain_on_rotated_q4(checkpoints, tmp_path, group_size
     prompt = mx.array([5, 9, 33, 21, 7, 100])
     steps = generate_step(model, prompt, sampler=Sampler())
     plain = [next(steps) for _ in range(40)]
-    gen = speculative_step(model, prompt, sampler=Sampler(), stats=SpecStats(3, "batched"), draft_tokens=3)
+    options = SpecOptions(draft_tokens=3, adaptive=False)
+    gen = speculative_step(model, prompt, sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert [next(gen) for _ in range(40)] == plain
 
 
@@ -99,14 +103,14 @@ def test_demo_head_needs_its_counter_rotation():
     import json
     from pathlib import Path
 
-    prompts = json.loads((Path(__file__).parents[1] / "scripts" / "demo_heldout_prompts.json").read_text())
+    prompts = json.loads((Path(lattice_mlx.__file__).parent / "assets" / "prompts" / "demo_heldout.json").read_text())
     ref, tok = _dense_demo()
     ids = mx.array([tok.encode("".join(p["prompt"] for p in prompts["prompts"][:6]))[:200]])
 
     def agreement(model):
-        logits, hidden = model(ids, return_hidden="post")
+        logits, hidden = model(ids, return_hidden=True)
         head = model.mtp
-        u = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1], "post"))
+        u = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1]))
         draft = mx.argmax(model.lm_logits(head.to_target(head.norm(u)))[0, :-1], axis=-1)
         return (draft == mx.argmax(logits[0, 1:-1], axis=-1)).mean().item()
 

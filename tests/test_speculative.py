@@ -6,16 +6,21 @@ import pytest
 
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
-from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import OracleDrafter, SpecStats, speculative_step
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
+from lattice_mlx.synthetic import OracleDrafter
 
 PROMPTS = [[5, 9, 33, 21, 7, 100], [250], [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]]
 
 
-def run_spec(model, prompt, n, **kw):
-    stats = SpecStats(kw.get("draft_tokens", 2), kw.get("verify", "batched"))
-    gen = speculative_step(model, mx.array(prompt), sampler=kw.pop("sampler", Sampler()), stats=stats, **kw)
+def run_spec(model, prompt, n, *, sampler=None, drafter=None, **options):
+    """n tokens of speculative decoding (fixed K unless adaptive=True is asked for) and the stats as the JSON has them."""
+    options = SpecOptions(**{"adaptive": False, **options})
+    stats = SpecStats.of(options)
+    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+                           drafter=drafter)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
 

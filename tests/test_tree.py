@@ -8,18 +8,20 @@ from conftest import two_token_pvalue
 
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
-from lattice_mlx.generate import generate_step, prefill
+from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import gated_delta_ref, gated_delta_tree_ref
 from lattice_mlx.models.qwen3_5 import Tree
 from lattice_mlx.sample import Sampler
-from lattice_mlx.tree import TreeStats, parse_shape, tree_step
+from lattice_mlx.spec import SpecOptions, SpecStats, parse_tree
+from lattice_mlx.synthetic import OracleTreeDrafter
+from lattice_mlx.tree import tree_step
 
 PROMPT = [5, 9, 33, 21, 7, 100]
 PARENTS = (-1, 0, 0, 1, 1, 2, 3)  # root y; two children; 1 has two, 2 has one; 3 has one
 
 
 def tree_tokens(model, prompt, n, shape, sampler=None):
-    stats = TreeStats(shape)
+    stats = SpecStats.of(SpecOptions(tree="-".join(map(str, shape))))
     gen = tree_step(model, mx.array(prompt), sampler=sampler or Sampler(), shape=shape, stats=stats)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
@@ -30,7 +32,7 @@ def test_greedy_tree_equals_plain_greedy(checkpoints, shape):
         model, _ = load(path)
         steps = generate_step(model, mx.array(PROMPT), sampler=Sampler())
         plain = [next(steps) for _ in range(40)]
-        out, stats = tree_tokens(model, PROMPT, 40, parse_shape(shape))
+        out, stats = tree_tokens(model, PROMPT, 40, parse_tree(shape))
         assert out == plain, (name, shape)
         assert stats["tree"] == shape
 
@@ -92,7 +94,7 @@ def test_tree_helpers():
     assert np.array(tree.conv_windows(4))[6].tolist() == [3, 4, 6, 9]  # path 0, 1, 3, 6 after 3 conv-state rows
     for bad in ("", "0", "2-x", "1-1-1-1-1-1-1-1-1"):
         with pytest.raises(ValueError):
-            parse_shape(bad)
+            parse_tree(bad)
 
 
 @pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -106,19 +108,17 @@ def test_tree_sampling_keeps_the_distribution(temp, top_p, tiny_vocab_model):
 def test_generate_api_and_cli_accept_a_tree(checkpoints):
     model, tok = load(checkpoints["tied"])
     plain = generate(model, tok, PROMPT, max_tokens=20).tokens
-    result = generate(model, tok, PROMPT, max_tokens=20, tree="2-1")
-    assert result.tokens == plain and result.mtp["tree"] == "2-1"
+    result = generate(model, tok, PROMPT, max_tokens=20, speculation=SpecOptions(tree="2-1"))
+    assert result.tokens == plain and result.speculation["tree"] == "2-1"
 
 
 @pytest.mark.parametrize("shape,p", [("1-1-1", 1.0), ("2-2", 1.0), ("3", 0.0), ("2-1", 0.6), ("1-1-1-1", 0.5)])
 def test_oracle_tree_is_exact_and_accepts_as_asked(checkpoints, shape, p):
-    from lattice_mlx.tree import OracleTreeDrafter
-
     model, _ = load(checkpoints["tied"])
     plain = generate_step(model, mx.array(PROMPT), sampler=Sampler())
     reference = [next(plain) for _ in range(160)]
-    dims = parse_shape(shape)
-    stats = TreeStats(dims)
+    dims = parse_tree(shape)
+    stats = SpecStats.of(SpecOptions(tree=shape))
     drafter = OracleTreeDrafter(model, dims, reference, p, seed=1)
     gen = tree_step(model, mx.array(PROMPT), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
     assert [next(gen) for _ in range(120)] == reference[:120]
@@ -134,5 +134,5 @@ def test_oracle_tree_is_exact_and_accepts_as_asked(checkpoints, shape, p):
         width, hit = dims[0], 1.0
         for r in range(width):
             hit *= 1 - p * 0.6**r
-        first = 1 - s["accepted_depth_hist"][0] / s["rounds"]
+        first = 1 - s["accepted_hist"][0] / s["rounds"]
         assert abs(first - (1 - hit)) < 3 * np.sqrt((1 - hit) * hit / s["rounds"]) + 0.02

@@ -9,8 +9,8 @@ warnings.filterwarnings("ignore", message=r".*found in sys.modules after import 
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
 from .load import LoadError, load  # noqa: E402
 from .sample import Sampler  # noqa: E402
-from .speculative import SpecStats  # noqa: E402
+from .spec import SpecOptions, SpecStats  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResponse", "GenerationResult", "LoadError", "Sampler", "SpecStats", "generate", "load",
-           "stream_generate"]
+__all__ = ["GenerationResponse", "GenerationResult", "LoadError", "Sampler", "SpecOptions", "SpecStats", "generate",
+           "load", "stream_generate"]

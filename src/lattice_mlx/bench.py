@@ -2,31 +2,53 @@
 synthetic oracle-draft speedup curve, live MTP acceptance, and prefill; `python -m lattice_mlx.bench`.
 
 Every timed run holds a file lock; legs run interleaved ABBA in one process; decode rate is the slope between two
-generation lengths. Results (JSON, markdown, PNG) go to --out; the terminal gets a table, then one JSON line."""
+generation lengths. This module runs the legs; bench_report.py writes the JSON, markdown and PNG results to --out;
+the terminal gets a table, then one JSON line."""
 
 import dataclasses
 import datetime
 import fcntl
+import importlib
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
+from mlx_lm.sample_utils import make_sampler
 
 from . import bench_stats as bs
-from .generate import ArgumentParser, generate_step
+from .bench_report import (
+    SYNTHETIC,
+    device_name,
+    git_revision,
+    group_tables,
+    headline,
+    make_plots,
+    peer_status,
+    text_table,
+    write_markdown,
+)
+from .cli import ArgumentParser
+from .decode import generate_step
+from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, resolve_path
+from .models import compiled
+from .models.fuse import hf_parameters
 from .sample import Sampler
-from .speculative import OracleDrafter, SpecStats, speculative_step
-from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, hub_config
+from .spec import SpecOptions, SpecStats
+from .speculative import speculative_step
+from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, OracleDrafter, hub_config, random_model
 
 DEFAULT_MODEL = "0.8b"
 DEFAULT_OUT = "bench_out"
@@ -68,8 +90,7 @@ CODE_PROMPTS = [
     "def read_config(path):\n    with open(path) as f:\n",
     "for i, line in enumerate(lines):\n    if line.startswith('#'):\n",
 ]
-HELDOUT_PROMPTS = Path(__file__).resolve().parents[2] / "scripts" / "demo_heldout_prompts.json"
-SYNTHETIC = "SYNTHETIC (oracle drafts)"
+HELDOUT_PROMPTS = files("lattice_mlx") / "assets" / "prompts" / "demo_heldout.json"
 
 
 def log(msg: str) -> None:
@@ -109,8 +130,7 @@ class Leg:
     k: int = 0
     adaptive: bool = False
     p: float | None = None
-    hidden: str = "post"
-    compiled: bool | None = None  # --compile-ab: LATTICE_COMPILE forced to 1 / 0 while the leg runs; None: as set
+    compiled: bool | None = None  # --compile-ab: the compiled path forced on / off while the leg runs; None: as set
 
     @property
     def name(self) -> str:
@@ -118,7 +138,7 @@ class Leg:
             return self.kind + ("+compile" if self.compiled else "")
         name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
         name += f"-oracle{self.p:g}" if self.p is not None else ""
-        return name + ("-pre" if self.hidden == "pre" else "") + ("+compile" if self.compiled else "")
+        return name + ("+compile" if self.compiled else "")
 
 
 def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
@@ -132,27 +152,6 @@ def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
         else:
             out += [dataclasses.replace(leg, compiled=False), dataclasses.replace(leg, compiled=True)]
     return out
-
-
-def _compile_env(stream, compiled: bool | None):
-    """The stream with LATTICE_COMPILE set for each step it computes (legs of one process interleave); None leaves
-    the environment as the user set it."""
-    if compiled is None:
-        yield from stream
-        return
-    while True:
-        before = os.environ.get("LATTICE_COMPILE")
-        os.environ["LATTICE_COMPILE"] = "1" if compiled else "0"
-        try:
-            token = next(stream)
-        except StopIteration:
-            return
-        finally:
-            if before is None:
-                os.environ.pop("LATTICE_COMPILE", None)
-            else:
-                os.environ["LATTICE_COMPILE"] = before
-        yield token
 
 
 @dataclass
@@ -185,9 +184,6 @@ class Target:
 def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, seed: int, stock: bool) -> Target:
     """A random in-memory model of a named shape, 'demo', or a checkpoint directory, plus mlx-lm's own model on the
     same weight arrays for the stock leg."""
-    from .load import DEMO_MODEL, DTYPES, load_model, load_tokenizer, resolve_path
-    from .synthetic import random_model
-
     if name in SHAPES:
         mx.random.seed(seed)
         # float32 everywhere by default: on the H200 in bf16, the near-uniform logits of random weights let the
@@ -213,16 +209,11 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
 def build_stock(model, config: dict):
     """mlx-lm's own Qwen3.5 model sharing our parameter arrays (names model.X -> language_model.model.X), quantized
     the same way; returns it and the max |logit difference| against ours on a short prompt."""
-    import mlx.nn as nn
-    from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
-
     stock = mlx_lm_qwen3_5.Model(mlx_lm_qwen3_5.ModelArgs.from_dict({**config, "model_type": "qwen3_5"}))
     theirs = ["linear_attention" if layer.is_linear else "full_attention" for layer in stock.language_model.layers]
     if theirs != model.args.layer_types:
         raise ValueError("mlx-lm derives the layer pattern from full_attention_interval; this config's layer_types "
                          "differ from it")
-    from .models.fuse import hf_parameters
-
     weights = {"language_model." + k: v for k, v in hf_parameters(model).items() if not k.startswith("mtp.")}
     quantized = [m for _, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")]
     if quantized:
@@ -265,35 +256,32 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
     """(iterator of token ids, SpecStats or None) for one leg."""
     sampler = Sampler(temp=temp)
     if leg.kind == "stock":
-        import importlib
-
-        from mlx_lm.sample_utils import make_sampler
-
         mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the package re-exports a function of that name
         steps = mlx_lm_generate.generate_step(mx.array(ids), target.stock, max_tokens=n_max,
                                               sampler=make_sampler(temp=temp))
         return (token for token, _ in steps), None
     if leg.kind == "plain":
-        return _compile_env(generate_step(target.model, mx.array(ids), sampler=sampler), leg.compiled), None
-    stats = SpecStats(draft_tokens=leg.k, verify=leg.verify)
-    drafter = None
-    if leg.p is not None:
-        drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed, mode=leg.hidden)
-    stream = speculative_step(target.model, mx.array(ids), sampler=sampler, stats=stats, draft_tokens=leg.k,
-                              verify=leg.verify, mtp_hidden=leg.hidden, adaptive=leg.adaptive, drafter=drafter)
-    return _compile_env(stream, leg.compiled), stats
+        return generate_step(target.model, mx.array(ids), sampler=sampler), None
+    options = SpecOptions(draft_tokens=leg.k, verify=leg.verify, adaptive=leg.adaptive)
+    stats = SpecStats.of(options)
+    drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed) if leg.p is not None else None
+    stream = speculative_step(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
+                              drafter=drafter)
+    return stream, stats
 
 
-def timed_run(stream, lengths: tuple[int, int]) -> dict:
-    """Consumes tokens up to the second length; stamps the first token and both lengths."""
+def timed_run(stream, lengths: tuple[int, int], *, compiled_path: bool | None = None) -> dict:
+    """Consumes tokens up to the second length; stamps the first token and both lengths. `compiled_path` forces the
+    compiled decode path on / off for the run (None: as LATTICE_COMPILE says)."""
     n1, n2 = lengths
     stamps, tic = {}, time.perf_counter()
     try:
-        for n, _ in enumerate(stream, start=1):
-            if n in (1, n1, n2):
-                stamps[n] = time.perf_counter() - tic
-            if n >= n2:
-                break
+        with compiled.forced(compiled_path):
+            for n, _ in enumerate(stream, start=1):
+                if n in (1, n1, n2):
+                    stamps[n] = time.perf_counter() - tic
+                if n >= n2:
+                    break
     finally:
         if hasattr(stream, "close"):
             stream.close()
@@ -306,27 +294,13 @@ class LegRecord:
     leg: Leg
     runs: list[dict] = field(default_factory=list)
     peak_memory: int = 0
-    spec: dict | None = None  # SpecStats summed over runs
+    spec: SpecStats | None = None  # summed over runs
 
     def add(self, run: dict, stats: SpecStats | None, peak: int) -> None:
         self.runs.append(run)
         self.peak_memory = max(self.peak_memory, peak)
-        if stats is None:
-            return
-        if self.spec is None:
-            self.spec = {"draft_tokens": stats.draft_tokens, "verify": stats.verify, "rounds": 0, "proposed_at": [],
-                         "accepted_at": [], "draft_time_s": 0.0, "verify_time_s": 0.0, "rollback_time_s": 0.0,
-                         "decisions": []}
-        s = self.spec
-        for key in ("proposed_at", "accepted_at"):
-            old, new = s[key], getattr(stats, key)
-            n = max(len(old), len(new))
-            s[key] = [a + b for a, b in zip(old + [0] * (n - len(old)), new + [0] * (n - len(new)))]
-        s["rounds"] += stats.rounds
-        s["draft_time_s"] += stats.draft_s
-        s["verify_time_s"] += stats.verify_s
-        s["rollback_time_s"] += stats.rollback_s
-        s["decisions"] += stats.decisions
+        if stats is not None:
+            self.spec = stats if self.spec is None else self.spec + stats
 
 
 def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp: float, reps: int,
@@ -340,7 +314,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
             references[i] = [t for t, _ in zip(stream, range(n_max + 8))]
     for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
         stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=references.get(0), seed=seed)
-        timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1))
+        timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=leg.compiled)
     records = {leg.name: LegRecord(leg) for leg in legs}
     for rep in range(reps):
         i = rep % len(prompts)
@@ -350,7 +324,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
                                          seed=seed * 1000 + rep)
             mx.reset_peak_memory()
             with bench_lock(lock["path"], timeout=lock["timeout"]) as waited:
-                run = timed_run(stream, lengths)
+                run = timed_run(stream, lengths, compiled_path=leg.compiled)
             lock["waited_s"] += waited
             run["prompt"] = i
             records[leg.name].add(run, stats, mx.get_peak_memory())
@@ -372,7 +346,7 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
     """Rates, ratios against plain and stock (paired by repetition), acceptance, time split, costs, break-even."""
     rates = [r["tok_s"] for r in rec.runs]
     out = {"leg": rec.leg.name, "kind": rec.leg.kind, "verify": rec.leg.verify if rec.leg.kind == "mtp" else None,
-           "k": rec.leg.k or None, "adaptive": rec.leg.adaptive, "hidden": rec.leg.hidden,
+           "k": rec.leg.k or None, "adaptive": rec.leg.adaptive,
            "drafts": None if rec.leg.kind != "mtp" else (SYNTHETIC + f" p={rec.leg.p:g}" if rec.leg.p is not None
                                                         else "real MTP head"),
            "tok_s": bs.summarize(rates), "ttft_s": bs.summarize([r["ttft_s"] for r in rec.runs]), "runs": rec.runs,
@@ -384,15 +358,12 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
             out[f"vs_{key}"] = bs.paired_ratio(rates, [r["tok_s"] for r in records[base].runs])
     if rec.spec is None:
         return out
-    s = rec.spec
-    drafted, accepted = sum(s["proposed_at"]), sum(s["accepted_at"])
+    s = rec.spec.to_dict()
     total = s["draft_time_s"] + s["verify_time_s"] + s["rollback_time_s"]
     out.update({
-        "rounds": s["rounds"], "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "accepted_per_position": [a / p if p else 0.0 for a, p in zip(s["accepted_at"], s["proposed_at"])],
-        "mean_accepted_length": accepted / s["rounds"] if s["rounds"] else 0.0,
+        "speculation": s,
         "time_split": {k: s[f"{k}_time_s"] / total if total else 0.0 for k in ("draft", "verify", "rollback")},
-        "decisions": s["decisions"][:5], "spec_stats": {k: v for k, v in s.items() if k != "decisions"},
+        **{k: s[k] for k in ("rounds", "acceptance_rate", "accepted_per_position", "mean_accepted_length")},
     })
     if rec.leg.adaptive:
         return out
@@ -409,12 +380,12 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
 
 # --- experiments --------------------------------------------------------------------------------------------------
 
-def mtp_legs(verifies: list[str], ks: list[str], *, p: float | None, hidden: str = "post") -> list[Leg]:
+def mtp_legs(verifies: list[str], ks: list[str], *, p: float | None) -> list[Leg]:
     legs = []
     for verify in verifies:
         for k in ks:
             adaptive = k == "adaptive"
-            legs.append(Leg("mtp", verify, 4 if adaptive else int(k), adaptive, p, hidden))
+            legs.append(Leg("mtp", verify, 4 if adaptive else int(k), adaptive, p))
     return legs
 
 
@@ -468,17 +439,15 @@ def experiment_oracle(target: Target, args, lock: dict) -> dict:
 
 
 def experiment_acceptance(target: Target, args, lock: dict) -> dict:
-    """Live (unforced) acceptance of the real MTP head, K = 1..4, per temperature and hidden (post/pre), with plain
-    vs MTP tok/s; one repetition per prompt."""
+    """Live (unforced) acceptance of the real MTP head, K = 1..4, per temperature, with plain vs MTP tok/s; one
+    repetition per prompt."""
     workloads = args.workloads.split(",") if args.workloads != "prose,code,json" else ["code"]
     groups = []
     for workload in workloads:
         prompts = workload_prompts(target, workload, args.prompts or 20, tokens=args.prompt_tokens, seed=args.seed)
         for temp in parse_floats(args.temps):
-            legs = [Leg("plain")]
-            for hidden in args.hidden.split(","):
-                legs += mtp_legs(args.verify.split(",")[:1], [k for k in args.k.split(",") if k != "adaptive"],
-                                 p=None, hidden=hidden)
+            legs = [Leg("plain")] + mtp_legs(args.verify.split(",")[:1],
+                                             [k for k in args.k.split(",") if k != "adaptive"], p=None)
             records = run_group(target, legs, prompts, temp=temp, reps=max(args.reps, len(prompts)),
                                 lengths=args.lengths, lock=lock, seed=args.seed,
                                 label=f"acceptance {workload} temp={temp:g}")
@@ -516,45 +485,7 @@ EXPERIMENTS = {"decode": experiment_decode, "oracle": experiment_oracle, "accept
                "prefill": experiment_prefill}
 
 
-# --- provenance, reports, plots -----------------------------------------------------------------------------------
-
-def git_revision() -> tuple[str, bool | None]:
-    if os.environ.get("LATTICE_GIT_REV"):
-        return os.environ["LATTICE_GIT_REV"], None
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-        return rev or "unknown", bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-
-
-def device_name() -> str:
-    try:
-        info = mx.device_info()
-        return str(info.get("device_name") or info.get("architecture") or info)
-    except Exception:
-        return platform.processor() or platform.machine()
-
-
-def peer_status() -> dict:
-    """Peer MTP runtimes are imported, never installed: when absent the result file says why."""
-    peers = {}
-    for label, module in (("mlx-vlm qwen3_5_mtp", "mlx_vlm"), ("MTPLX", "mtplx")):
-        try:
-            mod = __import__(module)
-            peers[label] = f"installed ({getattr(mod, '__version__', '?')}); no leg for it in this harness yet"
-        except Exception as e:
-            peers[label] = f"not installed on this backend: {type(e).__name__}: {e}"
-    return peers
-
-
 def run_meta(argv: list[str], target: Target, lock: dict) -> dict:
-    import mlx_lm
-
     rev, dirty = git_revision()
     return {
         "command": shlex.join(["python", "-m", "lattice_mlx.bench", *argv]), "git_revision": rev, "git_dirty": dirty,
@@ -568,155 +499,6 @@ def run_meta(argv: list[str], target: Target, lock: dict) -> dict:
     }
 
 
-def fmt(x, spec: str = ".2f", none: str = "-") -> str:
-    return none if x is None else format(x, spec)
-
-
-def leg_rows(group: dict) -> list[list[str]]:
-    rows = []
-    for s in group["legs"]:
-        t = s["tok_s"]
-        split = s.get("time_split")
-        rows.append([
-            s["leg"], fmt(t["median"], ".1f"), f"{t['min']:.1f}/{t['max']:.1f}",
-            f"{t['cv'] * 100:.0f}%" + (" !" if t["cv_flag"] else ""),
-            fmt((s.get("vs_plain") or {}).get("median"), ".2f"), fmt((s.get("vs_stock") or {}).get("median"), ".2f"),
-            fmt(s.get("alpha")), " ".join(f"{a:.2f}" for a in s.get("accepted_per_position", [])) or "-",
-            fmt(s.get("mean_accepted_length")),
-            "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "rollback")) if split else "-",
-            fmt(s.get("predicted_speedup")), fmt(s.get("break_even_alpha"), ".2f", "never" if "costs_in_plain_steps"
-                                                  in s else "-"),
-            f"{s['peak_memory_gb']:.2f}", f"{s['effective_gb_s']:.1f}",
-        ])
-    return rows
-
-
-LEG_HEADER = ["leg", "tok/s med", "min/max", "CV", "x plain", "x stock", "alpha", "acc per position",
-              "mean acc len", "draft/verify/rollback %", "model x", "break-even alpha", "peak GB", "eff GB/s"]
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows])
-
-
-def group_tables(name: str, result: dict, render) -> list[str]:
-    out = []
-    if name == "prefill":
-        rows = [[r["leg"], str(r["prompt_tokens"]), fmt(r["tok_s"]["median"], ".0f"),
-                 f"{r['tok_s']['min']:.0f}/{r['tok_s']['max']:.0f}", f"{r['tok_s']['cv'] * 100:.0f}%",
-                 fmt((r.get("vs_plain") or {}).get("median"))] for r in result["rows"]]
-        return [render(["leg", "prompt tokens", "tok/s med", "min/max", "CV", "x plain"], rows)]
-    for g in result["groups"]:
-        title = f"{name}: workload {g['workload']}, temp {g['temp']:g}"
-        if name == "oracle" or g.get("oracle_p") is not None:
-            title += f" -- {SYNTHETIC}"
-        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)))
-    return out
-
-
-def write_markdown(out: Path, name: str, result: dict, meta: dict, plots: list[str], plot_note: str) -> None:
-    lines = [f"## {name}" + (f" ({SYNTHETIC})" if name == "oracle" else ""), "",
-             f"`{meta['command']}`", "",
-             (f"git {meta['git_revision']}{' (dirty tree)' if meta['git_dirty'] else ''} | {meta['date']} | "
-              f"backend {meta['backend']} | device {meta['device']} | MLX {meta['mlx_version']} | "
-              f"mlx-lm {meta['mlx_lm_version']} | model {meta['model']}"), ""]
-    if result.get("note"):
-        lines += [f"Note: {result['note']}.", ""]
-    lines += [("Decode tok/s is the slope between two generation lengths; `x plain` / `x stock` are medians of "
-               "ratios paired by repetition (with `--compile-ab`, a `+compile` leg's `x plain` is against "
-               "`plain+compile`, and `plain+compile`'s against `plain`); `alpha` is the pooled per-position "
-               "acceptance; `model x` is the speedup "
-               "the cost model predicts from this leg's measured draft/verify/rollback costs at its alpha; `!` marks "
-               "CV > 20%."), ""]
-    for table in group_tables(name, result, markdown_table):
-        lines += [table, ""]
-    lines += [f"![{p}]({p})" for p in plots] + ([f"_{plot_note}_"] if plot_note else [])
-    lines += ["", "Peers: " + "; ".join(f"{k}: {v}" for k, v in meta["peers"].items()), ""]
-    (out / f"{name}.md").write_text("\n".join(lines))
-    parts = [(out / f"{n}.md").read_text() for n in EXPERIMENTS if (out / f"{n}.md").exists()]
-    (out / "summary.md").write_text("# lattice_mlx benchmark results\n\n" + "\n".join(parts))
-
-
-def make_plots(out: Path, name: str, result: dict) -> tuple[list[str], str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "plots skipped: matplotlib is not installed"
-    files = []
-    if name == "oracle":
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for curve, points in result["curves"].items():
-            xs = [p["alpha"] for p in points]
-            med = [p["speedup"]["median"] for p in points]
-            err = [[m - p["speedup"]["min"] for m, p in zip(med, points)],
-                   [p["speedup"]["max"] - m for m, p in zip(med, points)]]
-            line = ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"{curve} measured")
-            costs = next((p["costs_in_plain_steps"] for p in reversed(points) if p["costs_in_plain_steps"]), None)
-            if costs:
-                grid = np.linspace(0, 1, 51)
-                k = int(curve.rsplit("K", 1)[1].removesuffix("+compile"))
-                ax.plot(grid, [bs.model_speedup(a, k, costs) for a in grid], "--", color=line[0].get_color(),
-                        alpha=0.6)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(xlabel="measured per-position acceptance (forced by oracle drafts)", ylabel="speedup over plain",
-               title=f"{SYNTHETIC}: MTP speedup vs acceptance (dashed: cost model)")
-        ax.legend(fontsize=7)
-        files.append(_save(fig, out, "oracle_speedup.png"))
-    elif name == "prefill":
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for leg in sorted({r["leg"] for r in result["rows"]}):
-            rows = [r for r in result["rows"] if r["leg"] == leg]
-            ax.plot([r["prompt_tokens"] for r in rows], [r["tok_s"]["median"] for r in rows], marker="o", label=leg)
-        ax.set(xscale="log", xlabel="prompt tokens", ylabel="prefill tok/s", title="prefill rate")
-        ax.legend()
-        files.append(_save(fig, out, "prefill.png"))
-    else:
-        groups = result["groups"]
-        fig, axes = plt.subplots(len(groups), 1, figsize=(9, 3.2 * len(groups)), squeeze=False)
-        for ax, g in zip(axes[:, 0], groups):
-            names = [s["leg"] for s in g["legs"]]
-            med = [s["tok_s"]["median"] for s in g["legs"]]
-            err = [[m - s["tok_s"]["min"] for m, s in zip(med, g["legs"])],
-                   [s["tok_s"]["max"] - m for m, s in zip(med, g["legs"])]]
-            ax.bar(range(len(names)), med, yerr=err, capsize=3, color=["C0" if "oracle" not in n else "C1"
-                                                                        for n in names])
-            ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=7)
-            synth = f" -- {SYNTHETIC} p={g['oracle_p']:g} (orange)" if g.get("oracle_p") is not None else ""
-            ax.set(ylabel="tok/s", title=f"{name}: {g['workload']}, temp {g['temp']:g}{synth}")
-        fig.tight_layout()
-        files.append(_save(fig, out, f"{name}_tok_s.png"))
-    return files, ""
-
-
-def _save(fig, out: Path, filename: str) -> str:
-    fig.savefig(out / filename, dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return filename
-
-
-def headline(name: str, result: dict) -> dict:
-    if name == "prefill":
-        return {f"{r['leg']}@{r['prompt_tokens']}": round(r["tok_s"]["median"], 1) for r in result["rows"]}
-    out = {}
-    for g in result["groups"]:
-        for s in g["legs"]:
-            key = f"{g['workload']}/t{g['temp']:g}/{s['leg']}"
-            out[key] = {"tok_s": round(s["tok_s"]["median"], 2),
-                        "x_plain": round(s["vs_plain"]["median"], 3) if s.get("vs_plain") else None}
-            if "alpha" in s:
-                out[key]["alpha"] = round(s["alpha"], 3)
-    return out
 
 
 # --- CLI ----------------------------------------------------------------------------------------------------------
@@ -752,11 +534,10 @@ def setup_arg_parser() -> ArgumentParser:
                    help="decode MTP drafts: auto = oracle on random weights, real MTP head on checkpoints")
     p.add_argument("--oracle-p", type=float, default=0.8, help="decode: oracle per-position acceptance")
     p.add_argument("--oracle-ps", default=DEFAULT_ORACLE_P, help="oracle: acceptance grid")
-    p.add_argument("--hidden", default="post,pre", help="acceptance: hidden fed to the MTP head (A/B)")
     p.add_argument("--prefill-lengths", default=DEFAULT_PREFILL_LENGTHS)
     p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
     p.add_argument("--compile-ab", action="store_true",
-                   help="decode / oracle: add a compiled twin (LATTICE_COMPILE=1) of every lattice leg")
+                   help="decode / oracle: every lattice leg layer by layer and as its compiled twin")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
     p.add_argument("--lock", default=DEFAULT_LOCK, help="lock file held around every timed run (LATTICE_BENCH_LOCK)")
     p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the lock")
@@ -797,7 +578,7 @@ def run(args, argv: list[str]) -> dict:
         meta.update(experiment=name, elapsed_s=round(time.perf_counter() - tic, 1), lock_waited_s=lock["waited_s"])
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
         plots, note = make_plots(out, name, result)
-        write_markdown(out, name, result, meta, plots, note)
+        write_markdown(out, name, result, meta, plots, note, list(EXPERIMENTS))
         print("\n\n".join(group_tables(name, result, text_table)) + "\n")
         lines[name] = headline(name, result)
     return {"out": str(out), "model": target.label, "backend": str(mx.default_device()), "results": lines}
@@ -806,8 +587,6 @@ def run(args, argv: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = setup_arg_parser().parse_args(argv)
-    from .load import LoadError
-
     try:
         line = run(args, argv)
     except (LoadError, ValueError, LockTimeout, OSError) as e:

@@ -8,24 +8,12 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .generate import ArgumentParser
-from .load import (
-    DTYPES,
-    LoadError,
-    build_model,
-    cast_floats,
-    check_weights,
-    checkpoint_dtype,
-    read_config,
-    read_weights,
-    resolve_path,
-    sanitize,
-)
-from .models.qwen3_5 import route_quantized
+from .cli import ArgumentParser
+from .load import DTYPES, LoadError, load_model, quantize, resolve_path
+from .rotate import rotate_model
 
 DEFAULT_Q_BITS = 4
 DEFAULT_Q_GROUP_SIZE = 64
@@ -35,22 +23,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def quantize(model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
-    """Affine-quantizes every Linear/Embedding whose input width divides into groups (the MTP head only if asked)."""
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        if not hasattr(module, "to_quantized") or (path.startswith("mtp.") and not quantize_mtp):
-            return False
-        return module.weight.shape[-1] % group_size == 0
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-    route_quantized(model)
-
-
 def rotate_into(model, config: dict, *, seed: int) -> None:
     """Folds a Hadamard rotation into the (dense) model in fp32 and records it in `config` (lm_head becomes untied)."""
-    from .rotate import rotate_model
-
     if config.get("rotation"):
         raise LoadError("this checkpoint is already rotated")
     if config.get("quantization"):
@@ -91,13 +65,7 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     if dst.exists() and not force:
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
     src = resolve_path(hf_path)
-    config = read_config(src)
-    text = config.get("text_config") or config
-    weights = sanitize(read_weights(src), tie_word_embeddings=text.get("tie_word_embeddings", False))
-    model = build_model(config, weights)
-    check_weights(model, weights)
-    weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
-    model.load_weights(list(weights.items()), strict=True)
+    model, config = load_model(src, dtype=dtype, fuse=False)
     if rotate_seed is not None:
         rotate_into(model, config, seed=rotate_seed)
     if quantize_bits:

@@ -9,8 +9,6 @@ prompt lookup (n-gram), and their hybrid. All share one protocol, so verify / ac
     observe(tokens, hidden)              the verified tokens of a round and the target hidden that precedes each
 """
 
-import random
-
 import mlx.core as mx
 
 from . import cache as caches
@@ -24,12 +22,22 @@ def _pick(sampler: Sampler, logits: mx.array) -> tuple[mx.array, mx.array | None
     return mx.random.categorical(mx.log(q)), q
 
 
+def mtp_step(model, tokens: mx.array, hidden: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+    """One MTP head step: slots pairing embed(tokens [T]) with hidden [T, H] (the head's basis) -> the last slot's
+    logits [V] and the hidden that feeds the next slot [1, H]."""
+    head = model.mtp
+    x = head(model.model.embed_tokens(tokens)[None], hidden[None], cache)[:, -1:]
+    post = head.norm(x)
+    logits = model.lm_logits(head.to_target(post))[0, -1]
+    return logits, (post if head.input_hidden == "post" else x)[0]
+
+
 class MTPDrafter:
     """Drafts with the checkpoint's MTP head. Its KV cache holds one row per verified target position: slot j pairs
     embed(t_{j+1}) with the target hidden h_j (RoPE position j); rows built on the head's own hidden are dropped."""
 
-    def __init__(self, model, sampler: Sampler, mode: str = "post"):
-        self.model, self.sampler, self.mode = model, sampler, mode
+    def __init__(self, model, sampler: Sampler):
+        self.model, self.sampler = model, sampler
         self.cache = model.mtp.make_cache()
         self.tokens, self.hidden, self.drafted = [], [], 0
 
@@ -41,18 +49,15 @@ class MTPDrafter:
         self.hidden.append(hidden)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
-        model, head = self.model, self.model.mtp
-        emb = model.model.embed_tokens(mx.array(self.tokens))[None]
-        h = head.from_target(mx.concatenate(self.hidden)[None], self.mode)
+        tokens, h = mx.array(self.tokens), self.model.mtp.from_target(mx.concatenate(self.hidden))
         self.tokens, self.hidden = [], []
         drafts, qs = [], []
         for _ in range(k):
-            x = head(emb, h, self.cache)[:, -1:]
-            post = head.norm(x)
-            d, q = _pick(self.sampler, model.lm_logits(head.to_target(post))[0, -1])
+            logits, h = mtp_step(self.model, tokens, h, self.cache)
+            d, q = _pick(self.sampler, logits)
             drafts.append(d)
             qs += [q] if q is not None else []
-            emb, h = model.model.embed_tokens(d.reshape(1, 1)), (post if self.mode == "post" else x)
+            tokens = d.reshape(1)
         self.drafted = k
         # Lazy: the verifier builds its graph on these while the GPU computes them (one sync per round).
         return (mx.stack(drafts) if drafts else []), (mx.stack(qs) if qs else None)
@@ -61,30 +66,6 @@ class MTPDrafter:
         if self.drafted:
             caches.rollback(self.cache, self.drafted - 1)
         self.drafted = 0
-
-
-class OracleDrafter(MTPDrafter):
-    """Synthetic drafts for benchmarks and tests (greedy only): runs the MTP head for its cost, then proposes the
-    recorded greedy continuation `reference` (generated tokens) with probability `p_correct` per position, else a
-    token that is surely wrong."""
-
-    def __init__(self, model, sampler: Sampler, reference: list[int], p_correct: float, *, seed: int = 0,
-                 mode: str = "post"):
-        super().__init__(model, sampler, mode)
-        self.reference, self.p_correct = reference, p_correct
-        self.rng = random.Random(seed)
-        self.vocab = model.args.vocab_size
-
-    def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
-        super().start(prompt, first, hidden, cache)
-        self.prompt_len = len(prompt)
-
-    def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        head_drafts, _ = super().propose(history, k)
-        mx.async_eval(head_drafts)  # the head's work is paid, as a real draft's would be
-        pos = len(history) - self.prompt_len
-        truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
-        return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
 
 
 class NgramDrafter:
@@ -225,17 +206,15 @@ class SelfSpecDrafter:
         return (mx.stack(drafts) if drafts else []), (mx.stack(qs) if qs else None)
 
 
-def make_drafter(kind: str, model, sampler: Sampler, *, mtp_hidden: str = "post"):
-    """'mtp', 'self[:LAYERS]', 'ngram', 'mtp+ngram'."""
+def make_drafter(kind: str, model, sampler: Sampler):
+    """'mtp', 'self[:LAYERS]', 'ngram', 'mtp+ngram' (SpecOptions has checked the name)."""
     name, _, arg = kind.partition(":")
     if name in ("mtp", "mtp+ngram") and not model.has_mtp:
         raise ValueError(f"--draft {kind} needs MTP weights (mtp.*), and this checkpoint has none")
-    if name == "mtp":
-        return MTPDrafter(model, sampler, mtp_hidden)
     if name == "self":
         return SelfSpecDrafter(model, sampler, arg or "gdn")
     if name == "ngram":
         return NgramDrafter(model.args.vocab_size)
     if name == "mtp+ngram":
-        return HybridDrafter(NgramDrafter(model.args.vocab_size), MTPDrafter(model, sampler, mtp_hidden))
-    raise ValueError(f"unknown draft source {kind!r}: use mtp, self[:LAYERS], ngram or mtp+ngram")
+        return HybridDrafter(NgramDrafter(model.args.vocab_size), MTPDrafter(model, sampler))
+    return MTPDrafter(model, sampler)

@@ -2,7 +2,6 @@
 
 import glob
 import json
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,15 +10,10 @@ from mlx.utils import tree_flatten
 
 from .models.fuse import fuse_projections
 from .models.mtp import MTPHead
-from .models.qwen3_5 import Model, ModelArgs, route_quantized
+from .models.qwen3_5 import Model, ModelArgs, route_quantized, sanitize
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-# RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
-SHIFTED_NORMS = re.compile(
-    r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight$"
-    r"|^(model|mtp)\.norm\.weight$"
-)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -74,45 +68,22 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def sanitize(weights: dict[str, mx.array], *, tie_word_embeddings: bool) -> dict[str, mx.array]:
-    """Checkpoint names -> this package's names; raw HF tensors -> MLX layout (+1 norm shift, conv axes). Idempotent:
-    a raw HF checkpoint is recognised by its conv1d weights in HF's [C, 1, K] layout, which this moves to [C, K, 1]."""
-    out = {}
-    for k, v in weights.items():
-        if k.startswith(("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")):
-            continue
-        if k.startswith("model.language_model."):
-            k = "model." + k[len("model.language_model.") :]
-        elif k.startswith("language_model.model."):
-            k = "model." + k[len("language_model.model.") :]
-        elif k.startswith("language_model."):
-            k = k[len("language_model.") :]
-        out[k] = v
-    if tie_word_embeddings:
-        out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
-    raw = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
-    if raw:
-        for k, v in out.items():
-            if k.endswith("conv1d.weight"):
-                out[k] = v.moveaxis(2, 1)
-            elif SHIFTED_NORMS.search(k) and v.ndim == 1:
-                # 1 + w rounded to bf16 would be off by up to 2^-9; the loader casts to the model dtype it chooses.
-                out[k] = v.astype(mx.float32) + 1.0
-    return out
-
-
 def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
     """The dtype the checkpoint's activations run in: that of the embedding (its scales when quantized)."""
     w = weights.get("model.embed_tokens.scales", weights.get("model.embed_tokens.weight"))
     return w.dtype if w is not None else mx.float32
 
 
-def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
-    """A model whose parameter tree matches `weights` (MTP head attached only when the checkpoint carries it)."""
+def model_args(config: dict) -> ModelArgs:
     try:
-        args = ModelArgs.from_dict(config)
+        return ModelArgs.from_dict(config)
     except (TypeError, ValueError) as e:
         raise LoadError(f"config.json does not describe a valid Qwen3.5 model: {e}") from None
+
+
+def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
+    """A model whose parameter tree matches `weights` (MTP head attached only when the checkpoint carries it)."""
+    args = model_args(config)
     model = Model(args)
     if any(k.startswith("mtp.") for k in weights):
         model.mtp = MTPHead(args, rotated="rotation" in config)
@@ -129,6 +100,18 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
         )
         route_quantized(model)
     return model
+
+
+def quantize(model: Model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
+    """Affine-quantizes every Linear/Embedding whose input width divides into groups (the MTP head only if asked)."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not hasattr(module, "to_quantized") or (path.startswith("mtp.") and not quantize_mtp):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    route_quantized(model)
 
 
 def check_weights(model: Model, weights: dict[str, mx.array]) -> None:
@@ -150,11 +133,10 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
 
 
 def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tuple[Model, dict]:
-    """Model and config from a checkpoint directory; `fuse` stacks projections that share an input (exact, fewer
-    matmuls: models/fuse.py); hf_parameters() gives a fused model's tensors under the checkpoint's names."""
+    """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too); `fuse` stacks
+    projections that share an input (exact, fewer matmuls: models/fuse.py)."""
     config = read_config(path)
-    text = config.get("text_config") or config
-    weights = sanitize(read_weights(path), tie_word_embeddings=text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    weights = sanitize(read_weights(path), tie_word_embeddings=model_args(config).tie_word_embeddings)
     model = build_model(config, weights)
     check_weights(model, weights)
     weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))

@@ -9,56 +9,18 @@ now have true hiddens (d1..dn with h_p..h_{p+n-1}) together with its own first d
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from . import cache as caches
-from .drafters import MTPDrafter, OracleDrafter, make_drafter  # noqa: F401  (OracleDrafter: public)
-from .generate import generate_step, prefill
+from .decode import generate_step, prefill
+from .drafters import make_drafter
 from .sample import Sampler, accept_greedy, accept_sampled
+from .spec import SpecOptions, SpecStats
 
 log = logging.getLogger("lattice_mlx")
 ADAPTIVE_WARMUP_ROUNDS = 8
-
-
-@dataclass
-class SpecStats:
-    draft_tokens: int
-    verify: str
-    source: str = "mtp"
-    rounds: int = 0
-    proposed_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    draft_s: float = 0.0  # building the draft (with lazy drafts its device time is counted in verify_s)
-    verify_s: float = 0.0
-    rollback_s: float = 0.0
-    decisions: list[str] = field(default_factory=list)
-
-    def record(self, k: int, n: int) -> None:
-        grow = max(0, k - len(self.proposed_at))
-        self.proposed_at += [0] * grow
-        self.accepted_at += [0] * grow
-        for i in range(k):
-            self.proposed_at[i] += 1
-            self.accepted_at[i] += i < n
-        self.rounds += 1
-
-    def to_dict(self) -> dict:
-        drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
-        return {
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "accepted_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
-            "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
-            "draft_tokens": self.draft_tokens,
-            "verify": self.verify,
-            "draft_source": self.source,
-            "rounds": self.rounds,
-            "draft_time_s": self.draft_s,
-            "verify_time_s": self.verify_s,
-            "rollback_time_s": self.rollback_s,
-            "decisions": self.decisions,
-        }
 
 
 @dataclass
@@ -71,13 +33,13 @@ class Round:
     drafts: list[int]  # the drafts as ids (a lazy draft array is read back with the verify)
 
 
-def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler, mode: str) -> Round:
+def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler) -> Round:
     """One target forward over [y, d1..dK]; GDN layers record per-step states so rollback is a pick.
     `drafts` may be a lazy array: the forward is built on it and both are evaluated together."""
     caches.begin(cache)
     lazy = isinstance(drafts, mx.array)
     tokens = mx.concatenate([mx.array([y]), drafts.astype(mx.int32)])[None] if lazy else mx.array([[y, *drafts]])
-    logits, hidden = model(tokens, cache, return_hidden=mode)
+    logits, hidden = model(tokens, cache, return_hidden=True)
     logits, hidden = logits[0], hidden[0]  # [K+1, V], [K+1, H]
     if sampler.greedy:
         targets = mx.argmax(logits, axis=-1)
@@ -96,13 +58,13 @@ def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler, mode
     return Round(n, token, hidden[: n + 1], drafts)
 
 
-def verify_sequential(model, cache: list, y: int, drafts, q, sampler: Sampler, mode: str) -> Round:
+def verify_sequential(model, cache: list, y: int, drafts, q, sampler: Sampler) -> Round:
     """One target step per token, stopping at the first rejection: the cache never holds a rejected token, so there
     is nothing to roll back and no per-step GDN states to record (no begin())."""
     drafts = drafts.tolist() if isinstance(drafts, mx.array) else drafts
     hs, tokens = [], [y, *drafts]
     for i, t in enumerate(tokens):
-        logits, h = model(mx.array([[t]]), cache, return_hidden=mode)
+        logits, h = model(mx.array([[t]]), cache, return_hidden=True)
         hs.append(h[0, -1])
         if i == len(drafts):
             return Round(i, sampler(logits[0, -1]).item(), mx.stack(hs), drafts)
@@ -151,9 +113,9 @@ class DepthTuner:
         return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
 
 
-def measure_plain_step(model, cache: list, y: int, sampler: Sampler, mode: str) -> tuple[float, int, mx.array]:
+def measure_plain_step(model, cache: list, y: int, sampler: Sampler) -> tuple[float, int, mx.array]:
     tic = time.perf_counter()
-    logits, h = model(mx.array([[y]]), cache, return_hidden=mode)
+    logits, h = model(mx.array([[y]]), cache, return_hidden=True)
     token = sampler(logits[0, -1]).item()
     return time.perf_counter() - tic, token, h[0]
 
@@ -163,28 +125,26 @@ def one_hot_q(drafts: list[int], vocab: int) -> mx.array:
     return (mx.arange(vocab)[None, :] == mx.array(drafts)[:, None]).astype(mx.float32)
 
 
-def speculative_step(
-    model, ids: mx.array, *, sampler: Sampler, stats: SpecStats, draft_tokens: int = 2, verify: str = "batched",
-    mtp_hidden: str = "post", adaptive: bool = False, drafter=None, draft: str = "mtp",
-) -> Iterator[int]:
-    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy).
-    The draft source is `drafter` if given, else `make_drafter(draft)` ('mtp', 'self[:LAYERS]', 'ngram', 'mtp+ngram')."""
-    drafter = drafter or make_drafter(draft, model, sampler, mtp_hidden=mtp_hidden)
-    verifier, k = VERIFIERS[verify], draft_tokens
+def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
+                     drafter=None) -> Iterator[int]:
+    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
+    The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names."""
+    drafter = drafter or make_drafter(options.draft, model, sampler)
+    verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache = model.make_cache()
-    logits, hidden = prefill(model, ids, cache, hidden=mtp_hidden)
+    logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()
     yield y
     history = [*ids.tolist(), y]
     drafter.start(history[:-1], y, hidden, cache)
     tuner = None
-    if adaptive:
+    if options.adaptive:
         for _ in range(2):  # the first plain step warms up, the second is the timed reference t1
-            t1, y, h = measure_plain_step(model, cache, y, sampler, mtp_hidden)
+            t1, y, h = measure_plain_step(model, cache, y, sampler)
             drafter.observe([y], h)
             history.append(y)
             yield y
-        tuner = DepthTuner(draft_tokens, t1)
+        tuner = DepthTuner(k, t1)
     while True:
         tic = time.perf_counter()
         drafts, q = drafter.propose(history, k)
@@ -193,17 +153,17 @@ def speculative_step(
         elif q is None and drafts and not sampler.greedy:
             q = one_hot_q(drafts, model.args.vocab_size)
         t_draft = time.perf_counter() - tic  # with lazy drafts: graph building only; their GPU time lands in verify
-        r = verifier(model, cache, y, drafts, q, sampler, mtp_hidden)
+        r = verifier(model, cache, y, drafts, q, sampler)
         drafts = r.drafts
         mx.eval(r.hidden)
         t_verify = time.perf_counter() - tic - t_draft
         tic = time.perf_counter()
-        if verify == "batched":
+        if options.verify == "batched":
             caches.rollback(cache, len(drafts) - r.n)
         caches.commit(cache)
         drafter.rollback()
-        stats.rollback_s += time.perf_counter() - tic
-        stats.draft_s, stats.verify_s = stats.draft_s + t_draft, stats.verify_s + t_verify
+        stats.rollback_time_s += time.perf_counter() - tic
+        stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t_draft, stats.verify_time_s + t_verify
         stats.record(len(drafts), r.n)
         accepted = [*drafts[: r.n], r.token]
         drafter.observe(accepted, r.hidden)

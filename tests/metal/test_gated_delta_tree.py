@@ -14,7 +14,7 @@ from test_gated_delta import make_inputs
 from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, gated_delta_tree_ref
 from lattice_mlx.metal.gated_delta_tree import _BODY, gated_delta_tree, gated_delta_tree_kernel
-from lattice_mlx.tree import parse_shape
+from lattice_mlx.spec import parse_tree
 
 needs_gpu = pytest.mark.skipif(
     not use_kernels(),
@@ -25,7 +25,7 @@ needs_gpu = pytest.mark.skipif(
 
 def drafter_parents(spec: str) -> list[int]:
     """Parents in TreeDrafter's node order (node 0 = y; a node's children are numbered, then each is expanded)."""
-    shape, parents = parse_shape(spec), [-1]
+    shape, parents = parse_tree(spec), [-1]
 
     def expand(node: int, depth: int) -> None:
         children = []

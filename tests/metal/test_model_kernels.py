@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from lattice_mlx import generate, load
+from lattice_mlx import SpecOptions, generate, load
 from lattice_mlx.metal import use_kernels
 
 pytestmark = pytest.mark.skipif(not use_kernels(), reason="no GPU kernels on this backend (CPU runs the references)")
@@ -27,5 +27,6 @@ def test_demo_logits_with_kernels_equal_the_reference(monkeypatch):
 def test_demo_greedy_mtp_with_kernels_equals_plain(k):
     model, tok = load()
     prompt = "class Queue:\n    def __init__(self):\n"
-    assert generate(model, tok, prompt, max_tokens=120, mtp=True, draft_tokens=k).tokens == \
+    spec = SpecOptions(draft_tokens=k, adaptive=False)
+    assert generate(model, tok, prompt, max_tokens=120, speculation=spec).tokens == \
         generate(model, tok, prompt, max_tokens=120).tokens

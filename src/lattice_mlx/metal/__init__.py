@@ -10,6 +10,9 @@ import mlx.core as mx
 
 def use_kernels() -> bool:
     """True when the custom kernels should run: a GPU backend and no `LATTICE_KERNELS=ref` override."""
-    if os.environ.get("LATTICE_KERNELS", "").lower() == "ref":
+    value = os.environ.get("LATTICE_KERNELS", "").lower()
+    if value not in ("", "ref"):
+        raise ValueError(f"LATTICE_KERNELS={value!r}: use ref (plain-ops references) or leave it unset")
+    if value == "ref":
         return False
     return mx.default_device() == mx.gpu and (mx.metal.is_available() or mx.cuda.is_available())

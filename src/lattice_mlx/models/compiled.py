@@ -24,6 +24,7 @@ the very same arrays (retrace by deleting the owner's `_compiled`).
 """
 
 import os
+from contextlib import contextmanager
 from functools import partial
 
 import mlx.core as mx
@@ -34,9 +35,28 @@ from ..metal.attention import sdpa
 MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
 
 
+_forced: bool | None = None
+
+
 def enabled() -> bool:
-    """On unless LATTICE_COMPILE=0 (the layer-by-layer reference path)."""
-    return os.environ.get("LATTICE_COMPILE", "1") != "0"
+    """On unless LATTICE_COMPILE=0 (the layer-by-layer reference path) or `forced(False)` is in effect."""
+    if _forced is not None:
+        return _forced
+    value = os.environ.get("LATTICE_COMPILE", "1")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"LATTICE_COMPILE={value!r}: use 1 (compiled, the default) or 0 (layer by layer)")
+    return value != "0"
+
+
+@contextmanager
+def forced(on: bool | None):
+    """Compiled path on / off inside the block whatever LATTICE_COMPILE says (None: as it says); for A/B legs."""
+    global _forced
+    before, _forced = _forced, on
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 class _GDNState:

@@ -13,8 +13,12 @@ from .qwen3_5 import DecoderLayer, ModelArgs
 
 
 class MTPHead(nn.Module):
-    """With `rotated`, the target's residual stream is rotated (see rotate.py) and the head carries the rotation Q
-    and the target's final norm weight to move between the two bases."""
+    """`input_hidden`: the target hidden the head reads, "post" (after the final norm: the default, as vLLM and
+    SGLang do) or "pre"; docs/mtp.md measured no difference in acceptance. With `rotated`, the target's residual
+    stream is rotated (see rotate.py) and the head carries the rotation Q and the target's final norm weight to move
+    between the two bases."""
+
+    input_hidden = "post"
 
     def __init__(self, args: ModelArgs, *, rotated: bool = False):
         super().__init__()
@@ -28,12 +32,12 @@ class MTPHead(nn.Module):
             self.rotation = mx.zeros((H, H))
             self.target_norm = mx.ones((H,))
 
-    def from_target(self, hidden: mx.array, mode: str) -> mx.array:
-        """The target's final hidden [.., H] in the head's basis ("post": after the final norm, "pre": before)."""
+    def from_target(self, hidden: mx.array) -> mx.array:
+        """The target's final hidden [.., H] (`input_hidden`: after the final norm, or before) in the head's basis."""
         if "rotation" not in self:
             return hidden
         h = hidden @ self.rotation
-        return h * self.target_norm if mode == "post" else h
+        return h * self.target_norm if self.input_hidden == "post" else h
 
     def to_target(self, u: mx.array) -> mx.array:
         """The head's post-norm output in the basis of the target's lm_head."""

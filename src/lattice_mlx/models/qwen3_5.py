@@ -1,5 +1,6 @@
 """Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
 
+import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property, partial
 from typing import Any
@@ -14,6 +15,12 @@ from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import q4_matmul
 from .compiled import run_layers
+
+# RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
+SHIFTED_NORMS = re.compile(
+    r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight$"
+    r"|^(model|mtp)\.norm\.weight$"
+)
 
 
 @dataclass
@@ -350,15 +357,19 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None, *,
-                 return_hidden: str | None = None, mask: mx.array | str | None = None, tree: Tree | None = None):
-        """Logits [B, T, V]; with return_hidden="post" (after the final norm) or "pre", also that hidden.
+                 return_hidden: bool = False, mask: mx.array | str | None = None, tree: Tree | None = None):
+        """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
         pre = self.model(inputs, cache, input_embeddings, mask, tree)
         post = self.model.norm(pre)
         logits = self.lm_logits(post)
-        if return_hidden is None:
-            return logits
-        return logits, (post if return_hidden == "post" else pre)
+        return (logits, self.head_input(pre, post)) if return_hidden else logits
+
+    def head_input(self, pre: mx.array, post: mx.array | None = None) -> mx.array:
+        """The final hidden the MTP head reads: after the final norm unless the head says `input_hidden = "pre"`."""
+        if self.has_mtp and self.mtp.input_hidden == "pre":
+            return pre
+        return post if post is not None else self.model.norm(pre)
 
     def lm_logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
@@ -377,6 +388,31 @@ class Model(nn.Module):
         return [GDNCache() if layer.is_linear else KVCache() for layer in self.layers]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        from ..load import sanitize
-
         return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)
+
+
+def sanitize(weights: dict[str, mx.array], *, tie_word_embeddings: bool) -> dict[str, mx.array]:
+    """Checkpoint names -> this package's names; raw HF tensors -> MLX layout (+1 norm shift, conv axes). Idempotent:
+    a raw HF checkpoint is recognised by its conv1d weights in HF's [C, 1, K] layout, which this moves to [C, K, 1]."""
+    out = {}
+    for k, v in weights.items():
+        if k.startswith(("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")):
+            continue
+        if k.startswith("model.language_model."):
+            k = "model." + k[len("model.language_model.") :]
+        elif k.startswith("language_model.model."):
+            k = "model." + k[len("language_model.model.") :]
+        elif k.startswith("language_model."):
+            k = k[len("language_model.") :]
+        out[k] = v
+    if tie_word_embeddings:
+        out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
+    raw = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    if raw:
+        for k, v in out.items():
+            if k.endswith("conv1d.weight"):
+                out[k] = v.moveaxis(2, 1)
+            elif SHIFTED_NORMS.search(k) and v.ndim == 1:
+                # 1 + w rounded to bf16 would be off by up to 2^-9; the loader casts to the model dtype it chooses.
+                out[k] = v.astype(mx.float32) + 1.0
+    return out

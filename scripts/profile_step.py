@@ -1,6 +1,6 @@
 """Where a decode step's time goes on a GPU backend: per-op costs, per-layer costs, op counts, full steps.
 
-Usage: python scripts/h200_profile.py --out DIR [--shape 0.8b] [--dtype bfloat16] [--small]
+Usage: python scripts/profile_step.py --out DIR [--shape 0.8b] [--dtype bfloat16] [--small]
 Writes DIR/profile.json and prints one line per measurement. Each figure is the median over repetitions of
 (time to evaluate N independent copies of the op in one graph) / N, so it includes MLX's per-op dispatch cost,
 which is what a decode step pays.
@@ -57,7 +57,7 @@ def count_ops(*outs) -> dict:
 
 def decode_rate(model, prompt: mx.array, n: int, *, pipelined: bool = True) -> float:
     """Tokens per second of a greedy plain decode loop (lattice model protocol), n tokens after prefill."""
-    from lattice_mlx.generate import prefill
+    from lattice_mlx.decode import prefill
 
     cache = model.make_cache()
     logits, _ = prefill(model, prompt, cache)
@@ -165,7 +165,7 @@ def main() -> None:
     record("custom_kernel_floor_T1_note", "gdn_kernel_T1 above includes its input preparation")
 
     # -- layers -------------------------------------------------------------------------------------------------
-    from lattice_mlx.generate import prefill
+    from lattice_mlx.decode import prefill
 
     cache = model.make_cache()
     prefill(model, mx.arange(64) % 1000, cache)
@@ -240,7 +240,7 @@ def main() -> None:
     for T in range(2, 10):
         record(f"forward_T{T}_over_T1", RESULTS[f"forward_T{T}_us"] / RESULTS["forward_T1_us"], "x")
     # MTP head: drafting K tokens (K head forwards + lm_head + argmax, one graph, one sync)
-    logits, hidden = model(prompt[None], return_hidden="post")
+    logits, hidden = model(prompt[None], return_hidden=True)
     drafter = MTPDrafter(model, Sampler())
     drafter.start(prompt.tolist(), 5, hidden[0], None)
     for K in (1, 2, 3, 4):

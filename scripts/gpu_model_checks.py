@@ -1,6 +1,6 @@
 """Model-level checks for a GPU backend: kernels vs reference logits, forward cost over T = 1..9, exact greedy MTP.
 
-Usage: python scripts/h200_model_checks.py --out DIR   (writes model_checks.json; prints a summary)
+Usage: python scripts/gpu_model_checks.py --out DIR   (writes model_checks.json; prints a summary)
 """
 
 import argparse
@@ -31,7 +31,7 @@ def logits_kernels_vs_ref(model, ids: mx.array) -> float:
 def forward_cost(model, *, reps: int = 30) -> dict[int, float]:
     """Median seconds of one cached forward over T tokens (after a 64-token prefill), T = 1..9."""
     from lattice_mlx import cache as caches
-    from lattice_mlx.generate import prefill
+    from lattice_mlx.decode import prefill
 
     cache = model.make_cache()
     prefill(model, mx.arange(64) % 1000, cache)
@@ -50,14 +50,14 @@ def forward_cost(model, *, reps: int = 30) -> dict[int, float]:
 
 
 def greedy_mtp_exact(model, tokenizer) -> dict:
-    from lattice_mlx import generate
+    from lattice_mlx import SpecOptions, generate
 
     prompt = "class Queue:\n    def __init__(self):\n"
     plain = generate(model, tokenizer, prompt, max_tokens=200)
     res = {}
     for k in (1, 2, 3, 4):
-        spec = generate(model, tokenizer, prompt, max_tokens=200, mtp=True, draft_tokens=k)
-        res[k] = {"equal": spec.tokens == plain.tokens, "acceptance": spec.mtp["acceptance_rate"]}
+        spec = generate(model, tokenizer, prompt, max_tokens=200, speculation=SpecOptions(draft_tokens=k, adaptive=False))
+        res[k] = {"equal": spec.tokens == plain.tokens, "acceptance": spec.speculation["acceptance_rate"]}
     return res
 
 

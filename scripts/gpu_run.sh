@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU measurements and checks for one device call each; results under $OUT as one tarball ($OUT returns few files).
+# Usage (on the device machine, repo root, PYTHONPATH holding MLX's CUDA wheel and src/):
+#   bash scripts/gpu_run.sh MODE [MODE ...]
+# Modes, named by what they measure:
+#   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt
+#   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
+#   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (scripts/gpu_model_checks.py)
+#   profile        where a decode step's time goes, op by op (scripts/profile_step.py)
+#   decode         0.8B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8; the demo with its real head
+#   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
+#   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
+#   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
+#   drafters       every draft source on the demo model (scripts/bench_drafters.py)
+#   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
+# Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540).
+set -u
+export PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-540}
+BIG=${BIG:-0.8b}  # a smaller shape (cpu-small, tiny) for a dry run on the CPU
+RES=/tmp/res
+mkdir -p "$RES"
+B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
+step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skipped past DEADLINE
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
+  if ((limit < 15)); then echo "$name: skipped (deadline)" | tee -a "$RES/steps.txt"; return; fi
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=5 "$limit" "$@" > "$RES/$name.out" 2> "$RES/$name.log"
+  echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$RES/steps.txt"
+}
+for mode in "$@"; do
+  case $mode in
+  tests)
+    step tests 480 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests
+    tail -n 30 "$RES/tests.out" > "$RES/tests.txt"; tail -n 5 "$RES/tests.txt" ;;
+  kernels) step kernels 240 python3 scripts/bench_kernels.py --out "$RES/kernels.json" ;;
+  model-checks) step model_checks 240 python3 scripts/gpu_model_checks.py --out "$RES/model_checks" ;;
+  profile) step profile 300 python3 scripts/profile_step.py --out "$RES/profile" --dtype bfloat16 ;;
+  decode)
+    step decode_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs stock,plain,batched --k 2,3 --oracle-p 0.8 --out "$RES/decode_0.8b"
+    step decode_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,96 --workloads code --temps 0,0.7 \
+      --legs stock,plain,batched --k 2,adaptive --out "$RES/decode_demo" ;;
+  oracle)
+    step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
+      --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
+  decode-4b)
+    step decode_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs stock,plain,batched --k 2 --oracle-p 0.8 --out "$RES/decode_4b" ;;
+  trees)
+    step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
+    step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
+  drafters) step drafters 90 python3 scripts/bench_drafters.py --out "$RES/drafters" --prompts 6 --tokens 64 ;;
+  compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+  esac
+done
+cat "$RES/steps.txt"
+tar -czf "${OUT:-/tmp}/results.tgz" -C "$RES" .

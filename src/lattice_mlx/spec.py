@@ -1,0 +1,111 @@
+"""Speculation as the user asks for it (SpecOptions) and as the loop reports it (SpecStats): one options object from
+the CLI and the API to the loops, one statistics schema from the loops to the CLI's JSON and the benchmark."""
+
+from dataclasses import asdict, dataclass, field
+
+DRAFT_SOURCES = ("mtp", "self", "ngram", "mtp+ngram")
+VERIFIERS = ("batched", "sequential")
+MAX_DRAFT_TOKENS = 8
+
+
+def parse_tree(spec: str) -> tuple[int, ...]:
+    """'2-2-1' -> (2, 2, 1): the top-k width of the draft tree at each depth."""
+    try:
+        shape = tuple(int(p) for p in spec.split("-"))
+    except ValueError:
+        shape = ()
+    if not shape or any(w < 1 for w in shape) or len(shape) > MAX_DRAFT_TOKENS:
+        raise ValueError(f"bad tree shape {spec!r}: use widths per depth such as 2-2-1 (1..8 depths)")
+    return shape
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
+    lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
+    tokens) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured acceptance and cost
+    and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per depth ('2-2-1')."""
+
+    draft: str = "mtp"
+    draft_tokens: int = 2
+    verify: str = "batched"
+    adaptive: bool = True
+    tree: str | None = None
+
+    def __post_init__(self):
+        if self.draft.partition(":")[0] not in DRAFT_SOURCES:
+            raise ValueError(f"unknown draft source {self.draft!r}: use mtp, self[:LAYERS], ngram or mtp+ngram")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \
+                or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
+        if self.verify not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.verify!r}: use batched or sequential")
+        if self.tree is not None:
+            parse_tree(self.tree)
+            if self.draft != "mtp":
+                raise ValueError("a draft tree is built by the MTP head: use draft='mtp' with tree")
+
+    @property
+    def needs_mtp(self) -> bool:
+        return self.draft in ("mtp", "mtp+ngram")
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+@dataclass
+class SpecStats:
+    """Raw counts of one generation's speculation (summable with +); to_dict() adds the rates derived from them."""
+
+    draft: str = "mtp"
+    verify: str = "batched"
+    draft_tokens: int = 0  # K (the largest tried, when adaptive); a tree's depth
+    tree: str | None = None
+    rounds: int = 0
+    proposed_at: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
+    accepted_at: list[int] = field(default_factory=list)  # rounds that accepted the draft at position i
+    accepted_hist: list[int] = field(default_factory=list)  # rounds that accepted exactly n drafts
+    branch_hist: list[list[int]] = field(default_factory=list)  # trees: per depth, accepted child ranks
+    draft_time_s: float = 0.0  # building the drafts (lazy drafts' device time lands in verify_time_s)
+    verify_time_s: float = 0.0
+    rollback_time_s: float = 0.0
+    decisions: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, options: SpecOptions) -> "SpecStats":
+        depth = len(parse_tree(options.tree)) if options.tree else options.draft_tokens
+        return cls(draft=options.draft, verify=options.verify, draft_tokens=depth, tree=options.tree)
+
+    def record(self, proposed: int, accepted: int, ranks: list[int] = ()) -> None:
+        """One round: `proposed` draft positions, the first `accepted` of them kept (trees: the child `ranks`)."""
+        self.proposed_at = _add_lists(self.proposed_at, [1] * proposed)
+        self.accepted_at = _add_lists(self.accepted_at, [1] * accepted + [0] * (proposed - accepted))
+        self.accepted_hist = _add_lists(self.accepted_hist, [0] * accepted + [1])
+        for d, r in enumerate(ranks):
+            if d == len(self.branch_hist):
+                self.branch_hist.append([])
+            self.branch_hist[d] = _add_lists(self.branch_hist[d], [0] * r + [1])
+        self.rounds += 1
+
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        out = SpecStats(self.draft, self.verify, max(self.draft_tokens, other.draft_tokens), self.tree,
+                        decisions=self.decisions + other.decisions)
+        for name in ("rounds", "draft_time_s", "verify_time_s", "rollback_time_s"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for name in ("proposed_at", "accepted_at", "accepted_hist"):
+            setattr(out, name, _add_lists(getattr(self, name), getattr(other, name)))
+        depth = max(len(self.branch_hist), len(other.branch_hist))
+        pad = lambda h: h + [[]] * (depth - len(h))  # noqa: E731
+        out.branch_hist = [_add_lists(a, b) for a, b in zip(pad(self.branch_hist), pad(other.branch_hist))]
+        return out
+
+    def to_dict(self) -> dict:
+        drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
+        return {
+            **asdict(self),
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "accepted_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
+            "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
+        }

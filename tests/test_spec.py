@@ -1,0 +1,56 @@
+"""Speculation options are validated once, for the API and the CLI alike; statistics add up and derive their rates."""
+
+import pytest
+
+from lattice_mlx.spec import SpecOptions, SpecStats, parse_tree
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(draft="bogus"), "unknown draft source"),
+    (dict(draft_tokens=0), "draft_tokens"),
+    (dict(draft_tokens=9), "draft_tokens"),
+    (dict(draft_tokens=2.5), "draft_tokens"),
+    (dict(verify="tree"), "unknown verifier"),
+    (dict(tree="2-0"), "bad tree shape"),
+    (dict(tree="2-1", draft="ngram"), "MTP head"),
+])
+def test_bad_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpecOptions(**kwargs)
+
+
+def test_options_are_frozen_and_name_what_they_need():
+    options = SpecOptions()
+    assert (options.draft, options.draft_tokens, options.verify, options.adaptive, options.tree) == \
+        ("mtp", 2, "batched", True, None)
+    with pytest.raises(AttributeError):
+        options.draft_tokens = 3
+    assert options.needs_mtp and SpecOptions(draft="mtp+ngram").needs_mtp
+    assert not SpecOptions(draft="self:first:2").needs_mtp and not SpecOptions(draft="ngram").needs_mtp
+    assert parse_tree("2-2-1") == (2, 2, 1)
+
+
+def test_stats_record_sum_and_rates():
+    a = SpecStats.of(SpecOptions(draft_tokens=3))
+    a.record(3, 3)
+    a.record(3, 1)
+    a.draft_time_s = 0.5
+    b = SpecStats.of(SpecOptions(draft_tokens=3))
+    b.record(2, 0)  # an adaptive round with K=2
+    b.decisions.append("x")
+    s = (a + b).to_dict()
+    assert s["rounds"] == 3 and s["proposed_at"] == [3, 3, 2] and s["accepted_at"] == [2, 1, 1]
+    assert s["accepted_hist"] == [1, 1, 0, 1] and s["decisions"] == ["x"] and s["draft_time_s"] == 0.5
+    assert s["acceptance_rate"] == pytest.approx(4 / 8)
+    assert s["accepted_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    assert s["mean_accepted_length"] == pytest.approx(4 / 3)
+    assert a.to_dict()["rounds"] == 2  # + makes a new object
+
+
+def test_tree_stats_keep_child_ranks_per_depth():
+    t = SpecStats.of(SpecOptions(tree="3-2"))
+    assert t.draft_tokens == 2 and t.tree == "3-2"
+    t.record(2, 2, [2, 1])
+    t.record(2, 1, [0])
+    assert t.branch_hist == [[1, 0, 1], [0, 1]]
+    assert (t + t).branch_hist == [[2, 0, 2], [0, 2]]
