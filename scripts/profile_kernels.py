@@ -41,12 +41,27 @@ def profile(kernel_profile, fn, steps: int = STEPS) -> dict:
     return s
 
 
+def profile_stock(kernel_profile, stock, prompt: mx.array, tok: mx.array) -> dict:
+    cache = stock.make_cache()
+    mx.eval(stock(prompt[None], cache=cache))
+
+    def step():
+        mx.eval(stock(tok, cache=cache))
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(1)
+
+    return profile(kernel_profile, step)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--shape", default="0.8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tools", default=".device-tools", help="folder holding gpu_kernels.py")
+    p.add_argument("--ts", default="1,2,4,8", help="verify sizes T to profile")
+    p.add_argument("--no-stock", action="store_true", help="skip mlx-lm's model")
     args = p.parse_args()
     sys.path.insert(0, args.tools)
     from gpu_kernels import kernel_profile
@@ -81,18 +96,10 @@ def main() -> None:
         return run
 
     results["lattice_T1_decode"] = profile(kernel_profile, decode)
-    for T in (1, 2, 4, 8):
+    for T in map(int, args.ts.split(",")):
         results[f"lattice_T{T}_verify"] = profile(kernel_profile, verify(T))
-    stock_cache = stock.make_cache()
-    mx.eval(stock(prompt[None], cache=stock_cache))
-
-    def stock_step():
-        mx.eval(stock(tok, cache=stock_cache))
-        for c in stock_cache:
-            if c.is_trimmable():
-                c.trim(1)
-
-    results["stock_T1"] = profile(kernel_profile, stock_step)
+    if not args.no_stock:
+        results["stock_T1"] = profile_stock(kernel_profile, stock, prompt, tok)
     for name, s in results.items():
         if isinstance(s, dict):
             print(f"{name:22s} kernels {s['kernels_per_step']:6.1f}  kernel_us {s['kernel_us_per_step']:8.1f}  "

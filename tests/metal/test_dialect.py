@@ -13,7 +13,7 @@ BODIES = {
     "gated_delta": gated_delta._BODY,
     "gated_delta_batched": gated_delta._BODY_BATCHED,
     "gated_delta_conv": gated_delta._BODY_CONV,
-    "q4_matmul": q4_matmul._BODY,
+    **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
 }
 MARKERS = {
     "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
@@ -112,8 +112,13 @@ def test_cuda_render_compiles(op, tmp_path):
             [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("STEP", True)],
         )
     else:
-        ins = [("x", bf), ("w", "uint32_t"), ("scales", bf), ("biases", bf)]
-        unit = cuda_translation_unit(q4_matmul._BODY, ins, [("y", bf)], [("OT", bf), ("M", 4), ("R", 4), ("GS", 64)])
+        kind, res = op[3:].removesuffix("_res"), op.endswith("_res")
+        extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])
+        ins = [("x", bf), ("w", "uint32_t"), ("scales", bf), ("biases", bf)] + [(n, bf) for n in extra]
+        ins += [("res", bf)] * res
+        consts = [("OT", bf), ("M", 4), ("R", 4), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
+                  ("ZSTR", 8224), ("ZOFF", 6144)]
+        unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
     src = tmp_path / f"{op}.cu"
     src.write_text(unit)
     res = subprocess.run(

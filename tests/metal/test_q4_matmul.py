@@ -3,9 +3,8 @@ import numpy as np
 import pytest
 from _tol import assert_close, out_key
 
-from lattice_mlx.metal import q4_matmul as q4_matmul_module
 from lattice_mlx.metal import use_kernels
-from lattice_mlx.metal.q4_matmul import q4_matmul, q4_matmul_kernel, q4_matmul_ref
+from lattice_mlx.metal.q4_matmul import Pre, prologue_ref, q4_matmul, q4_matmul_kernel, q4_matmul_ref
 
 needs_gpu = pytest.mark.skipif(
     not use_kernels(),
@@ -104,9 +103,100 @@ def test_kernel_rows_equal_single_row_calls():
 
 @needs_gpu
 @pytest.mark.parametrize("M", [1, 4, 8, 9])
-def test_dispatch_matches_quantized_matmul(M, monkeypatch):
-    monkeypatch.setattr(q4_matmul_module, "KERNEL_MIN_WEIGHTS", 0)  # route this small matrix to the kernel
+def test_dispatch_matches_quantized_matmul(M):
     x, w, s, b = make(M, 512, 1024, 64, mx.bfloat16, seed=M, lead=(1,))
     y = q4_matmul(x, w, s, b, group_size=64)
     expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
     assert_close(y, expect, "bfloat16", f"M={M}")
+
+
+# --- fused prologues and the residual epilogue ---
+
+
+def make_pre(kind, M, K, dtype, *, seed=0, heads_dim=64):
+    """x as the prologue reads it, and its Pre: rms [M, K]; swiglu [M, 2K]; gate x [1, H, M, D] with a [q | gate]
+    source that has a k/v tail (as the fused qkv projection output has); gated_rms x [1, M, H, D] with z at an offset
+    inside a wider source (as the fused GDN input projection output has)."""
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)  # noqa: E731
+    if kind is None:
+        return arr(1, M, K), None
+    if kind == "rms":
+        return arr(1, M, K), Pre("rms", (1 + 0.3 * arr(K)).astype(dtype), 1e-6)
+    if kind == "swiglu":
+        return arr(1, M, 2 * K), Pre("swiglu")
+    D, H = heads_dim, K // heads_dim
+    if kind == "gate":
+        return arr(1, H, M, D), Pre("gate", src=arr(1, M, 2 * K + 2 * D))
+    return arr(1, M, H, D), Pre("gated_rms", (1 + 0.3 * arr(D)).astype(dtype), 1e-6, src=arr(1, M, K + 3 * 8 + K),
+                                offset=24)
+
+
+PRE_KINDS = [None, "rms", "swiglu", "gate", "gated_rms"]
+
+
+@pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
+@pytest.mark.parametrize("res", [False, True], ids=["plain", "residual"])
+def test_dispatch_plain_ops_equal_the_ref(kind, res):
+    """The non-kernel path (prologue's plain ops + quantized_matmul + add) against the spec, fp32 on the CPU."""
+    with mx.stream(mx.cpu):
+        x, pre = make_pre(kind, 3, 256, mx.float32, seed=3)
+        _, w, s, b = make(1, 40, 256, 64, mx.float32, seed=4)
+        r = mx.array(np.random.default_rng(5).standard_normal((1, 3, 40)).astype(np.float32)) if res else None
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, residual=r)
+        got = q4_matmul(x, w, s, b, group_size=64, pre=pre, residual=r)
+    assert got.shape == ref.shape == (1, 3, 40)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_gate_and_gated_rms_prologues_read_the_right_columns():
+    """Against numpy: the gate is the second half of each head's [q | gate] block; z sits at the given offset."""
+    x, pre = make_pre("gate", 2, 128, mx.float32, seed=7, heads_dim=32)
+    xs, g = np.array(x), np.array(pre.src)
+    H, D = 4, 32
+    gate = g[0, :, : 2 * H * D].reshape(2, H, 2 * D)[..., D:].reshape(2, -1)
+    expect = xs[0].transpose(1, 0, 2).reshape(2, -1) / (1 + np.exp(-gate))
+    np.testing.assert_allclose(np.array(prologue_ref(pre, x))[0], expect, rtol=1e-5, atol=1e-5)
+    x, pre = make_pre("gated_rms", 2, 128, mx.float32, seed=8, heads_dim=32)
+    xs, z, w = np.array(x)[0], np.array(pre.src)[0, :, 24:152].reshape(2, 4, 32), np.array(pre.weight)
+    normed = xs / np.sqrt((xs * xs).mean(-1, keepdims=True) + 1e-6) * w
+    expect = (normed * z / (1 + np.exp(-z))).reshape(2, -1)
+    np.testing.assert_allclose(np.array(prologue_ref(pre, x))[0], expect, rtol=1e-4, atol=1e-5)
+
+
+# (prologue, M, K, dtype): every prologue at one row, several rows and the largest M, each activation dtype.
+FUSED = {f"{k}-M{M}-K{K}-{d}": (k, M, K, dt) for k in ["rms", "swiglu", "gate", "gated_rms"]
+         for (M, K, d, dt) in [(1, 1024, "bf16", mx.bfloat16), (4, 512, "fp16", mx.float16), (8, 256, "fp32", mx.float32)]}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(FUSED), ids=list(FUSED))
+@pytest.mark.parametrize("res", [False, True], ids=["plain", "residual"])
+def test_fused_kernel_matches_ref(case, res):
+    kind, M, K, dtype = FUSED[case]
+    x, pre = make_pre(kind, M, K, dtype, seed=len(case))
+    _, w, s, b = make(1, 1003, K, 64, dtype, seed=len(case) + 1)
+    r = mx.array(np.random.default_rng(2).standard_normal((1, M, 1003)).astype(np.float32)).astype(dtype) \
+        if res else None
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre, residual=r, init_value=float("nan"))
+    with mx.stream(mx.cpu):  # the spec in exact fp32 matmuls
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, residual=r)
+    assert y.shape == ref.shape == (1, M, 1003) and y.dtype == dtype
+    assert_close(y, ref, out_key(dtype), case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
+def test_fused_kernel_rows_are_batch_invariant(kind):
+    """Row m of an 8-row call is bitwise the 1-row call on that row: a verify row equals a decode step."""
+    x, pre = make_pre(kind, 8, 512, mx.bfloat16, seed=13)
+    _, w, s, b = make(1, 1003, 512, 64, mx.bfloat16, seed=14)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre)
+    for m in range(8):
+        if kind == "gate":
+            xm, pm = x[:, :, m : m + 1], Pre("gate", src=pre.src[:, m : m + 1])
+        elif kind == "gated_rms":
+            xm, pm = x[:, m : m + 1], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, m : m + 1], offset=24)
+        else:
+            xm, pm = x[:, m : m + 1], pre
+        assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm)), (kind, m)

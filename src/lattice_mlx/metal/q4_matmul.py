@@ -1,32 +1,162 @@
-"""4-bit affine matmul, MLX packing: y[m, n] = sum_k x[m, k] (s[n, k / G] q[n, k] + z[n, k / G]).
+"""4-bit affine matmul with its neighbours fused: y = r + (P(x) @ dequant(w).T), MLX packing.
 
-Shapes: x [..., K] (M = prod of the leading dims); w [N, K / 8] uint32 (8 nibbles a word, low nibble first);
-scales, biases [N, K / G]; y [..., N] in x's dtype. Same result as `mx.quantized_matmul(..., transpose=True)`.
+dequant(w)[n, k] = s[n, k / G] q[n, k] + z[n, k / G]; P is an optional prologue (`Pre`) and r an optional residual.
+Shapes: x [..., K] (M = prod of the leading dims; other layouts per `Pre`); w [N, K / 8] uint32 (8 nibbles a word,
+low nibble first); scales, biases [N, K / G]; r and y [..., N] in x's dtype. With no prologue and no residual the
+result is `mx.quantized_matmul(..., transpose=True)`. One kernel launch replaces the norm / gate / residual ops
+around a projection: on MLX's CUDA backend every launch costs ~9 us of host dispatch whatever it computes.
 """
 
+from dataclasses import dataclass
+from functools import partial
+
 import mlx.core as mx
+import mlx.nn as nn
 
 from lattice_mlx.metal import _dialect, use_kernels
 
 MAX_ROWS = 8
 
 
-def q4_matmul_ref(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4
-) -> mx.array:
-    """The specification: unpack the nibbles with plain ops, dequantise in fp32, one fp32 matmul."""
+@dataclass(frozen=True, eq=False)
+class Pre:
+    """What the matmul applies to its input first. kind:
+    rms        x [..., K] -> rms_norm(x, weight, eps)
+    swiglu     x [..., 2K] -> silu(x[..., :K]) * x[..., K:]
+    gate       x [B, H, T, D] (attention output) -> x in token order [B, T, H*D] * sigmoid(gate), the gate being the
+               second half of each head's [q | gate] block at the start of src [B, T, >= 2 H D]
+    gated_rms  x [B, T, H, D] (GDN output) -> rms_norm per head (weight [D], eps) * silu(z), z = src[..., offset:
+               offset + H D]
+    """
+
+    kind: str
+    weight: mx.array | None = None
+    eps: float = 0.0
+    src: mx.array | None = None
+    offset: int = 0
+
+
+# The plain-ops forms of the prologues: the element-wise chains compiled into one kernel each, as the model ran them
+# before they were fused into the matmul (and as the CPU and LATTICE_KERNELS=ref still run them).
+@partial(mx.compile, shapeless=True)
+def _swiglu(g: mx.array, u: mx.array) -> mx.array:
+    return nn.silu(g) * u
+
+
+@partial(mx.compile, shapeless=True)
+def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * mx.sigmoid(gate)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gate(y: mx.array, z: mx.array) -> mx.array:
+    return (y.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(y.dtype)
+
+
+def prologue_ref(pre: Pre | None, x: mx.array) -> mx.array:
+    """The prologue with plain ops; returns the matmul's input [..., K]."""
+    if pre is None:
+        return x
+    if pre.kind == "rms":
+        return mx.fast.rms_norm(x, pre.weight, pre.eps)
+    if pre.kind == "swiglu":
+        g, u = mx.split(x, 2, axis=-1)
+        return _swiglu(g, u)
+    if pre.kind == "gate":
+        B, H, T, D = x.shape
+        gate = pre.src[..., : 2 * H * D].reshape(B, T, H, 2 * D)[..., D:]
+        return _sigmoid_gate(x.transpose(0, 2, 1, 3).reshape(B, T, -1), gate.reshape(B, T, -1))
+    if pre.kind == "gated_rms":
+        B, T, H, D = x.shape
+        z = pre.src[..., pre.offset : pre.offset + H * D].reshape(B, T, H, D)
+        return _silu_gate(mx.fast.rms_norm(x, pre.weight, pre.eps), z).reshape(B, T, -1)
+    raise ValueError(f"unknown prologue {pre.kind!r}")
+
+
+def q4_matmul_ref(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
+                  pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
+    """The specification: the prologue with plain ops, the nibbles unpacked with plain ops and dequantised in fp32,
+    one fp32 matmul rounded to the activation dtype, then the residual added."""
     assert bits == 4, "only 4-bit weights"
+    x = prologue_ref(pre, x)
     N = w.shape[0]
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     q = ((w[..., None] >> shifts) & 0xF).reshape(N, -1).astype(mx.float32)  # [N, K]
     s = mx.repeat(scales.astype(mx.float32), group_size, axis=-1)
     z = mx.repeat(biases.astype(mx.float32), group_size, axis=-1)
-    return (x.astype(mx.float32) @ (s * q + z).T).astype(x.dtype)
+    y = (x.astype(mx.float32) @ (s * q + z).T).astype(x.dtype)
+    return y if residual is None else residual + y
 
+
+def _round(v: str) -> str:
+    """A value rounded to the activation dtype and back, as the unfused ops store their results."""
+    return f"static_cast<float>(static_cast<OT>({v}))"
+
+
+# How each prologue produces xv[0..7] = P(x)[m, k0 .. k0+7] (and what it computes once per warp or per chunk).
+# x is row-major [M, XS] except for `gate`, whose x is the attention output [H, M, HD] (B = 1).
+_LOAD_X = {
+    "none": "LX_LOAD8(x + m * K + k0, xv);",
+    "rms": f"""LX_LOAD8(x + m * K + k0, xv);
+        float wv[8];
+        LX_LOAD8(nw + k0, wv);
+        for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * inv[m] * wv[i]")};""",
+    "swiglu": f"""float uv[8];
+        LX_LOAD8(x + m * 2 * K + k0, xv);
+        LX_LOAD8(x + m * 2 * K + K + k0, uv);
+        for (int i = 0; i < 8; ++i) xv[i] = {_round(_round("xv[i] * (1.0f / (1.0f + LX_EXP(-xv[i])))") + " * uv[i]")};""",
+    "gate": f"""const int h = k0 / HD, d = k0 - h * HD;
+        float gv[8];
+        LX_LOAD8(x + (h * M + m) * HD + d, xv);
+        LX_LOAD8(g + m * GSTR + h * 2 * HD + HD + d, gv);
+        for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * (1.0f / (1.0f + LX_EXP(-gv[i])))")};""",
+    "gated_rms": f"""float wv[8], zv[8];
+        LX_LOAD8(x + m * K + k0, xv);
+        LX_LOAD8(nw + (k0 % HD), wv);
+        LX_LOAD8(zs + m * ZSTR + ZOFF + k0, zv);
+        for (int i = 0; i < 8; ++i) {{
+          const float n = {_round("xv[i] * hinv[m] * wv[i]")};
+          xv[i] = {_round("n * (zv[i] * (1.0f / (1.0f + LX_EXP(-zv[i]))))")};
+        }}""",
+}
+# rms: 1 / rms of each of the M rows, once per warp (the lanes split the row, a warp sum joins them).
+_PER_WARP = {
+    "rms": """float inv[M];
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int c = lane; c < KC; c += 32)
+      for (int j = 0; j < 4; ++j) {
+        float t[8];
+        LX_LOAD8(x + m * K + c * 32 + j * 8, t);
+        for (int i = 0; i < 8; ++i) ss += t[i] * t[i];
+      }
+    inv[m] = LX_RSQRT(LX_SIMD_SUM(ss) / K + EPS * 1e-9f);
+  }""",
+}
+# gated_rms: 1 / rms of the head this lane's chunk lies in (HD a multiple of 32: a chunk never straddles heads).
+_PER_CHUNK = {
+    "gated_rms": """float hinv[M];
+    for (int m = 0; m < M; ++m) {
+      const int h0 = (c * 32) / HD * HD;
+      float ss = 0.0f;
+      for (int e = 0; e < HD; e += 8) {
+        float t[8];
+        LX_LOAD8(x + m * K + h0 + e, t);
+        for (int i = 0; i < 8; ++i) ss += t[i] * t[i];
+      }
+      hinv[m] = LX_RSQRT(ss / HD + EPS * 1e-9f);
+    }""",
+}
+_STORE = {
+    False: f"y[m * N + n] = static_cast<OT>({_round('total')});",
+    True: f"y[m * N + n] = static_cast<OT>(LX_F32(res[m * N + n]) + {_round('total')});",
+}
+_EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gated_rms": ("nw", "zs")}
 
 # One simdgroup/warp per R rows of w; lane l takes the 32-value chunks c = l, l + 32, ... of each row (one uint4
 # of weights, one group, so one scale and one bias). x is read once per chunk and used for all R rows; each
-# weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums at the end, one per (row, m).
+# weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums at the end, one per (row, m). A
+# row's sum runs in the same order whatever M is, so row m of an M-row call equals a one-row call on it.
 _BODY = """
   const int N = w_shape[0];
   const int KW = w_shape[1];
@@ -36,12 +166,14 @@ _BODY = """
   const int lane = LX_TID_X % 32;
   const int n0 = (LX_GID_X / 32) * R;
   if (n0 >= N) return;
+  {PER_WARP}
 
   float acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
   for (int c = lane; c < KC; c += 32) {
+    {PER_CHUNK}
     uint32_t wq[R][4];
     float sc[R], bs[R];
     for (int r = 0; r < R; ++r) {
@@ -73,9 +205,10 @@ _BODY = """
           qf[r][2 * i + 1] = LX_BYTE_F(hi, i);
         }
       }
+      const int k0 = c * 32 + j * 8;
       for (int m = 0; m < M; ++m) {
         float xv[8];
-        LX_LOAD8(x + m * K + c * 32 + j * 8, xv);
+        {LOAD_X}
         xs[m] += ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7]));
         for (int r = 0; r < R; ++r)
           for (int i = 0; i < 8; ++i) p[r][m] += qf[r][i] * xv[i];
@@ -89,82 +222,104 @@ _BODY = """
     const int n = n0 + r;
     for (int m = 0; m < M; ++m) {
       const float total = LX_SIMD_SUM(acc[r][m]);
-      if (lane == 0 && n < N) y[m * N + n] = static_cast<OT>(total);
+      if (lane == 0 && n < N) {STORE}
     }
   }
 """
 
-_INPUTS = ("x", "w", "scales", "biases")
-_OUTPUTS = ("y",)
+
+def body(kind: str, residual: bool) -> str:
+    """The kernel body of one prologue kind, with or without the residual epilogue (one source for both dialects)."""
+    return (_BODY.replace("{PER_WARP}", _PER_WARP.get(kind, "")).replace("{PER_CHUNK}", _PER_CHUNK.get(kind, ""))
+            .replace("{LOAD_X}", _LOAD_X[kind]).replace("{STORE}", _STORE[residual]))
+
+
 THREADS_PER_GROUP = 128
 # Rows of w per warp by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
 # M=1 97 / 84 / 80, M=2 125 / 105 / 115, M=4 189 / 154 / 174, M=6 269 / 190 / 243, M=8 352 / 281 / 284.
 ROWS_PER_WARP = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
-# The kernel wins where the weight read dominates (H200, bf16, g64; kernel vs mx.quantized_matmul, us):
-# lm_head 248320 x 1024: M=1 78 vs 157, M=2 111 vs 314, M=4 154 vs 600, M=7 312 vs 1039, M=8 366 vs 119 (GEMM);
-# 9728 x 2560: M=1 22 vs 21, M=2 25 vs 35, M=4 30 vs 63; 3584 x 1024 and smaller: ~17 us of custom-kernel
-# dispatch against ~8 us for the built-in, a loss or a tie at every M. Not measured on Metal: MLX's own there.
-KERNEL_MIN_WEIGHTS = 1 << 24
-KERNEL_MAX_ROWS = 7
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def supported(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
-    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8, group 32/64/128."""
-    K = x.shape[-1]
-    return (
-        bits == 4
-        and group_size in (32, 64, 128)
-        and K % 32 == 0
-        and w.shape[-1] * 8 == K
-        and 1 <= x.size // K <= MAX_ROWS
-        and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
-    )
+def _sizes(pre: Pre | None, x: mx.array) -> tuple[int, int, tuple[int, ...]]:
+    """(K, M, the output's leading shape) for x as the prologue reads it."""
+    kind = pre.kind if pre is not None else "none"
+    if kind == "gate":  # x [B, H, T, D]
+        return x.shape[1] * x.shape[3], x.shape[0] * x.shape[2], (x.shape[0], x.shape[2])
+    if kind == "gated_rms":  # x [B, T, H, D]
+        return x.shape[-2] * x.shape[-1], x.size // (x.shape[-2] * x.shape[-1]), x.shape[:-2]
+    K = x.shape[-1] // 2 if kind == "swiglu" else x.shape[-1]
+    return K, x.size // x.shape[-1], x.shape[:-1]
 
 
-def q4_matmul_kernel(
-    x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    *,
-    group_size: int,
-    bits: int = 4,
-    rows_per_warp: int | None = None,
-    init_value: float | None = None,
-) -> mx.array:
+def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
+              residual: mx.array | None = None) -> bool:
+    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
+    residual and the prologue's side inputs in x's dtype and laid out as the body indexes them."""
+    if x.ndim < (4 if pre is not None and pre.kind in ("gate", "gated_rms") else 1):
+        return False
+    K, M, _ = _sizes(pre, x)
+    if not (bits == 4 and group_size in (32, 64, 128) and K % 32 == 0 and w.shape[-1] * 8 == K
+            and 1 <= M <= MAX_ROWS and x.dtype in DTYPES):
+        return False
+    if residual is not None and (residual.dtype != x.dtype or residual.size != M * w.shape[0]):
+        return False
+    if pre is None or pre.kind == "swiglu":
+        return True
+    if pre.kind == "rms":
+        return pre.weight.dtype == x.dtype and pre.weight.size == K
+    if pre.kind == "gate":  # x [1, H, T, D], src [1, T, S]: S a multiple of 8 (16-byte loads)
+        return (x.shape[0] == 1 and x.shape[-1] % 8 == 0 and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
+                and pre.src.size == M * pre.src.shape[-1])
+    if pre.kind == "gated_rms":
+        D = x.shape[-1]
+        return (D % 32 == 0 and pre.weight.dtype == x.dtype and pre.weight.size == D and pre.src.dtype == x.dtype
+                and pre.src.shape[-1] % 8 == 0 and pre.offset % 8 == 0 and pre.src.size == M * pre.src.shape[-1])
+    return False
+
+
+def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                     bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None,
+                     rows_per_warp: int | None = None, init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests)."""
-    assert supported(x, w, group_size, bits), "shape or type not handled by the kernel"
-    K, N = x.shape[-1], w.shape[0]
-    M = x.size // K
+    assert supported(x, w, group_size, bits, pre, residual), "shape, type or layout not handled by the kernel"
+    kind = pre.kind if pre is not None else "none"
+    _, M, lead = _sizes(pre, x)
+    N = w.shape[0]
     R = rows_per_warp or ROWS_PER_WARP[M]
-    kernel = _dialect.build("lattice_q4_matmul", _BODY, _INPUTS, _OUTPUTS)
-    # x keeps its shape: the body indexes it flat as [M, K] (row-contiguous is guaranteed by MLX).
+    inputs, template = [x, w, scales, biases], [("OT", x.dtype), ("M", M), ("R", R), ("GS", group_size)]
+    if kind in ("rms", "gated_rms"):
+        inputs.append(pre.weight)
+        template.append(("EPS", round(pre.eps * 1e9)))
+    if kind == "gate":
+        inputs.append(pre.src)
+        template += [("HD", x.shape[-1]), ("GSTR", pre.src.shape[-1])]
+    if kind == "gated_rms":
+        inputs.append(pre.src)
+        template += [("HD", x.shape[-1]), ("ZSTR", pre.src.shape[-1]), ("ZOFF", pre.offset)]
+    names = ("x", "w", "scales", "biases", *_EXTRA_INPUTS[kind])
+    if residual is not None:
+        inputs.append(residual)
+        names += ("res",)
+    name = f"lattice_q4_{kind}" + ("_res" if residual is not None else "")
+    kernel = _dialect.build(name, body(kind, residual is not None), names, ("y",))
     (y,) = kernel(
-        inputs=[x, w, scales, biases],
-        template=[("OT", x.dtype), ("M", M), ("R", R), ("GS", group_size)],
+        inputs=inputs,
+        template=template,
         grid=(32 * -(-N // R), 1, 1),
         threadgroup=(THREADS_PER_GROUP, 1, 1),
-        output_shapes=[(*x.shape[:-1], N)],
+        output_shapes=[(*lead, N)],
         output_dtypes=[x.dtype],
         init_value=init_value,
     )
     return y
 
 
-def kernel_wins(x: mx.array, w: mx.array, group_size: int, bits: int) -> bool:
-    """Where the kernel beat `mx.quantized_matmul` when measured (figures above, docs/bench/kernels/)."""
-    return (
-        _dialect.backend() == "cuda"
-        and w.shape[0] * x.shape[-1] >= KERNEL_MIN_WEIGHTS
-        and x.size // x.shape[-1] <= KERNEL_MAX_ROWS
-        and supported(x, w, group_size, bits)
-    )
-
-
-def q4_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4
-) -> mx.array:
-    """The entry point the model's quantized linears call; semantics of `mx.quantized_matmul(transpose=True)`."""
-    if use_kernels() and kernel_wins(x, w, group_size, bits):
-        return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits)
-    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
+              pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
+    """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (every decode and
+    verify projection), else the prologue's plain ops, `mx.quantized_matmul` and an add."""
+    if use_kernels() and supported(x, w, group_size, bits, pre, residual):
+        return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual)
+    y = mx.quantized_matmul(prologue_ref(pre, x), w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    return y if residual is None else residual + y

@@ -80,12 +80,12 @@ def _gdn_layer(layer, x: mx.array, conv, ssm, recording: bool, kernels: bool):
 
 
 def _attn_in(layer, x: mx.array, offset: mx.array, kernels: bool):
-    return layer.self_attn.project(layer.input_layernorm(x), offset)
+    return layer.self_attn.project(x, offset, norm=layer.input_layernorm)
 
 
-def _attn_out(layer, x: mx.array, out: mx.array, gate: mx.array, kernels: bool) -> mx.array:
-    x = x + layer.self_attn.finish(out, gate)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def _attn_out(layer, x: mx.array, out: mx.array, gate_src: mx.array, kernels: bool) -> mx.array:
+    h = layer.self_attn.finish(out, gate_src, residual=x)
+    return layer.mlp(h, norm=layer.post_attention_layernorm, residual=h)
 
 
 class CompiledLayers:
@@ -110,10 +110,10 @@ class CompiledLayers:
                 c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=c.recording)
             else:
                 attn_in, attn_out = fn
-                q, k, v, gate = attn_in(h, mx.array(c.offset, dtype=mx.int32), kernels)
+                q, k, v, gate_src = attn_in(h, mx.array(c.offset, dtype=mx.int32), kernels)
                 k, v = c.update_and_fetch(k, v)
                 out = sdpa(q, k, v, scale=layer.self_attn.scale, mask="causal" if T > 1 else None)
-                h = attn_out(h, out, gate, kernels)
+                h = attn_out(h, out, gate_src, kernels)
         return h
 
 

@@ -2,7 +2,7 @@
 
 import re
 from dataclasses import dataclass, field, fields
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
@@ -13,7 +13,7 @@ from ..cache import GDNCache, KVCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import q4_matmul
+from ..metal.q4_matmul import Pre, _swiglu, prologue_ref, q4_matmul
 from .compiled import run_layers
 
 # RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
@@ -128,21 +128,23 @@ def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.arra
 
 
 class Q4Linear(nn.QuantizedLinear):
-    """A 4-bit linear whose matmul goes through the q4_matmul dispatcher (a kernel where one measured faster)."""
+    """A 4-bit linear whose matmul, with its prologue and residual, goes through the q4_matmul dispatcher."""
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
         if self.bits != 4 or self.mode != "affine" or "bias" in self:
-            return super().__call__(x)
-        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size)
+            y = super().__call__(prologue_ref(pre, x))
+            return y if residual is None else residual + y
+        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
+                         residual=residual)
 
 
 class Q4Embedding(nn.QuantizedEmbedding):
     """A 4-bit embedding whose tied-lm_head use goes through the q4_matmul dispatcher."""
 
-    def as_linear(self, x: mx.array) -> mx.array:
+    def as_linear(self, x: mx.array, *, pre: Pre | None = None) -> mx.array:
         if self.bits != 4 or self.mode != "affine":
-            return super().as_linear(x)
-        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size)
+            return super().as_linear(prologue_ref(pre, x))
+        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre)
 
 
 def route_quantized(model: nn.Module) -> None:
@@ -154,33 +156,25 @@ def route_quantized(model: nn.Module) -> None:
             m.__class__ = Q4Embedding
 
 
-# Element-wise chains compiled into one kernel each (MLX fuses element-wise ops under mx.compile): each op left
-# unfused costs a dispatch (~6 us on the H200's CUDA backend), which is what bounds a decode step there.
-@partial(mx.compile, shapeless=True)
-def _swiglu(g: mx.array, u: mx.array) -> mx.array:
-    return nn.silu(g) * u
+def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None):
+    """residual + linear(P(x)): one fused kernel for a 4-bit linear on a GPU, the same maths in plain ops otherwise."""
+    if isinstance(linear, Q4Linear):
+        return linear(x, pre=pre, residual=residual)
+    y = linear(prologue_ref(pre, x))
+    return y if residual is None else residual + y
 
 
-@partial(mx.compile, shapeless=True)
-def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
-    return x * mx.sigmoid(gate)
-
-
-@partial(mx.compile, shapeless=True)
-def _silu_gate(y: mx.array, z: mx.array) -> mx.array:
-    return (y.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(y.dtype)
+def rms_pre(norm: nn.RMSNorm | None) -> Pre | None:
+    return Pre("rms", norm.weight, norm.eps) if norm is not None else None
 
 
 class RMSNormGated(nn.Module):
-    """rms(y) * w * silu(z); this norm's weight is stored as is (no +1 shift)."""
+    """rms(y) * w * silu(z), applied as the output projection's prologue; the weight is stored as is (no +1 shift)."""
 
     def __init__(self, dims: int, eps: float):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
-
-    def __call__(self, x: mx.array, z: mx.array) -> mx.array:
-        return _silu_gate(mx.fast.rms_norm(x, self.weight, self.eps), z)
 
 
 class GatedDeltaNet(nn.Module):
@@ -202,13 +196,18 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.Dv, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def __call__(self, x: mx.array, cache: GDNCache | None = None, tree: Tree | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: GDNCache | None = None, tree: Tree | None = None, *,
+                 norm: nn.RMSNorm | None = None, residual: mx.array | None = None) -> mx.array:
+        """residual + the mixer's output on norm(x) (norm and residual fused into the projections)."""
         B, T, _ = x.shape
         if "in_proj" in self:  # fused (models/fuse.py): [qkv | z | b | a]
-            qkv, z, b, a = mx.split(self.in_proj(x), self.in_proj_points, axis=-1)
+            proj = project(self.in_proj, x, pre=rms_pre(norm))
+            qkv, _, b, a = mx.split(proj, self.in_proj_points, axis=-1)
+            z_src, z_offset = proj, self.in_proj_points[0]
         else:
-            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        z = z.reshape(B, T, self.Hv, self.Dv)
+            x = prologue_ref(rms_pre(norm), x)
+            qkv, z_src, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            z_offset = 0
 
         conv_state = cache.conv if cache is not None else None
         if conv_state is None:
@@ -236,8 +235,8 @@ class GatedDeltaNet(nn.Module):
                 step_states=record)
             if cache is not None:
                 cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
-        y = self.norm(y, z)
-        return self.out_proj(y.reshape(B, T, -1))
+        gated = Pre("gated_rms", self.norm.weight, self.norm.eps, src=z_src, offset=z_offset)
+        return project(self.out_proj, y, pre=gated, residual=residual)
 
 
 class Attention(nn.Module):
@@ -255,14 +254,19 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope_dims, self.rope_theta = args.rope_dims, args.rope_theta
 
-    def project(self, x: mx.array, offset: int | mx.array, tree: Tree | None = None) -> tuple[mx.array, ...]:
-        """q, k, v [B, heads, T, D] (normed, RoPE at positions offset.. or the tree's depths) and the output gate."""
+    def project(self, x: mx.array, offset: int | mx.array, tree: Tree | None = None, *,
+                norm: nn.RMSNorm | None = None) -> tuple[mx.array, ...]:
+        """q, k, v [B, heads, T, D] (normed, RoPE at positions offset.. or the tree's depths) of norm(x), and the
+        projection output whose per-head [q | gate] blocks hold the output gate (for `finish`)."""
         B, T, _ = x.shape
         if "qkv_proj" in self:  # fused (models/fuse.py): [q and gate | k | v]
-            qg, k, v = mx.split(self.qkv_proj(x), self.qkv_proj_points, axis=-1)
+            gate_src = project(self.qkv_proj, x, pre=rms_pre(norm))
+            qg, k, v = mx.split(gate_src, self.qkv_proj_points, axis=-1)
         else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, gate = mx.split(qg.reshape(B, T, self.n_heads, 2 * self.head_dim), 2, axis=-1)  # each [B, T, Hq, D]
+            x = prologue_ref(rms_pre(norm), x)
+            gate_src = qg = self.q_proj(x)
+            k, v = self.k_proj(x), self.v_proj(x)
+        q = qg.reshape(B, T, self.n_heads, 2 * self.head_dim)[..., : self.head_dim]  # [B, T, Hq, D]
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, T, self.n_kv, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
@@ -273,19 +277,18 @@ class Attention(nn.Module):
         else:
             q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        return q, k, v, gate
+        return q, k, v, gate_src
 
-    def finish(self, out: mx.array, gate: mx.array) -> mx.array:
-        """Attention output [B, heads, T, D] -> gated, projected [B, T, H]."""
-        B, _, T, _ = out.shape
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(_sigmoid_gate(out, gate.reshape(B, T, -1)))
+    def finish(self, out: mx.array, gate_src: mx.array, residual: mx.array | None = None) -> mx.array:
+        """Attention output [B, heads, T, D] -> gated, projected [B, T, H] (+ residual)."""
+        return project(self.o_proj, out, pre=Pre("gate", src=gate_src), residual=residual)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
-                 tree: Tree | None = None) -> mx.array:
+                 tree: Tree | None = None, *, norm: nn.RMSNorm | None = None,
+                 residual: mx.array | None = None) -> mx.array:
         T = x.shape[1]
         offset = cache.offset if cache is not None else 0
-        q, k, v, gate = self.project(x, offset, tree)
+        q, k, v, gate_src = self.project(x, offset, tree, norm=norm)
         if tree is not None:
             mask = tree.attention_mask(offset)
         if cache is not None:
@@ -293,7 +296,7 @@ class Attention(nn.Module):
         if mask is None and T > 1:
             mask = "causal"
         out = sdpa(q, k, v, scale=self.scale, mask=mask)  # a kernel at decode/verify sizes (metal/attention.py)
-        return self.finish(out, gate)
+        return self.finish(out, gate_src, residual)
 
 
 class MLP(nn.Module):
@@ -303,12 +306,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
         self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, *, norm: nn.RMSNorm | None = None, residual: mx.array | None = None) -> mx.array:
+        """residual + down(silu(gate(norm(x))) * up(norm(x))), the norm, SwiGLU and residual fused into the matmuls."""
         if "gate_up_proj" in self:  # fused (models/fuse.py): [gate | up]
-            g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(_swiglu(g, u))
+            gu = project(self.gate_up_proj, x, pre=rms_pre(norm))
+            return project(self.down_proj, gu, pre=Pre("swiglu"), residual=residual)
+        x = prologue_ref(rms_pre(norm), x)
+        return project(self.down_proj, _swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -325,10 +329,12 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None,
                  tree: Tree | None = None) -> mx.array:
-        h = self.input_layernorm(x)
-        h = self.linear_attn(h, cache, tree) if self.is_linear else self.self_attn(h, cache, mask, tree)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.input_layernorm
+        if self.is_linear:
+            h = self.linear_attn(x, cache, tree, norm=norm, residual=x)
+        else:
+            h = self.self_attn(x, cache, mask, tree, norm=norm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class TextModel(nn.Module):
@@ -361,9 +367,10 @@ class Model(nn.Module):
         """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
         pre = self.model(inputs, cache, input_embeddings, mask, tree)
+        if not return_hidden:  # the final norm fused into the lm_head
+            return self.lm_logits(pre, norm=self.model.norm)
         post = self.model.norm(pre)
-        logits = self.lm_logits(post)
-        return (logits, self.head_input(pre, post)) if return_hidden else logits
+        return self.lm_logits(post), self.head_input(pre, post)
 
     def head_input(self, pre: mx.array, post: mx.array | None = None) -> mx.array:
         """The final hidden the MTP head reads: after the final norm unless the head says `input_hidden = "pre"`."""
@@ -371,10 +378,14 @@ class Model(nn.Module):
             return pre
         return post if post is not None else self.model.norm(pre)
 
-    def lm_logits(self, h: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+    def lm_logits(self, h: mx.array, *, norm: nn.RMSNorm | None = None) -> mx.array:
+        """Logits of h (of norm(h) when given, fused into the matmul)."""
+        embed = self.model.embed_tokens
+        if not self.args.tie_word_embeddings:
+            return project(self.lm_head, h, pre=rms_pre(norm))
+        if isinstance(embed, Q4Embedding):
+            return embed.as_linear(h, pre=rms_pre(norm))
+        return embed.as_linear(prologue_ref(rms_pre(norm), h))
 
     @property
     def layers(self) -> list[DecoderLayer]:
