@@ -131,7 +131,7 @@ def bench_q4(args) -> list[dict]:
                 legs["ref_ops"] = functools.partial(q4_matmul_ref, *args4, group_size=gs)
             if (N, K, gs) == (248320, 1024, 64) and M in (1, 2, 3, 4, 6, 8):
                 for R in (2, 4, 8):
-                    legs[f"kernel_R{R}"] = functools.partial(q4_matmul_kernel, *args4, group_size=gs, rows_per_warp=R)
+                    legs[f"kernel_R{R}"] = functools.partial(q4_matmul_kernel, *args4, group_size=gs, rows=R)
             for leg, fn in legs.items():
                 rows.append(q4_row(N, K, gs, M, leg, fn, w, s, b, x, args.reps))
     return rows

@@ -125,7 +125,7 @@ def bench_lock(path: str, *, timeout: float | None = None, poll: float = 0.05):
 class Leg:
     """One way of decoding. p: oracle per-position acceptance (synthetic drafts); None uses the real MTP head."""
 
-    kind: str  # "stock" | "plain" | "mtp"
+    kind: str  # "stock" | "plain" | "plain-aa" (a second, identical plain leg: the A/A control) | "mtp"
     verify: str = "batched"
     k: int = 0
     adaptive: bool = False
@@ -260,7 +260,7 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         steps = mlx_lm_generate.generate_step(mx.array(ids), target.stock, max_tokens=n_max,
                                               sampler=make_sampler(temp=temp))
         return (token for token, _ in steps), None
-    if leg.kind == "plain":
+    if leg.kind in ("plain", "plain-aa"):
         return generate_step(target.model, mx.array(ids), sampler=sampler), None
     options = SpecOptions(draft_tokens=leg.k, verify=leg.verify, adaptive=leg.adaptive)
     stats = SpecStats.of(options)
@@ -399,7 +399,7 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
             p = args.oracle_p if oracle and temp == 0 else None  # oracle drafts follow the greedy path only
             legs = []
             for name in args.legs.split(","):
-                if name in ("stock", "plain"):
+                if name in ("stock", "plain", "plain-aa"):
                     legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
                 else:
                     legs += mtp_legs([name], args.k.split(","), p=p)
@@ -523,7 +523,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed repetitions per leg (>= 5 for evidence)")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="two generation lengths n1,n2 for the slope")
-    p.add_argument("--legs", default="stock,plain,sequential,batched")
+    p.add_argument("--legs", default="stock,plain,plain-aa,sequential,batched",
+                   help="plain-aa: a second plain leg whose ratio to plain is the noise floor of every paired ratio")
     p.add_argument("--k", default=DEFAULT_K + ",adaptive", help="draft depths, 'adaptive' for tuned K (max 4)")
     p.add_argument("--verify", default="batched", help="oracle / acceptance: verifiers, comma-separated")
     p.add_argument("--workloads", default="prose,code,json", help="real-text models; random models use random ids")

@@ -75,6 +75,15 @@ LEG_HEADER = ["leg", "tok/s med", "min/max", "CV", "x plain", "x stock", "alpha"
               "mean acc len", "draft/verify/rollback %", "model x", "break-even alpha", "peak GB", "eff GB/s"]
 
 
+def aa_line(group: dict) -> str:
+    """The A/A control's spread: two identical plain legs, paired like every ratio in the table."""
+    aa = next((s.get("vs_plain") for s in group["legs"] if s["leg"].startswith("plain-aa")), None)
+    if not aa:
+        return ""
+    return (f"\n\nA/A control (plain-aa / plain, {aa['n']} paired runs): median {aa['median']:.3f}, "
+            f"range {aa['min']:.3f}-{aa['max']:.3f}: a ratio inside that range is noise.")
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -96,7 +105,7 @@ def group_tables(name: str, result: dict, render) -> list[str]:
         title = f"{name}: workload {g['workload']}, temp {g['temp']:g}"
         if name == "oracle" or g.get("oracle_p") is not None:
             title += f" -- {SYNTHETIC}"
-        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)))
+        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)) + aa_line(g))
     return out
 
 

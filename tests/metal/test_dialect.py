@@ -116,7 +116,7 @@ def test_cuda_render_compiles(op, tmp_path):
         extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])
         ins = [("x", bf), ("w", "uint32_t"), ("scales", bf), ("biases", bf)] + [(n, bf) for n in extra]
         ins += [("res", bf)] * res
-        consts = [("OT", bf), ("M", 4), ("R", 4), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
+        consts = [("OT", bf), ("M", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
                   ("ZSTR", 8224), ("ZOFF", 6144)]
         unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
     src = tmp_path / f"{op}.cu"

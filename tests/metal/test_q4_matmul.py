@@ -87,9 +87,9 @@ def test_kernel_matches_ref(case):
 
 @needs_gpu
 @pytest.mark.parametrize("rows", [2, 4, 8], ids=lambda r: f"R={r}")
-def test_kernel_any_rows_per_warp(rows):
+def test_kernel_any_rows_per_block(rows):
     x, w, s, b = make(3, 1001, 1024, 64, mx.float32, seed=rows)
-    y = q4_matmul_kernel(x, w, s, b, group_size=64, rows_per_warp=rows, init_value=float("nan"))
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, rows=rows, init_value=float("nan"))
     assert_close(y, mx.array(numpy_q4(x, w, s, b, 64)), "fp32", f"R={rows}")
 
 

@@ -93,14 +93,19 @@ def _round(v: str) -> str:
     return f"static_cast<float>(static_cast<OT>({v}))"
 
 
-# How each prologue produces xv[0..7] = P(x)[m, k0 .. k0+7] (and what it computes once per warp or per chunk).
-# x is row-major [M, XS] except for `gate`, whose x is the attention output [H, M, HD] (B = 1).
+# How each prologue turns x into xv[0..7] = the matmul's input at [m, k0 .. k0+7]. The norms are linear in x up to a
+# per-row (rms) or per-head (gated_rms) factor, so that factor is applied to the finished sums instead: the loop
+# collects the sum of squares (sq) of the raw values it reads anyway. x is row-major [M, K] except for swiglu
+# ([M, 2K]) and gate (the attention output [H, M, HD], B = 1).
 _LOAD_X = {
     "none": "LX_LOAD8(x + m * K + k0, xv);",
-    "rms": f"""LX_LOAD8(x + m * K + k0, xv);
+    "rms": """LX_LOAD8(x + m * K + k0, xv);
         float wv[8];
         LX_LOAD8(nw + k0, wv);
-        for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * inv[m] * wv[i]")};""",
+        for (int i = 0; i < 8; ++i) {
+          sq[m] += xv[i] * xv[i];
+          xv[i] *= wv[i];
+        }""",
     "swiglu": f"""float uv[8];
         LX_LOAD8(x + m * 2 * K + k0, xv);
         LX_LOAD8(x + m * 2 * K + K + k0, uv);
@@ -110,42 +115,32 @@ _LOAD_X = {
         LX_LOAD8(x + (h * M + m) * HD + d, xv);
         LX_LOAD8(g + m * GSTR + h * 2 * HD + HD + d, gv);
         for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * (1.0f / (1.0f + LX_EXP(-gv[i])))")};""",
-    "gated_rms": f"""float wv[8], zv[8];
+    "gated_rms": """float wv[8], zv[8];
         LX_LOAD8(x + m * K + k0, xv);
         LX_LOAD8(nw + (k0 % HD), wv);
         LX_LOAD8(zs + m * ZSTR + ZOFF + k0, zv);
-        for (int i = 0; i < 8; ++i) {{
-          const float n = {_round("xv[i] * hinv[m] * wv[i]")};
-          xv[i] = {_round("n * (zv[i] * (1.0f / (1.0f + LX_EXP(-zv[i]))))")};
-        }}""",
+        for (int i = 0; i < 8; ++i) {
+          sq[m] += xv[i] * xv[i];
+          xv[i] *= wv[i] * (zv[i] * (1.0f / (1.0f + LX_EXP(-zv[i]))));
+        }""",
 }
-# rms: 1 / rms of each of the M rows, once per warp (the lanes split the row, a warp sum joins them).
-_PER_WARP = {
-    "rms": """float inv[M];
-  for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int c = lane; c < KC; c += 32)
-      for (int j = 0; j < 4; ++j) {
-        float t[8];
-        LX_LOAD8(x + m * K + c * 32 + j * 8, t);
-        for (int i = 0; i < 8; ++i) ss += t[i] * t[i];
-      }
-    inv[m] = LX_RSQRT(LX_SIMD_SUM(ss) / K + EPS * 1e-9f);
-  }""",
-}
-# gated_rms: 1 / rms of the head this lane's chunk lies in (HD a multiple of 32: a chunk never straddles heads).
-_PER_CHUNK = {
-    "gated_rms": """float hinv[M];
-    for (int m = 0; m < M; ++m) {
-      const int h0 = (c * 32) / HD * HD;
-      float ss = 0.0f;
-      for (int e = 0; e < HD; e += 8) {
-        float t[8];
-        LX_LOAD8(x + m * K + h0 + e, t);
-        for (int i = 0; i < 8; ++i) ss += t[i] * t[i];
-      }
-      hinv[m] = LX_RSQRT(ss / HD + EPS * 1e-9f);
+# What a chunk's partial sums are scaled by before they join the row's: gated_rms, 1 / rms of the chunk's head
+# (HD / 32 adjacent lanes hold the HD / 32 chunks of one head in the same pass; their squares join by shuffles).
+_CHUNK_SCALE = {
+    "gated_rms": """for (int m = 0; m < M; ++m) {
+      float hs = sq[m];
+      for (int o = 1; o < HD / 32; o <<= 1) hs += LX_SHFL_XOR(hs, o);
+      const float f = LX_RSQRT(hs / HD + EPS * 1e-9f);
+      for (int r = 0; r < R; ++r) p[r][m] *= f;
+      xs[m] *= f;
+      sq[m] = 0.0f;
     }""",
+}
+# rms: the whole row's sum of squares, joined over the block's warps, scales the finished sums.
+_ROW_SCALE = {
+    "rms": """float ss = 0.0f;
+    for (int v = 0; v < SK; ++v) ss += sqs[v * M + m];
+    f = LX_RSQRT(ss / K + EPS * 1e-9f);""",
 }
 _STORE = {
     False: f"y[m * N + n] = static_cast<OT>({_round('total')});",
@@ -153,10 +148,11 @@ _STORE = {
 }
 _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gated_rms": ("nw", "zs")}
 
-# One simdgroup/warp per R rows of w; lane l takes the 32-value chunks c = l, l + 32, ... of each row (one uint4
-# of weights, one group, so one scale and one bias). x is read once per chunk and used for all R rows; each
-# weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums at the end, one per (row, m). A
-# row's sum runs in the same order whatever M is, so row m of an M-row call equals a one-row call on it.
+# One threadgroup/block per R rows of w, its SK warps splitting K: thread t takes the 32-value chunks
+# c = t, t + 32 SK, ... of each row (one uint4 of weights, one group, so one scale and one bias). x is read once per
+# chunk and used for all R rows; each weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums,
+# then the SK warp sums in order, one per (row, m). A row's sum runs in the same order whatever M and R are (SK
+# depends on the weight's shape only), so row m of an M-row call equals a one-row call on it.
 _BODY = """
   const int N = w_shape[0];
   const int KW = w_shape[1];
@@ -164,16 +160,19 @@ _BODY = """
   const int K = KW * 8;
   const int NG = K / GS;
   const int lane = LX_TID_X % 32;
-  const int n0 = (LX_GID_X / 32) * R;
+  const int wid = LX_TID_X / 32;
+  const int n0 = LX_BID_X * R;
   if (n0 >= N) return;
-  {PER_WARP}
+  LX_SHARED float red[SK * R * M];
+  LX_SHARED float sqs[SK * M];
 
-  float acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  float acc[R][M], sq[M];
+  for (int m = 0; m < M; ++m) {
+    sq[m] = 0.0f;
+    for (int r = 0; r < R; ++r) acc[r][m] = 0.0f;
+  }
 
-  for (int c = lane; c < KC; c += 32) {
-    {PER_CHUNK}
+  for (int c = LX_TID_X; c < KC; c += 32 * SK) {
     uint32_t wq[R][4];
     float sc[R], bs[R];
     for (int r = 0; r < R; ++r) {
@@ -214,31 +213,54 @@ _BODY = """
           for (int i = 0; i < 8; ++i) p[r][m] += qf[r][i] * xv[i];
       }
     }
+    {CHUNK_SCALE}
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] += sc[r] * p[r][m] + bs[r] * xs[m];
   }
 
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + r;
-    for (int m = 0; m < M; ++m) {
-      const float total = LX_SIMD_SUM(acc[r][m]);
-      if (lane == 0 && n < N) {STORE}
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      const float part = LX_SIMD_SUM(acc[r][m]);
+      if (lane == 0) red[(wid * R + r) * M + m] = part;
     }
+    const float part = LX_SIMD_SUM(sq[m]);
+    if (lane == 0) sqs[wid * M + m] = part;
+  }
+  LX_BARRIER;
+  for (int i = LX_TID_X; i < R * M; i += 32 * SK) {
+    const int r = i / M, m = i - (i / M) * M, n = n0 + r;
+    float t = 0.0f;
+    for (int v = 0; v < SK; ++v) t += red[v * R * M + i];
+    float f = 1.0f;
+    {ROW_SCALE}
+    const float total = f * t;
+    if (n < N) {STORE}
   }
 """
 
 
 def body(kind: str, residual: bool) -> str:
     """The kernel body of one prologue kind, with or without the residual epilogue (one source for both dialects)."""
-    return (_BODY.replace("{PER_WARP}", _PER_WARP.get(kind, "")).replace("{PER_CHUNK}", _PER_CHUNK.get(kind, ""))
-            .replace("{LOAD_X}", _LOAD_X[kind]).replace("{STORE}", _STORE[residual]))
+    return (_BODY.replace("{LOAD_X}", _LOAD_X[kind]).replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, ""))
+            .replace("{ROW_SCALE}", _ROW_SCALE.get(kind, "")).replace("{STORE}", _STORE[residual]))
 
 
-THREADS_PER_GROUP = 128
-# Rows of w per warp by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
+# Rows of w per block by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
 # M=1 97 / 84 / 80, M=2 125 / 105 / 115, M=4 189 / 154 / 174, M=6 269 / 190 / 243, M=8 352 / 281 / 284.
-ROWS_PER_WARP = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
+ROWS = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
+# Fewer rows per block (and K split over up to 4 warps where N is small) until this many warps are in flight: on
+# the H200 a 1024 x 3584 projection with 4 rows a warp ran 256 warps, too few to hide the loads' latency.
+MIN_WARPS = 1024
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def launch_shape(M: int, N: int, K: int, rows: int | None = None) -> tuple[int, int]:
+    """(R rows per block, SK warps splitting K). SK depends on the weight's shape only (batch invariance)."""
+    SK = max(1, min(4, K // 1024)) if N <= 4096 else 1
+    R = rows or ROWS[M]
+    while rows is None and R > 1 and -(-N // R) * SK < MIN_WARPS:
+        R //= 2
+    return R, SK
 
 
 def _sizes(pre: Pre | None, x: mx.array) -> tuple[int, int, tuple[int, ...]]:
@@ -271,23 +293,23 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | N
     if pre.kind == "gate":  # x [1, H, T, D], src [1, T, S]: S a multiple of 8 (16-byte loads)
         return (x.shape[0] == 1 and x.shape[-1] % 8 == 0 and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
                 and pre.src.size == M * pre.src.shape[-1])
-    if pre.kind == "gated_rms":
+    if pre.kind == "gated_rms":  # a warp's lanes run the same passes (K % 1024) and a head spans 2^i lanes
         D = x.shape[-1]
-        return (D % 32 == 0 and pre.weight.dtype == x.dtype and pre.weight.size == D and pre.src.dtype == x.dtype
+        return (K % 1024 == 0 and D in (32, 64, 128, 256, 512, 1024) and pre.weight.dtype == x.dtype and pre.weight.size == D and pre.src.dtype == x.dtype
                 and pre.src.shape[-1] % 8 == 0 and pre.offset % 8 == 0 and pre.src.size == M * pre.src.shape[-1])
     return False
 
 
 def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                      bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None,
-                     rows_per_warp: int | None = None, init_value: float | None = None) -> mx.array:
+                     rows: int | None = None, init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests)."""
     assert supported(x, w, group_size, bits, pre, residual), "shape, type or layout not handled by the kernel"
     kind = pre.kind if pre is not None else "none"
-    _, M, lead = _sizes(pre, x)
+    K, M, lead = _sizes(pre, x)
     N = w.shape[0]
-    R = rows_per_warp or ROWS_PER_WARP[M]
-    inputs, template = [x, w, scales, biases], [("OT", x.dtype), ("M", M), ("R", R), ("GS", group_size)]
+    R, SK = launch_shape(M, N, K, rows)
+    inputs, template = [x, w, scales, biases], [("OT", x.dtype), ("M", M), ("R", R), ("SK", SK), ("GS", group_size)]
     if kind in ("rms", "gated_rms"):
         inputs.append(pre.weight)
         template.append(("EPS", round(pre.eps * 1e9)))
@@ -306,8 +328,8 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     (y,) = kernel(
         inputs=inputs,
         template=template,
-        grid=(32 * -(-N // R), 1, 1),
-        threadgroup=(THREADS_PER_GROUP, 1, 1),
+        grid=(32 * SK * -(-N // R), 1, 1),
+        threadgroup=(32 * SK, 1, 1),
         output_shapes=[(*lead, N)],
         output_dtypes=[x.dtype],
         init_value=init_value,
