@@ -165,7 +165,9 @@ def test_gate_and_gated_rms_prologues_read_the_right_columns():
 
 
 # (prologue, M, K, dtype): every prologue at one row, several rows and the largest M, each activation dtype.
-FUSED = {f"{k}-M{M}-K{K}-{d}": (k, M, K, dt) for k in ["rms", "swiglu", "gate", "gated_rms"]
+# gated_rms needs K a multiple of 1024 (every lane of a warp runs the same passes).
+FUSED = {f"{k}-M{M}-K{K * (4 if k == 'gated_rms' else 1)}-{d}": (k, M, K * (4 if k == "gated_rms" else 1), dt)
+         for k in ["rms", "swiglu", "gate", "gated_rms"]
          for (M, K, d, dt) in [(1, 1024, "bf16", mx.bfloat16), (4, 512, "fp16", mx.float16), (8, 256, "fp32", mx.float32)]}
 
 
@@ -189,8 +191,9 @@ def test_fused_kernel_matches_ref(case, res):
 @pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
 def test_fused_kernel_rows_are_batch_invariant(kind):
     """Row m of an 8-row call is bitwise the 1-row call on that row: a verify row equals a decode step."""
-    x, pre = make_pre(kind, 8, 512, mx.bfloat16, seed=13)
-    _, w, s, b = make(1, 1003, 512, 64, mx.bfloat16, seed=14)
+    K = 2048  # split over 2 warps (SK = 2) for this N, and a multiple of 1024 for gated_rms
+    x, pre = make_pre(kind, 8, K, mx.bfloat16, seed=13)
+    _, w, s, b = make(1, 1003, K, 64, mx.bfloat16, seed=14)
     y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre)
     for m in range(8):
         if kind == "gate":

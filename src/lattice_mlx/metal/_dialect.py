@@ -33,6 +33,7 @@ _METAL = {
     "LX_LOAD_U4": "*(const device uint4*)",
     "LX_BYTE_F": "lx_byte_f",
     "LX_F32": "static_cast<float>",
+    "LX_FMA": "metal::fma",
 }
 
 _CUDA = {
@@ -57,6 +58,7 @@ _CUDA = {
     "LX_LOAD_U4": "*(const uint4*)",
     "LX_BYTE_F": "lx_byte_f",
     "LX_F32": "static_cast<float>",
+    "LX_FMA": "fmaf",
 }
 
 # Metal: the compiler vectorises the plain loop; lx_byte_f reads byte i (a value < 256) as a float.

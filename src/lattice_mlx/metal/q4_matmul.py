@@ -103,7 +103,7 @@ _LOAD_X = {
         float wv[8];
         LX_LOAD8(nw + k0, wv);
         for (int i = 0; i < 8; ++i) {
-          sq[m] += xv[i] * xv[i];
+          sq[m] = LX_FMA(xv[i], xv[i], sq[m]);
           xv[i] *= wv[i];
         }""",
     "swiglu": f"""float uv[8];
@@ -120,7 +120,7 @@ _LOAD_X = {
         LX_LOAD8(nw + (k0 % HD), wv);
         LX_LOAD8(zs + m * ZSTR + ZOFF + k0, zv);
         for (int i = 0; i < 8; ++i) {
-          sq[m] += xv[i] * xv[i];
+          sq[m] = LX_FMA(xv[i], xv[i], sq[m]);
           xv[i] *= wv[i] * (zv[i] * (1.0f / (1.0f + LX_EXP(-zv[i]))));
         }""",
 }
@@ -152,7 +152,8 @@ _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gate
 # c = t, t + 32 SK, ... of each row (one uint4 of weights, one group, so one scale and one bias). x is read once per
 # chunk and used for all R rows; each weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums,
 # then the SK warp sums in order, one per (row, m). A row's sum runs in the same order whatever M and R are (SK
-# depends on the weight's shape only), so row m of an M-row call equals a one-row call on it.
+# depends on the weight's shape only) and every multiply-add is an explicit fma (no contraction left to the compiler
+# to choose per variant), so row m of an M-row call is bitwise a one-row call on it.
 _BODY = """
   const int N = w_shape[0];
   const int KW = w_shape[1];
@@ -210,12 +211,12 @@ _BODY = """
         {LOAD_X}
         xs[m] += ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7]));
         for (int r = 0; r < R; ++r)
-          for (int i = 0; i < 8; ++i) p[r][m] += qf[r][i] * xv[i];
+          for (int i = 0; i < 8; ++i) p[r][m] = LX_FMA(qf[r][i], xv[i], p[r][m]);
       }
     }
     {CHUNK_SCALE}
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] += sc[r] * p[r][m] + bs[r] * xs[m];
+      for (int m = 0; m < M; ++m) acc[r][m] = LX_FMA(sc[r], p[r][m], LX_FMA(bs[r], xs[m], acc[r][m]));
   }
 
   for (int m = 0; m < M; ++m) {
