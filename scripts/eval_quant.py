@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from lattice_mlx import SpecOptions, generate, load
+from lattice_mlx.bench import HELDOUT_PROMPTS
 from lattice_mlx.bench_report import git_revision
 from lattice_mlx.convert import convert
 
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
-    spec = json.loads(Path(__file__).with_name("demo_heldout_prompts.json").read_text())["prompts"]
+    spec = json.loads(HELDOUT_PROMPTS.read_text())["prompts"]
     prompts = [p["prompt"] for p in spec][: args.prompts]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -133,11 +133,13 @@ def test_cli_bad_flags_are_one_line(args, message, monkeypatch):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, out.stderr
 
 
-def test_cli_mtp_without_mtp_weights(no_mtp_checkpoint):
-    out = run_cli("--model", str(no_mtp_checkpoint), "--mtp")
+@pytest.mark.parametrize("flags, named", [(["--mtp"], "--mtp"), (["--tree", "2-1"], "--tree 2-1"),
+                                          (["--draft", "mtp+ngram"], "--draft mtp+ngram")])
+def test_cli_mtp_without_mtp_weights(no_mtp_checkpoint, flags, named):
+    out = run_cli("--model", str(no_mtp_checkpoint), *flags)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
-        "error: --mtp needs MTP weights (mtp.*), and this checkpoint has none: drop --mtp"
+        f"error: {named} needs MTP weights (mtp.*), and this checkpoint has none: drop {named}"
     ]
 
 

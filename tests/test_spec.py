@@ -54,3 +54,7 @@ def test_tree_stats_keep_child_ranks_per_depth():
     t.record(2, 1, [0])
     assert t.branch_hist == [[1, 0, 1], [0, 1]]
     assert (t + t).branch_hist == [[2, 0, 2], [0, 2]]
+    fresh = SpecStats.of(SpecOptions(tree="3-2"))
+    fresh.record(2, 0)
+    d = fresh.to_dict()
+    assert d["branch_hist"] == [[0, 0, 0], [0, 0]] and d["tree_nodes"] == 3 + 6 and d["verify"] == "tree"

@@ -72,7 +72,9 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
     if options is None:
         return generate_step(model, ids, sampler=sampler), None
     if options.needs_mtp and not model.has_mtp:
-        raise ValueError("--mtp needs MTP weights (mtp.*), and this checkpoint has none: drop --mtp")
+        flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
+                                                              f"--draft {options.draft}")
+        raise ValueError(f"{flag} needs MTP weights (mtp.*), and this checkpoint has none: drop {flag}")
     stats = SpecStats.of(options)
     if options.tree:
         return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats

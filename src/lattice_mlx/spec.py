@@ -1,6 +1,7 @@
 """Speculation as the user asks for it (SpecOptions) and as the loop reports it (SpecStats): one options object from
 the CLI and the API to the loops, one statistics schema from the loops to the CLI's JSON and the benchmark."""
 
+import math
 from dataclasses import asdict, dataclass, field
 
 DRAFT_SOURCES = ("mtp", "self", "ngram", "mtp+ngram")
@@ -43,7 +44,8 @@ class SpecOptions:
         if self.tree is not None:
             parse_tree(self.tree)
             if self.draft != "mtp":
-                raise ValueError("a draft tree is built by the MTP head: use draft='mtp' with tree")
+                raise ValueError(f"a draft tree is built by the MTP head: tree with draft {self.draft!r} is not a "
+                                 "combination (drop the draft source)")
 
     @property
     def needs_mtp(self) -> bool:
@@ -75,8 +77,11 @@ class SpecStats:
 
     @classmethod
     def of(cls, options: SpecOptions) -> "SpecStats":
-        depth = len(parse_tree(options.tree)) if options.tree else options.draft_tokens
-        return cls(draft=options.draft, verify=options.verify, draft_tokens=depth, tree=options.tree)
+        if options.tree:  # a tree verifies all its nodes in one forward; branch_hist has a slot per child rank
+            shape = parse_tree(options.tree)
+            return cls(draft="mtp", verify="tree", draft_tokens=len(shape), tree=options.tree,
+                       branch_hist=[[0] * w for w in shape])
+        return cls(draft=options.draft, verify=options.verify, draft_tokens=options.draft_tokens)
 
     def record(self, proposed: int, accepted: int, ranks: list[int] = ()) -> None:
         """One round: `proposed` draft positions, the first `accepted` of them kept (trees: the child `ranks`)."""
@@ -101,11 +106,18 @@ class SpecStats:
         out.branch_hist = [_add_lists(a, b) for a, b in zip(pad(self.branch_hist), pad(other.branch_hist))]
         return out
 
+    def accepted_per_position(self) -> list[float]:
+        """Share of the rounds that drafted position i whose draft i was accepted (so were all before it)."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
     def to_dict(self) -> dict:
         drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
-        return {
+        out = {
             **asdict(self),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "accepted_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
+            "accepted_per_position": self.accepted_per_position(),
             "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,
         }
+        if self.tree:
+            out["tree_nodes"] = sum(math.prod(parse_tree(self.tree)[: d + 1]) for d in range(self.draft_tokens))
+        return out

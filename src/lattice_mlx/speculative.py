@@ -173,7 +173,7 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
         if tuner is not None and drafts:
             tuner.observe(len(drafts), t_draft, t_verify)
             if stats.rounds >= ADAPTIVE_WARMUP_ROUNDS:
-                k, gain = tuner.best(stats.to_dict()["accepted_per_position"])
+                k, gain = tuner.best(stats.accepted_per_position())
                 if gain < 1.0:
                     stats.decisions.append(f"speculation off after {stats.rounds} rounds: predicted speedup {gain:.2f}")
                     log.info(stats.decisions[-1])

@@ -7,6 +7,7 @@ rejection with one-hot drafts): at a node with target distribution p, try its ch
 with probability p(c) and otherwise removing c from p and renormalising; if none is accepted, draw from what is left.
 """
 
+import time
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -98,8 +99,11 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     yield y
     drafter.observe([*ids.tolist()[1:], y], hidden)
     while True:
+        tic = time.perf_counter()
         tokens, parents, ranks = drafter.propose(y)
         tree = Tree(tuple([-1, *parents]))
+        stats.draft_time_s += time.perf_counter() - tic  # graph building: the lazy drafts' device time is verify's
+        tic = time.perf_counter()
         caches.begin(cache)
         lazy = isinstance(tokens, mx.array)
         if lazy:  # the verify is built on the lazy drafts while they compute; one read-back for both
@@ -115,8 +119,11 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
         targets = targets.tolist() if targets is not None else None
         all_tokens = [y, *tokens]
         path, token = accept_path(tree, all_tokens, logits[0], sampler, targets)
+        stats.verify_time_s += time.perf_counter() - tic
+        tic = time.perf_counter()
         caches.keep(cache, path)
         caches.commit(cache)
+        stats.rollback_time_s += time.perf_counter() - tic
         accepted = [all_tokens[i] for i in path[1:]]
         stats.record(len(shape), len(accepted), [ranks[i - 1] for i in path[1:]])
         drafter.observe([*accepted, token], hidden[0, mx.array(path)])
