@@ -6,14 +6,17 @@
 #   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (scripts/gpu_model_checks.py)
-#   profile        where a decode step's time goes, op by op (scripts/profile_step.py)
-#   decode         0.8B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8; the demo with its real head
+#   kernels-per-forward  CUPTI kernels, GPU time, busy and span per forward, T = 1..8 (scripts/profile_kernels.py)
+#   profile        where a decode step's time goes, op by op, by wall time (scripts/profile_step.py)
+#   decode         0.8B shape, bf16: stock vs plain vs A/A plain vs MTP at oracle acceptance 0.8, with CUPTI kernels
+#                  per token; the demo with its real head
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
-# Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540).
+# Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
+# need ../shared/device/gpu_kernels.py copied into .device-tools/ and carried.
 set -u
 export PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-540}
@@ -36,18 +39,19 @@ for mode in "$@"; do
     tail -n 30 "$RES/tests.out" > "$RES/tests.txt"; tail -n 5 "$RES/tests.txt" ;;
   kernels) step kernels 240 python3 scripts/bench_kernels.py --out "$RES/kernels.json" ;;
   model-checks) step model_checks 240 python3 scripts/gpu_model_checks.py --out "$RES/model_checks" ;;
+  kernels-per-forward) step kernels_per_forward 300 python3 scripts/profile_kernels.py --out "$RES/kernels_per_forward" ;;
   profile) step profile 300 python3 scripts/profile_step.py --out "$RES/profile" --dtype bfloat16 ;;
   decode)
     step decode_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
-      --legs stock,plain,batched --k 2,3 --oracle-p 0.8 --out "$RES/decode_0.8b"
+      --legs stock,plain,plain-aa,batched --k 2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_0.8b"
     step decode_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,96 --workloads code --temps 0,0.7 \
-      --legs stock,plain,batched --k 2,adaptive --out "$RES/decode_demo" ;;
+      --legs stock,plain,plain-aa,batched --k 2,adaptive --out "$RES/decode_demo" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
   decode-4b)
     step decode_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
-      --legs stock,plain,batched --k 2 --oracle-p 0.8 --out "$RES/decode_4b" ;;
+      --legs stock,plain,plain-aa,batched --k 2 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_4b" ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;

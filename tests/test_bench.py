@@ -197,3 +197,37 @@ def test_compile_ab_twins_and_forced_path(monkeypatch):
             bench.timed_run(stream(), (1, 3), compiled_path=forced)
             assert seen == [expected] * 3, (env, forced)
             assert compiled.enabled() == (env == "1")  # the user's setting again after the run
+
+
+FAKE_PROFILER = """
+import contextlib
+
+
+class Profile:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def summary(self, top=15):
+        return {"kernels_per_step": 160.0, "kernel_us_per_step": 900.0, "busy_us_per_step": 950.0,
+                "span_us_per_step": 1900.0, "top_kernels": []}
+
+
+@contextlib.contextmanager
+def kernel_profile(steps=1):
+    yield Profile(steps)
+"""
+
+
+def test_decode_profile_columns(tmp_path):
+    """--profile DIR: each leg gets kernels per token (per round for MTP), GPU us per token and span/busy."""
+    (tmp_path / "gpu_kernels.py").write_text(FAKE_PROFILER)
+    out = tmp_path / "out"
+    assert bench.main(["decode", "--model", "tiny", "--reps", "1", "--lengths", "4,12", "--temps", "0", "--legs",
+                       "plain,batched", "--k", "2", "--profile", str(tmp_path), "--out", str(out), "--no-stock",
+                       "--lock", str(tmp_path / "lock")]) == 0
+    legs = {s["leg"]: s for s in json.loads((out / "decode.json").read_text())["groups"][0]["legs"]}
+    assert legs["plain"]["gpu_profile"]["kernels_per_step"] == 160.0
+    mtp = legs["batched-K2-oracle0.8"]["gpu_profile"]
+    assert mtp["rounds"] >= 1 and mtp["kernels_per_round"] == pytest.approx(160.0 * 12 / mtp["rounds"])
+    assert "kernels/tok" in (out / "decode.md").read_text()
+    assert bench.main(["decode", "--model", "tiny", "--profile", str(tmp_path / "none"), "--out", str(out)]) == 1

@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import fcntl
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -295,6 +296,7 @@ class LegRecord:
     runs: list[dict] = field(default_factory=list)
     peak_memory: int = 0
     spec: SpecStats | None = None  # summed over runs
+    profile: dict | None = None  # GPU kernels per token (--profile)
 
     def add(self, run: dict, stats: SpecStats | None, peak: int) -> None:
         self.runs.append(run)
@@ -303,9 +305,33 @@ class LegRecord:
             self.spec = stats if self.spec is None else self.spec + stats
 
 
+def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float, *, n: int,
+                reference: list[int] | None, seed: int) -> dict:
+    """GPU kernels per generated token (and per round for MTP) over n tokens after the first, from `profiler` (the
+    CUPTI context manager of ../shared/device/gpu_kernels.py); one untimed run of its own."""
+    stream, stats = token_stream(target, leg, ids, temp, n_max=n + 8, reference=reference, seed=seed)
+    try:
+        with compiled.forced(leg.compiled):
+            next(stream)  # prefill and the first token stay outside the profile
+            rounds0 = stats.rounds if stats is not None else 0
+            with profiler(steps=n) as prof:
+                for _ in zip(range(n), stream):
+                    pass
+    finally:
+        stream.close()
+    s = prof.summary(top=5)
+    out = {k: s[k] for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step", "span_us_per_step")}
+    out["steps_are"] = "generated tokens"
+    if stats is not None and stats.rounds > rounds0:
+        out["rounds"] = stats.rounds - rounds0
+        out["kernels_per_round"] = s["kernels_per_step"] * n / out["rounds"]
+    return out
+
+
 def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp: float, reps: int,
-              lengths: tuple[int, int], lock: dict, seed: int, label: str) -> dict[str, LegRecord]:
-    """Warms every leg up once, then `reps` repetitions in ABBA order; repetition r uses prompt r mod len(prompts)."""
+              lengths: tuple[int, int], lock: dict, seed: int, label: str, profiler=None) -> dict[str, LegRecord]:
+    """Warms every leg up once, then `reps` repetitions in ABBA order; repetition r uses prompt r mod len(prompts).
+    With `profiler`, one more run per leg measures its GPU kernels per token."""
     n_max = lengths[1] + 8
     references = {}
     if any(leg.p is not None for leg in legs):
@@ -331,6 +357,10 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
             acc = f" alpha {bs.acceptance_estimates(stats.accepted_at, stats.rounds, leg.k)['alpha']:.2f}" \
                 if stats is not None and stats.rounds and not leg.adaptive else ""
             log(f"[{label}] rep {rep + 1}/{reps} {leg.name:<24} {run['tok_s']:8.1f} tok/s{acc}")
+    if profiler is not None:
+        for leg in legs:
+            records[leg.name].profile = profile_leg(profiler, target, leg, prompts[0], temp, n=lengths[1],
+                                                    reference=references.get(0), seed=seed)
     return records
 
 
@@ -352,6 +382,8 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
            "tok_s": bs.summarize(rates), "ttft_s": bs.summarize([r["ttft_s"] for r in rec.runs]), "runs": rec.runs,
            "peak_memory_gb": rec.peak_memory / 1e9,
            "effective_gb_s": target.bytes_per_token * bs.summarize(rates)["median"] / 1e9}
+    if rec.profile is not None:
+        out["gpu_profile"] = rec.profile
     plain_name = plain_baseline(rec, records)
     for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:
@@ -392,6 +424,7 @@ def mtp_legs(verifies: list[str], ks: list[str], *, p: float | None) -> list[Leg
 def experiment_decode(target: Target, args, lock: dict) -> dict:
     workloads = ["random"] if target.synthetic else args.workloads.split(",")
     oracle = args.drafts == "oracle" or (args.drafts == "auto" and target.synthetic)
+    profiler = load_profiler(args.profile)
     groups = []
     for workload in workloads:
         prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)
@@ -406,7 +439,7 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
             legs = with_compile_ab(legs, args.compile_ab)
             label = f"decode {workload} temp={temp:g}"
             records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
-                                seed=args.seed, label=label)
+                                seed=args.seed, label=label, profiler=profiler)
             groups.append({"workload": workload, "temp": temp, "oracle_p": p,
                            "legs": [leg_summary(r, records, target) for r in records.values()]})
     return {"groups": groups}
@@ -503,6 +536,19 @@ def run_meta(argv: list[str], target: Target, lock: dict) -> dict:
 
 # --- CLI ----------------------------------------------------------------------------------------------------------
 
+def load_profiler(folder: str | None):
+    """kernel_profile from folder/gpu_kernels.py, or None."""
+    if folder is None:
+        return None
+    path = Path(folder) / "gpu_kernels.py"
+    if not path.exists():
+        raise ValueError(f"--profile {folder}: no gpu_kernels.py there")
+    spec = importlib.util.spec_from_file_location("gpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel_profile
+
+
 def parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -539,6 +585,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
     p.add_argument("--compile-ab", action="store_true",
                    help="decode / oracle: every lattice leg layer by layer and as its compiled twin")
+    p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
+                   "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
     p.add_argument("--lock", default=DEFAULT_LOCK, help="lock file held around every timed run (LATTICE_BENCH_LOCK)")
     p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait for the lock")

@@ -66,13 +66,23 @@ def leg_rows(group: dict) -> list[list[str]]:
             "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "rollback")) if split else "-",
             fmt(s.get("predicted_speedup")), fmt(s.get("break_even_alpha"), ".2f", "never" if "costs_in_plain_steps"
                                                   in s else "-"),
-            f"{s['peak_memory_gb']:.2f}", f"{s['effective_gb_s']:.1f}",
+            f"{s['peak_memory_gb']:.2f}", f"{s['effective_gb_s']:.1f}", *profile_cells(s.get("gpu_profile")),
         ])
     return rows
 
 
 LEG_HEADER = ["leg", "tok/s med", "min/max", "CV", "x plain", "x stock", "alpha", "acc per position",
-              "mean acc len", "draft/verify/rollback %", "model x", "break-even alpha", "peak GB", "eff GB/s"]
+              "mean acc len", "draft/verify/rollback %", "model x", "break-even alpha", "peak GB", "eff GB/s",
+              "kernels/tok (/round)", "GPU us/tok", "span/busy"]
+
+
+def profile_cells(p: dict | None) -> list[str]:
+    """The profiler's columns: kernels per token (per round for MTP), GPU kernel time per token, span over busy."""
+    if not p:
+        return ["-", "-", "-"]
+    kernels = f"{p['kernels_per_step']:.0f}" + (f" ({p['kernels_per_round']:.0f})" if "kernels_per_round" in p else "")
+    ratio = p["span_us_per_step"] / p["busy_us_per_step"] if p["busy_us_per_step"] else 0.0
+    return [kernels, f"{p['kernel_us_per_step']:.0f}", f"{ratio:.2f}"]
 
 
 def aa_line(group: dict) -> str:

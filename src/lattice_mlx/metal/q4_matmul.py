@@ -155,6 +155,8 @@ _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gate
 # depends on the weight's shape only) and every multiply-add is an explicit fma (no contraction left to the compiler
 # to choose per variant), so row m of an M-row call is bitwise a one-row call on it.
 _BODY = """
+  LX_SHARED float red[SK * R * M];
+  LX_SHARED float sqs[SK * M];
   const int N = w_shape[0];
   const int KW = w_shape[1];
   const int KC = KW / 4;
@@ -163,9 +165,7 @@ _BODY = """
   const int lane = LX_TID_X % 32;
   const int wid = LX_TID_X / 32;
   const int n0 = LX_BID_X * R;
-  if (n0 >= N) return;
-  LX_SHARED float red[SK * R * M];
-  LX_SHARED float sqs[SK * M];
+  if (n0 >= N) return;  // the whole block: n0 is the block's
 
   float acc[R][M], sq[M];
   for (int m = 0; m < M; ++m) {
