@@ -148,3 +148,28 @@ def test_convert_cli_bad_input_is_one_line(tmp_path):
                   module="lattice_mlx.convert")
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens (--max-tokens)"), (dict(max_tokens=-5), "max_tokens (--max-tokens)"),
+    (dict(temp=-1.0), "temp (--temp)"), (dict(temp=float("nan")), "temp (--temp)"),
+    (dict(top_p=0.0), "top_p (--top-p)"), (dict(top_p=1.5), "top_p (--top-p)"), (dict(top_k=-1), "top_k (--top-k)"),
+])
+def test_api_checks_what_the_cli_checks(checkpoints, kwargs, message):
+    """The API refuses what the CLI refuses, with the same message (it was: a token for max_tokens 0, gibberish for
+    temp -1, an empty token for top_p 0)."""
+    model, tok = load(checkpoints["tied"])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
+        generate(model, tok, [5, 9], **kwargs)
+    flag = message.split("(")[1].rstrip(")")
+    out = run_cli("--model", str(checkpoints["tied"]), flag, str(next(iter(kwargs.values()))))
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == [f"error: {refused.value}"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(draft_tokens=0), dict(draft_tokens=-1), dict(draft_tokens=100),
+                                    dict(verify="bogus")])
+def test_api_speculation_options_are_checked(kwargs):
+    from lattice_mlx import SpecOptions
+
+    with pytest.raises(ValueError, match="--draft-tokens|--verify"):
+        SpecOptions(**kwargs)

@@ -209,3 +209,33 @@ def test_long_greedy_run_has_no_drift(checkpoints):
     spec, stats = run_spec(model, PROMPTS[0], 2000, draft_tokens=3, drafter=drafter)
     assert spec == plain[:2000]
     assert stats["acceptance_rate"] > 0.3
+
+
+def test_mtp_head_prefill_runs_in_chunks_with_bounded_memory(checkpoints):
+    """An 8k-token prompt: the head's prompt slots go in 512-row chunks like the target's prefill (it once took them
+    in one piece: ~1.2 GB and 7 s for this call on the CPU) and the first draft equals the one-piece result."""
+    from lattice_mlx.drafters import MTPDrafter, mtp_prefill
+
+    model, _ = load(checkpoints["tied"])
+    ids = mx.array([i % 300 + 1 for i in range(8192)])
+    cache = model.make_cache()
+    _, hidden = prefill(model, ids, cache, return_hidden=True)
+    mx.eval(hidden)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    drafter = MTPDrafter(model, Sampler())
+    drafter.start(ids.tolist(), 5, hidden, cache)
+    chunked, _ = drafter.propose([*ids.tolist(), 5], 2)
+    mx.eval(chunked)
+    assert mx.get_peak_memory() - base < 300e6
+    whole = model.mtp.make_cache()
+    rest = mtp_prefill(model, [*ids.tolist()[1:4097], 5], hidden[:4097], whole, step=1 << 20)
+    assert len(rest[0]) == 4097  # a step longer than the prompt keeps it all for the first draft step
+    small = model.mtp.make_cache()
+    tokens, h = mtp_prefill(model, [*ids.tolist()[1:4097], 5], hidden[:4097], small, step=1000)
+    assert len(tokens) == 97 and h.shape[0] == 97 and small[0].offset == 4000
+    from lattice_mlx.drafters import mtp_step
+
+    a, _ = mtp_step(model, mx.array(rest[0]), model.mtp.from_target(rest[1]), whole)
+    b, _ = mtp_step(model, mx.array(tokens), model.mtp.from_target(h), small)
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()

@@ -12,6 +12,7 @@ prompt lookup (n-gram), and their hybrid. All share one protocol, so verify / ac
 import mlx.core as mx
 
 from . import cache as caches
+from .decode import PREFILL_STEP
 from .sample import Sampler
 
 
@@ -32,6 +33,19 @@ def mtp_step(model, tokens: mx.array, hidden: mx.array, cache: list) -> tuple[mx
     return logits, (post if head.input_hidden == "post" else x)[0]
 
 
+def mtp_prefill(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP):
+    """Feeds the MTP head the prompt's slots (tokens [T] with the target hiddens [T, H]) in chunks of `step`, as the
+    target's prefill runs, so memory stays bounded by the chunk; returns the last chunk's slots, which the first
+    draft step adds together with its own (it needs their output)."""
+    keep = len(tokens) % step or step
+    for start in range(0, len(tokens) - keep, step):
+        chunk = mx.array(tokens[start : start + step])
+        h = model.mtp.from_target(hidden[start : start + step])
+        model.mtp(model.model.embed_tokens(chunk)[None], h[None], cache)
+        mx.eval([c.state for c in cache])
+    return tokens[len(tokens) - keep :], hidden[len(tokens) - keep :]
+
+
 class MTPDrafter:
     """Drafts with the checkpoint's MTP head. Its KV cache holds one row per verified target position: slot j pairs
     embed(t_{j+1}) with the target hidden h_j (RoPE position j); rows built on the head's own hidden are dropped."""
@@ -42,7 +56,7 @@ class MTPDrafter:
         self.tokens, self.hidden, self.drafted = [], [], 0
 
     def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
-        self.observe([*prompt[1:], first], hidden)
+        self.observe(*mtp_prefill(self.model, [*prompt[1:], first], hidden, self.cache))
 
     def observe(self, tokens: list[int], hidden: mx.array) -> None:
         self.tokens += tokens

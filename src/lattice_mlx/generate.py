@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .cli import ArgumentParser, add_speculation_args, float_in, int_in, speculation_from_args
+from .cli import ArgumentParser, add_speculation_args, speculation_from_args
 from .decode import generate_step
 from .load import LoadError, load
 from .sample import Sampler
@@ -57,6 +57,11 @@ class GenerationResult:
         return out
 
 
+def check_max_tokens(max_tokens: int) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens (--max-tokens) must be an integer >= 1, got {max_tokens!r}")
+
+
 def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = True) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
@@ -88,10 +93,12 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
     `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics."""
+    check_max_tokens(max_tokens)
+    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
-    tokens, stats = token_stream(model, mx.array(ids), Sampler(temp=temp, top_p=top_p, top_k=top_k), speculation)
+    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
@@ -137,10 +144,11 @@ def setup_arg_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m lattice_mlx.generate", description="Generate text with a Qwen3.5 model.")
     p.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads standard input")
-    p.add_argument("--max-tokens", type=int_in(1), default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=float_in(0.0, 100.0), default=DEFAULT_TEMP)
-    p.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=DEFAULT_TOP_P)
-    p.add_argument("--top-k", type=int_in(0), default=DEFAULT_TOP_K)
+    # ranges are checked once, by the API (check_max_tokens, Sampler, SpecOptions), for both
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=float, default=DEFAULT_TEMP)
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -159,6 +167,8 @@ def speculation_line(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> GenerationResult:
     speculation = speculation_from_args(args)
+    check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
+    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     model, tokenizer = load(args.model, dtype=args.dtype)

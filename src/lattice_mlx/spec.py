@@ -38,9 +38,10 @@ class SpecOptions:
             raise ValueError(f"unknown draft source {self.draft!r}: use mtp, self[:LAYERS], ngram or mtp+ngram")
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \
                 or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
+            raise ValueError(f"draft_tokens (--draft-tokens) must be an integer in 1..{MAX_DRAFT_TOKENS}, "
+                             f"got {self.draft_tokens!r}")
         if self.verify not in VERIFIERS:
-            raise ValueError(f"unknown verifier {self.verify!r}: use batched or sequential")
+            raise ValueError(f"unknown verifier (--verify) {self.verify!r}: use batched or sequential")
         if self.tree is not None:
             parse_tree(self.tree)
             if self.draft != "mtp":

@@ -134,9 +134,9 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     cache = model.make_cache()
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()
-    yield y
     history = [*ids.tolist(), y]
-    drafter.start(history[:-1], y, hidden, cache)
+    drafter.start(history[:-1], y, hidden, cache)  # the head's share of the prompt work, before the first token
+    yield y
     tuner = None
     if options.adaptive:
         for _ in range(2):  # the first plain step warms up, the second is the timed reference t1

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from . import cache as caches
 from .decode import prefill
-from .drafters import mtp_step
+from .drafters import mtp_prefill, mtp_step
 from .models.qwen3_5 import Tree
 from .sample import Sampler, sample_from
 from .spec import SpecStats
@@ -96,8 +96,8 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     cache, drafter = model.make_cache(), drafter or TreeDrafter(model, shape)
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()
+    drafter.observe(*mtp_prefill(model, [*ids.tolist()[1:], y], hidden, drafter.cache))
     yield y
-    drafter.observe([*ids.tolist()[1:], y], hidden)
     while True:
         tic = time.perf_counter()
         tokens, parents, ranks = drafter.propose(y)
