@@ -125,3 +125,73 @@ def test_text_only_layout_loads_to_the_same_model(checkpoints, tmp_path):
     hub, _ = load(src)
     assert not text_only.has_mtp and text_only.args.model_type == "qwen3_5_text"
     assert mx.array_equal(text_only(IDS), hub(IDS))
+
+
+def run_module(module: str, *args, **kw):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_checkpoint_without_tokenizer_is_named_at_load_and_convert(checkpoints, tmp_path):
+    """It was "the prompt encodes to no tokens" at load (transformers builds an empty tokenizer) and exit 0 at
+    convert."""
+    src = shutil.copytree(checkpoints["tied"], tmp_path / "notok")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (src / f).unlink()
+    with pytest.raises(LoadError, match="has no tokenizer: it needs tokenizer.json"):
+        load(src)
+    for module, args in (("lattice_mlx.generate", ["--model", str(src)]),
+                         ("lattice_mlx.convert", ["--hf-path", str(src), "--mlx-path", str(tmp_path / "out")])):
+        out = run_module(module, *args)
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "has no tokenizer" in out.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_convert_quantization_flags_need_q(checkpoints, tmp_path):
+    out = run_module("lattice_mlx.convert", "--hf-path", str(checkpoints["tied"]), "--mlx-path", str(tmp_path / "o"),
+                     "--q-bits", "8")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "add -q" in out.stderr
+    assert not (tmp_path / "o").exists()
+
+
+SLOW_CONVERT = """
+import sys, time
+from lattice_mlx import convert
+real = convert.save_weights
+def slow(dst, weights):
+    real(dst, weights)
+    print("writing", flush=True)
+    time.sleep(60)
+convert.save_weights = slow
+sys.exit(convert.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupted_convert_says_one_line_and_leaves_nothing(checkpoints, tmp_path, sig):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, "--hf-path", str(checkpoints["tied"]), "--mlx-path",
+                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"  # the temp folder exists and holds the weights now
+    assert len(list(tmp_path.glob(".out.converting-*"))) == 1
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err  # above it: the progress bar of the writing
+    assert err.strip().splitlines()[-1] == "interrupted: nothing was written (the partial output was removed)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_removes_temp_folders_of_killed_runs(checkpoints, tmp_path):
+    stale = tmp_path / ".out.converting-999999999-abc"  # no such process
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    out = run_module("lattice_mlx.convert", "--hf-path", str(checkpoints["tied"]), "--mlx-path", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert f"removed {stale}, left by an interrupted conversion" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

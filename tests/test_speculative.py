@@ -239,3 +239,16 @@ def test_mtp_head_prefill_runs_in_chunks_with_bounded_memory(checkpoints):
     a, _ = mtp_step(model, mx.array(rest[0]), model.mtp.from_target(rest[1]), whole)
     b, _ = mtp_step(model, mx.array(tokens), model.mtp.from_target(h), small)
     assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+
+def test_kv_snapshot_is_not_changed_by_later_writes():
+    """snapshot() promised a copy but returned the live arrays, which the cache's row writes change in place."""
+    c = caches.KVCache()
+    ones = mx.ones((1, 2, 3, 4))
+    c.update_and_fetch(ones, ones)
+    snap = c.snapshot()
+    c.trim(1)
+    c.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert mx.array_equal(snap[0][..., :3, :], ones) and mx.array_equal(snap[1][..., :3, :], ones)
+    c.restore(snap)
+    assert c.offset == 3 and mx.array_equal(c.keys[..., :3, :], ones)

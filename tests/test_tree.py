@@ -136,3 +136,25 @@ def test_oracle_tree_is_exact_and_accepts_as_asked(checkpoints, shape, p):
             hit *= 1 - p * 0.6**r
         first = 1 - s["accepted_hist"][0] / s["rounds"]
         assert abs(first - (1 - hit)) < 3 * np.sqrt((1 - hit) * hit / s["rounds"]) + 0.02
+
+
+@pytest.mark.parametrize("offset", [100, 30_000])
+def test_tree_rope_at_long_positions_is_as_accurate_as_the_chain_rope(offset):
+    """Tree verify computes RoPE from per-node positions (rope_at), the chain path with mx.fast.rope; at 30k tokens
+    they differ by ~2e-3 (fp32 angles of ~3e4 rad). Neither is the better one: against float64 both are off by about
+    that much, the tree form a little less. So a tree's logits at long positions differ from the chain's by fp32
+    rounding only, and greedy tree output can flip a near-tie there, as any other fp32 reordering can."""
+    from lattice_mlx.models.qwen3_5 import rope_at
+
+    D, dims, base = 256, 64, 1e7
+    x = mx.random.normal((1, 2, 4, D), key=mx.random.key(offset))
+    tree = rope_at(x, offset + mx.arange(4), dims, base)
+    chain = mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+    xs = np.array(x, dtype=np.float64)
+    ang = (offset + np.arange(4))[:, None] * base ** (-np.arange(0, dims, 2) / dims)[None]
+    ref = xs.copy()
+    x1, x2 = xs[..., : dims // 2], xs[..., dims // 2 : dims]
+    ref[..., : dims // 2], ref[..., dims // 2 : dims] = x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)
+    bound = 1e-5 if offset < 1000 else 3e-3
+    tree_err, chain_err = np.abs(np.array(tree) - ref).max(), np.abs(np.array(chain) - ref).max()
+    assert tree_err <= bound and chain_err <= bound and tree_err <= chain_err + 1e-5, (tree_err, chain_err)

@@ -25,7 +25,9 @@ class KVCache(_MlxLmKVCache):
         pass
 
     def snapshot(self) -> tuple:
-        return self.keys, self.values, self.offset
+        # New array objects: the cache writes rows with __setitem__, which changes its own array objects in place.
+        copy = lambda a: mx.array(a) if a is not None else None  # noqa: E731
+        return copy(self.keys), copy(self.values), self.offset
 
     def restore(self, snap: tuple) -> None:
         self.keys, self.values, self.offset = snap

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -12,7 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .cli import ArgumentParser
-from .load import DTYPES, LoadError, load_model, quantize, resolve_path
+from .load import DTYPES, LoadError, check_tokenizer_files, load_model, quantize, resolve_path
 from .rotate import rotate_model
 
 DEFAULT_Q_BITS = 4
@@ -65,6 +66,7 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     if dst.exists() and not force:
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
     src = resolve_path(hf_path)
+    check_tokenizer_files(src)
     model, config = load_model(src, dtype=dtype, fuse=False)
     if rotate_seed is not None:
         rotate_into(model, config, seed=rotate_seed)
@@ -78,7 +80,8 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         out = {k: v.astype(DTYPES[mtp_dtype]) if k.startswith("mtp.") and mx.issubdtype(v.dtype, mx.floating)
                and not (quantize_mtp and quantize_bits) else v for k, v in out.items()}
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    remove_stale_temp_dirs(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{os.getpid()}-", dir=dst.parent))
     try:
         save_weights(tmp, out)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -97,13 +100,42 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     return dst
 
 
+def _temp_prefix(dst: Path) -> str:
+    return f".{dst.name}.converting-"
+
+
+def remove_stale_temp_dirs(dst: Path) -> None:
+    """Temp folders an interrupted earlier run left beside `dst` (killed: no cleanup ran) go, with one line each;
+    the writing process's id is in the name, so a conversion still running elsewhere keeps its folder."""
+    for old in dst.parent.glob(_temp_prefix(dst) + "*"):
+        pid = old.name[len(_temp_prefix(dst)) :].split("-")[0]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"removed {old}, left by an interrupted conversion", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM takes the same cleanup path as Ctrl-C
+
+
 def setup_arg_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m lattice_mlx.convert", description="Convert a Qwen3.5 checkpoint for MLX.")
     p.add_argument("--hf-path", required=True, help="local HF checkpoint directory or hub repo id")
     p.add_argument("--mlx-path", required=True, help="output directory (written atomically)")
     p.add_argument("-q", "--quantize", action="store_true", help="affine-quantize the linears and embeddings")
-    p.add_argument("--q-bits", type=int, choices=[4, 8], default=DEFAULT_Q_BITS)
-    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=DEFAULT_Q_GROUP_SIZE)
+    p.add_argument("--q-bits", type=int, choices=[4, 8], help=f"with -q (default {DEFAULT_Q_BITS})")
+    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], help=f"with -q (default {DEFAULT_Q_GROUP_SIZE})")
     p.add_argument("--quantize-mtp", action="store_true", help="quantize the MTP head too (default: keep it as is)")
     p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the stored dtype)")
     p.add_argument("--force", action="store_true", help="replace --mlx-path if it exists")
@@ -115,15 +147,22 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if not args.quantize and (args.q_bits or args.q_group_size or args.quantize_mtp):
+        parser.error("--q-bits, --q-group-size and --quantize-mtp take effect with -q (--quantize): add -q")
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        dst = convert(args.hf_path, args.mlx_path, quantize_bits=args.q_bits if args.quantize else None,
-                      group_size=args.q_group_size, quantize_mtp=args.quantize_mtp, dtype=args.dtype, force=args.force,
-                      rotate_seed=args.rotation_seed if args.rotate else None,
+        dst = convert(args.hf_path, args.mlx_path, quantize_bits=(args.q_bits or DEFAULT_Q_BITS) if args.quantize
+                      else None, group_size=args.q_group_size or DEFAULT_Q_GROUP_SIZE, quantize_mtp=args.quantize_mtp,
+                      dtype=args.dtype, force=args.force, rotate_seed=args.rotation_seed if args.rotate else None,
                       mtp_dtype=None if args.mtp_dtype == "keep" else args.mtp_dtype)
     except (LoadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written (the partial output was removed)", file=sys.stderr)
+        return 130
     print(f"wrote {dst}", file=sys.stderr)
     return 0
 

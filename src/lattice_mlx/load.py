@@ -148,9 +148,21 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tu
     return model, config
 
 
+# Any one of these makes a tokenizer (fast, sentencepiece, or byte-level BPE); without them transformers silently
+# builds an empty one and every prompt encodes to nothing.
+TOKENIZER_SOURCES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def check_tokenizer_files(path: Path) -> None:
+    if not any(all((path / f).exists() for f in files) for files in TOKENIZER_SOURCES):
+        raise LoadError(f"{path} has no tokenizer: it needs tokenizer.json (or tokenizer.model, or vocab.json with "
+                        "merges.txt); copy them from the original checkpoint")
+
+
 def load_tokenizer(path: Path, config: dict):
     from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
+    check_tokenizer_files(path)
     eos = (config.get("text_config") or {}).get("eos_token_id", config.get("eos_token_id"))
     eos = [eos] if isinstance(eos, int) else eos
     try:
