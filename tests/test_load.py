@@ -188,10 +188,33 @@ def test_interrupted_convert_says_one_line_and_leaves_nothing(checkpoints, tmp_p
 
 
 def test_convert_removes_temp_folders_of_killed_runs(checkpoints, tmp_path):
-    stale = tmp_path / ".out.converting-999999999-abc"  # no such process
+    import socket
+
+    stale = tmp_path / f".out.converting-{socket.gethostname()}-999999999-abc"  # no such process on this host
+    elsewhere = tmp_path / ".out.converting-another-host-1-abc"  # another machine's: not ours to judge
+    elsewhere.mkdir()
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
     out = run_module("lattice_mlx.convert", "--hf-path", str(checkpoints["tied"]), "--mlx-path", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr
     assert f"removed {stale}, left by an interrupted conversion" in out.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [elsewhere.name, "out"]
+
+
+def test_interrupted_force_convert_keeps_the_previous_output(checkpoints, tmp_path, monkeypatch):
+    """--force over an existing output: interrupted before the new one is in place, the old one stays."""
+    from lattice_mlx import convert as convert_module
+
+    dst = convert(str(checkpoints["tied"]), str(tmp_path / "out"))
+    before = sorted(p.name for p in dst.iterdir())
+    real_rename = type(dst).rename
+
+    def rename(self, target):
+        if self.name.startswith(".out.converting-") and not self.name.endswith("-replaced"):
+            raise KeyboardInterrupt  # the new output is about to move into place
+        return real_rename(self, target)
+
+    monkeypatch.setattr(type(dst), "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        convert_module.convert(str(checkpoints["tied"]), str(tmp_path / "out"), force=True)
+    assert sorted(p.name for p in dst.iterdir()) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -5,6 +5,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
 
+def _own(a: mx.array | None) -> mx.array | None:
+    """A new array object on the same data: the KV cache writes rows with __setitem__, which changes the array
+    object it holds in place, so a snapshot (or a cache restored from one) must not share that object."""
+    return mx.array(a) if a is not None else None
+
+
 class KVCache(_MlxLmKVCache):
     """mlx-lm's preallocated KV cache; rollback is a trim of the offset."""
 
@@ -25,12 +31,10 @@ class KVCache(_MlxLmKVCache):
         pass
 
     def snapshot(self) -> tuple:
-        # New array objects: the cache writes rows with __setitem__, which changes its own array objects in place.
-        copy = lambda a: mx.array(a) if a is not None else None  # noqa: E731
-        return copy(self.keys), copy(self.values), self.offset
+        return _own(self.keys), _own(self.values), self.offset
 
     def restore(self, snap: tuple) -> None:
-        self.keys, self.values, self.offset = snap
+        self.keys, self.values, self.offset = _own(snap[0]), _own(snap[1]), snap[2]
 
 
 class GDNCache:

@@ -1,11 +1,14 @@
 """HF checkpoint -> MLX checkpoint (optionally 4/8-bit), keeping `mtp.*`; `python -m lattice_mlx.convert`."""
 
+import glob
 import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -82,6 +85,7 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(dst)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(dst)}{os.getpid()}-", dir=dst.parent))
+    old = tmp.with_name(tmp.name + "-replaced")  # --force: the previous output, until the new one is in place
     try:
         save_weights(tmp, out)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -92,23 +96,28 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary directory
         if dst.exists():
-            shutil.rmtree(dst)
+            dst.rename(old)
         tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not dst.exists():
+            old.rename(dst)
         raise
+    shutil.rmtree(old, ignore_errors=True)
     return dst
 
 
 def _temp_prefix(dst: Path) -> str:
-    return f".{dst.name}.converting-"
+    return f".{dst.name}.converting-{socket.gethostname()}-"
 
 
 def remove_stale_temp_dirs(dst: Path) -> None:
-    """Temp folders an interrupted earlier run left beside `dst` (killed: no cleanup ran) go, with one line each;
-    the writing process's id is in the name, so a conversion still running elsewhere keeps its folder."""
-    for old in dst.parent.glob(_temp_prefix(dst) + "*"):
-        pid = old.name[len(_temp_prefix(dst)) :].split("-")[0]
+    """Temp folders an interrupted earlier run on this host left beside `dst` (killed: no cleanup ran) go, with one
+    line each; host and process id are in the name, so a conversion still running (here or on another machine
+    sharing the folder) keeps its folder."""
+    prefix = _temp_prefix(dst)
+    for old in dst.parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix) :].split("-")[0]
         if pid.isdigit() and _alive(int(pid)):
             continue
         shutil.rmtree(old, ignore_errors=True)
@@ -151,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.quantize and (args.q_bits or args.q_group_size or args.quantize_mtp):
         parser.error("--q-bits, --q-group-size and --quantize-mtp take effect with -q (--quantize): add -q")
-    signal.signal(signal.SIGTERM, _terminate)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         dst = convert(args.hf_path, args.mlx_path, quantize_bits=(args.q_bits or DEFAULT_Q_BITS) if args.quantize
                       else None, group_size=args.q_group_size or DEFAULT_Q_GROUP_SIZE, quantize_mtp=args.quantize_mtp,
@@ -163,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written (the partial output was removed)", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, before)
     print(f"wrote {dst}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import mlx.core as mx
 
@@ -16,12 +17,12 @@ class Sampler:
 
     def __post_init__(self):
         """The one check of the sampling options, for the API and the CLI alike (ValueError, one line)."""
-        if isinstance(self.temp, bool) or not isinstance(self.temp, (int, float)) or not math.isfinite(self.temp) \
+        if isinstance(self.temp, bool) or not isinstance(self.temp, Real) or not math.isfinite(self.temp) \
                 or self.temp < 0:
             raise ValueError(f"temp (--temp) must be a finite number >= 0, got {self.temp!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, Real) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:
             raise ValueError(f"top_k (--top-k) must be an integer >= 0 (0: off), got {self.top_k!r}")
 
     @property

@@ -231,7 +231,7 @@ class OracleTreeDrafter(TreeDrafter):
 
     def observe(self, tokens: list[int], hidden: mx.array) -> None:
         super().observe(tokens, hidden)
-        if not hasattr(self, "prompt_tail"):  # the first call carries prompt[1:] and the first generated token
+        if not hasattr(self, "prompt_tail"):  # the first call: the prompt's last slots (the rest went to the cache)
             self.prompt_tail = len(tokens) - 1
         self.generated += len(tokens)
 

@@ -203,3 +203,20 @@ def test_fused_kernel_rows_are_batch_invariant(kind):
         else:
             xm, pm = x[:, m : m + 1], pre
         assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm)), (kind, m)
+
+
+def test_supported_refuses_layouts_the_body_would_misread():
+    """Side inputs too narrow for what the body reads fall back to the plain ops (which raise or compute right)."""
+    from lattice_mlx.metal.q4_matmul import supported
+
+    _, w, s, b = make(1, 64, 256, 64, mx.bfloat16)
+    x, pre = make_pre("gate", 2, 256, mx.bfloat16, heads_dim=64)
+    assert supported(x, w, 64, 4, pre)
+    assert not supported(x, w, 64, 4, Pre("gate", src=pre.src[..., :8]))  # src narrower than the [q | gate] blocks
+    x, pre = make_pre("gated_rms", 2, 1024, mx.bfloat16, heads_dim=64)
+    _, w, s, b = make(1, 64, 1024, 64, mx.bfloat16)
+    assert supported(x, w, 64, 4, pre)
+    assert not supported(x, w, 64, 4, Pre("gated_rms", pre.weight, pre.eps, src=pre.src, offset=1056))  # z past the row
+    _, w, s, b = make(1, 64, 256, 64, mx.bfloat16)
+    assert supported(mx.zeros((1, 2, 512), dtype=mx.bfloat16), w, 64, 4, Pre("swiglu"))
+    assert not supported(mx.zeros((1, 2, 513), dtype=mx.bfloat16), w, 64, 4, Pre("swiglu"))

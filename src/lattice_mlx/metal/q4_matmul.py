@@ -287,17 +287,20 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | N
         return False
     if residual is not None and (residual.dtype != x.dtype or residual.size != M * w.shape[0]):
         return False
-    if pre is None or pre.kind == "swiglu":
+    if pre is None:
         return True
+    if pre.kind == "swiglu":
+        return x.shape[-1] % 2 == 0
     if pre.kind == "rms":
         return pre.weight.dtype == x.dtype and pre.weight.size == K
     if pre.kind == "gate":  # x [1, H, T, D], src [1, T, S]: S a multiple of 8 (16-byte loads)
         return (x.shape[0] == 1 and x.shape[-1] % 8 == 0 and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
-                and pre.src.size == M * pre.src.shape[-1])
+                and pre.src.shape[-1] >= 2 * K and pre.src.size == M * pre.src.shape[-1])
     if pre.kind == "gated_rms":  # a warp's lanes run the same passes (K % 1024) and a head spans 2^i lanes
         D = x.shape[-1]
         return (K % 1024 == 0 and D in (32, 64, 128, 256, 512, 1024) and pre.weight.dtype == x.dtype and pre.weight.size == D and pre.src.dtype == x.dtype
-                and pre.src.shape[-1] % 8 == 0 and pre.offset % 8 == 0 and pre.src.size == M * pre.src.shape[-1])
+                and pre.src.shape[-1] % 8 == 0 and pre.offset % 8 == 0 and pre.offset + K <= pre.src.shape[-1]
+                and pre.src.size == M * pre.src.shape[-1])
     return False
 
 
@@ -340,8 +343,9 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
               pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
-    """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (every decode and
-    verify projection), else the prologue's plain ops, `mx.quantized_matmul` and an add."""
+    """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
+    decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
+    `mx.quantized_matmul` and an add."""
     if use_kernels() and supported(x, w, group_size, bits, pre, residual):
         return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual)
     y = mx.quantized_matmul(prologue_ref(pre, x), w, scales, biases, transpose=True, group_size=group_size, bits=bits)
