@@ -255,3 +255,65 @@ def test_kv_snapshot_is_not_changed_by_later_writes():
     c.trim(1)
     c.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))  # a restored cache writes its own copy
     assert mx.array_equal(snap[0][..., :3, :], ones)
+
+
+def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
+    """Tokens 2..5 of a generation (the first comes from prefill): with spec, exactly one K=3 round and its bonus
+    when all drafts are accepted. Drafts: the target's own layers sampled at temperature 0.3 against the target's
+    1.0, so q is sharper than p: drafts are accepted often but with p/q < 1, where each position's own uniform
+    matters."""
+    from lattice_mlx.drafters import SelfSpecDrafter
+
+    sampler, options, out = Sampler(temp=1.0), SpecOptions(draft="self", draft_tokens=3, adaptive=False), []
+    for seed in seeds:
+        mx.random.seed(seed)
+        if spec:
+            drafter = SelfSpecDrafter(model, Sampler(temp=0.3), "first:4")
+            gen = speculative_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
+                                   stats=SpecStats.of(options), drafter=drafter)
+        else:
+            gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
+        out.append(tuple(next(gen) for _ in range(5))[1:])
+    return out
+
+
+def _pvalues(plain, spec) -> dict:
+    """Chi-square p-values of plain vs speculative over the pairs (t1, t2), (t2, t3), (t3, t4) and t4 alone."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    out = {}
+    for idx in ((0, 1), (1, 2), (2, 3), (3,)):
+        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
+        keys = sorted(set(a) | set(b))
+        out[idx] = chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1]
+    return out
+
+
+def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
+    """Every position of a K=3 round and its bonus token, jointly in adjacent pairs, against plain sampling; the same
+    check catches a bonus drawn from the last draft's row and one uniform shared by all draft positions."""
+    from lattice_mlx import sample, speculative
+
+    trials = 800
+    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
+    seeds = range(500_000, 500_000 + trials)
+    right = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+    assert min(right.values()) > 1e-3, right
+    real = sample.accept_sampled
+
+    def bonus_from_wrong_row(p, q, drafts):
+        n, token = real(p, q, drafts)
+        return (n, sample.sample_from(p[n - 1]).item()) if n == len(drafts) and p.shape[0] > n else (n, token)
+
+    def one_shared_uniform(p, q, drafts):
+        uniform = mx.random.uniform
+        with monkeypatch.context() as m:
+            m.setattr(mx.random, "uniform", lambda shape: mx.broadcast_to(uniform(shape=(1,)), shape))
+            return real(p, q, drafts)
+
+    for planted in (bonus_from_wrong_row, one_shared_uniform):
+        monkeypatch.setattr(speculative, "accept_sampled", planted)
+        wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+        assert min(wrong.values()) < 1e-4, (planted.__name__, wrong)
