@@ -287,7 +287,9 @@ def timed_run(stream, lengths: tuple[int, int], *, compiled_path: bool | None = 
         if hasattr(stream, "close"):
             stream.close()
     return {"ttft_s": stamps[1], "t1_s": stamps[n1], "t2_s": stamps[n2],
-            "tok_s": bs.slope_rate(n1, stamps[n1], n2, stamps[n2])}
+            "tok_s": bs.slope_rate(n1, stamps[n1], n2, stamps[n2]),
+            # from the first token on: an adaptive leg's warm-up, decisions and plain stretches all count
+            "tok_s_whole": bs.slope_rate(1, stamps[1], n2, stamps[n2])}
 
 
 @dataclass
@@ -374,7 +376,9 @@ def plain_baseline(rec: LegRecord, records: dict[str, LegRecord]) -> str:
 
 def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -> dict:
     """Rates, ratios against plain and stock (paired by repetition), acceptance, time split, costs, break-even."""
-    rates = [r["tok_s"] for r in rec.runs]
+    # adaptive legs (and the plain and stock legs they are compared with) over the whole generation
+    rate = "tok_s_whole" if rec.leg.adaptive else "tok_s"
+    rates = [r[rate] for r in rec.runs]
     out = {"leg": rec.leg.name, "kind": rec.leg.kind, "verify": rec.leg.verify if rec.leg.kind == "mtp" else None,
            "k": rec.leg.k or None, "adaptive": rec.leg.adaptive,
            "drafts": None if rec.leg.kind != "mtp" else (SYNTHETIC + f" p={rec.leg.p:g}" if rec.leg.p is not None
@@ -387,7 +391,7 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
     plain_name = plain_baseline(rec, records)
     for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:
-            out[f"vs_{key}"] = bs.paired_ratio(rates, [r["tok_s"] for r in records[base].runs])
+            out[f"vs_{key}"] = bs.paired_ratio(rates, [r[rate] for r in records[base].runs])
     if rec.spec is None:
         return out
     s = rec.spec.to_dict()

@@ -129,7 +129,9 @@ def write_markdown(out: Path, name: str, result: dict, meta: dict, plots: list[s
               f"mlx-lm {meta['mlx_lm_version']} | model {meta['model']}"), ""]
     if result.get("note"):
         lines += [f"Note: {result['note']}.", ""]
-    lines += [("Decode tok/s is the slope between two generation lengths; `x plain` / `x stock` are medians of "
+    lines += [("Decode tok/s is the slope between two generation lengths (adaptive legs: from the first token to the "
+               "second length, so their warm-up, decisions and plain stretches count; their `x plain` uses plain's "
+               "rate over the same span); `x plain` / `x stock` are medians of "
                "ratios paired by repetition (with `--compile-ab`, a `+compile` leg's `x plain` is against "
                "`plain+compile`, and `plain+compile`'s against `plain`); `alpha` is the pooled per-position "
                "acceptance; `model x` is the speedup "

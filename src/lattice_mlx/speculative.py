@@ -14,13 +14,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import cache as caches
-from .decode import generate_step, prefill
+from .decode import prefill
 from .drafters import make_drafter
 from .sample import Sampler, accept_greedy, accept_sampled
 from .spec import SpecOptions, SpecStats
 
 log = logging.getLogger("lattice_mlx")
-ADAPTIVE_WARMUP_ROUNDS = 8
+ADAPTIVE_WARMUP_ROUNDS = 8  # rounds before the first decision
+PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
+PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
+FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
 
 
 @dataclass
@@ -113,11 +116,26 @@ class DepthTuner:
         return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
 
 
-def measure_plain_step(model, cache: list, y: int, sampler: Sampler) -> tuple[float, int, mx.array]:
+def plain_steps(model, cache: list, y: int, sampler: Sampler, drafter, history: list[int], n: int,
+                out: dict) -> Iterator[int]:
+    """n plain steps pipelined as generate_step runs them (the next forward queued before a token is read back),
+    each position's hidden handed to the drafter, so speculation can resume after them. Sets out["y"], the newest
+    token (not yet fed), and out["step_s"], the mean time of a step."""
     tic = time.perf_counter()
     logits, h = model(mx.array([[y]]), cache, return_hidden=True)
-    token = sampler(logits[0, -1]).item()
-    return time.perf_counter() - tic, token, h[0]
+    nxt = sampler(logits[0, -1])
+    mx.async_eval(nxt, h)
+    for i in range(n):
+        cur, h_cur = nxt, h
+        if i + 1 < n:
+            logits, h = model(cur.reshape(1, 1), cache, return_hidden=True)
+            nxt = sampler(logits[0, -1])
+            mx.async_eval(nxt, h)
+        token = cur.item()
+        drafter.observe([token], h_cur[0])
+        history.append(token)
+        yield token
+    out["y"], out["step_s"] = token, (time.perf_counter() - tic) / n
 
 
 def one_hot_q(drafts: list[int], vocab: int) -> mx.array:
@@ -137,14 +155,13 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     history = [*ids.tolist(), y]
     drafter.start(history[:-1], y, hidden, cache)  # the head's share of the prompt work, before the first token
     yield y
-    tuner = None
+    tuner, seen_k, next_check, off_tokens = None, set(), ADAPTIVE_WARMUP_ROUNDS, FIRST_OFF_TOKENS
     if options.adaptive:
-        for _ in range(2):  # the first plain step warms up, the second is the timed reference t1
-            t1, y, h = measure_plain_step(model, cache, y, sampler)
-            drafter.observe([y], h)
-            history.append(y)
-            yield y
-        tuner = DepthTuner(k, t1)
+        run = {}
+        yield from plain_steps(model, cache, y, sampler, drafter, history, PLAIN_WARMUP_STEPS, run)  # untimed
+        yield from plain_steps(model, cache, run["y"], sampler, drafter, history, PLAIN_TIMED_STEPS, run)
+        y = run["y"]
+        tuner = DepthTuner(k, run["step_s"])
     while True:
         tic = time.perf_counter()
         drafts, q = drafter.propose(history, k)
@@ -170,12 +187,22 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
         history += accepted
         y = r.token
         yield from accepted
-        if tuner is not None and drafts:
+        if tuner is None or not drafts:
+            continue
+        if len(drafts) in seen_k:  # a verify shape's first round pays its one-off costs (compiling a new shape)
             tuner.observe(len(drafts), t_draft, t_verify)
-            if stats.rounds >= ADAPTIVE_WARMUP_ROUNDS:
-                k, gain = tuner.best(stats.accepted_per_position())
-                if gain < 1.0:
-                    stats.decisions.append(f"speculation off after {stats.rounds} rounds: predicted speedup {gain:.2f}")
-                    log.info(stats.decisions[-1])
-                    yield from generate_step(model, mx.array([y]), sampler=sampler, cache=cache)
-                    return
+        seen_k.add(len(drafts))
+        if stats.rounds < next_check:
+            continue
+        k, gain = tuner.best(stats.accepted_per_position())
+        if gain >= 1.0:
+            next_check = stats.rounds + 1
+            continue
+        # Not paying now: plain steps for a while (timing the baseline afresh), then speculation is probed again.
+        stats.decisions.append(f"speculation off for {off_tokens} tokens after {stats.rounds} rounds: predicted "
+                               f"speedup {gain:.2f}")
+        log.info(stats.decisions[-1])
+        run = {}
+        yield from plain_steps(model, cache, y, sampler, drafter, history, off_tokens, run)
+        y, tuner.t1 = run["y"], run["step_s"]
+        off_tokens, next_check = min(2 * off_tokens, MAX_OFF_TOKENS), stats.rounds + PROBE_ROUNDS
