@@ -39,7 +39,7 @@ class Pre:
 # The plain-ops forms of the prologues: the element-wise chains compiled into one kernel each, as the model ran them
 # before they were fused into the matmul (and as the CPU and LATTICE_KERNELS=ref still run them).
 @partial(mx.compile, shapeless=True)
-def _swiglu(g: mx.array, u: mx.array) -> mx.array:
+def swiglu(g: mx.array, u: mx.array) -> mx.array:
     return nn.silu(g) * u
 
 
@@ -61,7 +61,7 @@ def prologue_ref(pre: Pre | None, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, pre.weight, pre.eps)
     if pre.kind == "swiglu":
         g, u = mx.split(x, 2, axis=-1)
-        return _swiglu(g, u)
+        return swiglu(g, u)
     if pre.kind == "gate":
         B, H, T, D = x.shape
         gate = pre.src[..., : 2 * H * D].reshape(B, T, H, 2 * D)[..., D:]

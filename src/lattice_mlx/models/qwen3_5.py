@@ -13,7 +13,7 @@ from ..cache import GDNCache, KVCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import Pre, _swiglu, prologue_ref, q4_matmul
+from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu
 from .compiled import run_layers
 
 # RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
@@ -312,7 +312,7 @@ class MLP(nn.Module):
             gu = project(self.gate_up_proj, x, pre=rms_pre(norm))
             return project(self.down_proj, gu, pre=Pre("swiglu"), residual=residual)
         x = prologue_ref(rms_pre(norm), x)
-        return project(self.down_proj, _swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
+        return project(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
 
 
 class DecoderLayer(nn.Module):
