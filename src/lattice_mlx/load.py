@@ -13,7 +13,7 @@ from .models.mtp import MTPHead
 from .models.qwen3_5 import Model, ModelArgs, route_quantized, sanitize
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -136,7 +136,10 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tu
     """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too); `fuse` stacks
     projections that share an input (exact, fewer matmuls: models/fuse.py)."""
     config = read_config(path)
-    weights = sanitize(read_weights(path), tie_word_embeddings=model_args(config).tie_word_embeddings)
+    try:
+        weights = sanitize(read_weights(path), tie_word_embeddings=model_args(config).tie_word_embeddings)
+    except ValueError as e:
+        raise LoadError(f"bad MoE experts in the checkpoint: {e}") from None
     model = build_model(config, weights)
     check_weights(model, weights)
     weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))

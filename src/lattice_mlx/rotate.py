@@ -56,6 +56,8 @@ def rotate_model(model, *, seed: int = 0, skip_mtp_counter_rotation: bool = Fals
     """Rotates a dense fp32 model in place; returns the config entry that records it. `skip_mtp_counter_rotation`
     exists for a test that shows the head breaks without it."""
     args = model.args
+    if args.num_experts:
+        raise ValueError("cannot rotate an MoE checkpoint yet: rotate a dense one, or convert without --rotate")
     H = args.hidden_size
     q = mx.array(rotation(H, seed), dtype=model.model.embed_tokens.weight.dtype)
     qt = q.T

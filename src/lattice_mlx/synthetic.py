@@ -41,13 +41,19 @@ def hub_config(*, mtp: bool = True, **text) -> dict:
         mtp_num_hidden_layers=1 if mtp else 0, eos_token_id=0, attention_bias=False,
     )
     base.update(text)
+    moe = bool(base.get("num_experts"))
+    if moe:
+        base["model_type"] = "qwen3_5_moe_text"
+        for key, value in (("num_experts_per_tok", 2), ("moe_intermediate_size", 32),
+                           ("shared_expert_intermediate_size", 48)):
+            base.setdefault(key, value)
     if "layer_types" not in text:
         base["layer_types"] = [
             "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(base["num_hidden_layers"])
         ]
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "tie_word_embeddings": base["tie_word_embeddings"],
         "text_config": base,
     }
@@ -85,17 +91,36 @@ def _gdn(rng, c: dict, prefix: str, w) -> dict:
     }
 
 
-def _layer(rng, c: dict, prefix: str, kind: str, w) -> dict:
+def _moe(rng, c: dict, prefix: str, w, *, per_expert: bool) -> dict:
+    """An MoE block as the hub stores it: the trunk's experts fused ([E, 2I, H] and [E, H, I]), the MTP layer's one
+    tensor per expert."""
+    H, E, I, S = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    out = {f"{prefix}.gate.weight": w(E, H), f"{prefix}.shared_expert_gate.weight": w(1, H),
+           f"{prefix}.shared_expert.gate_proj.weight": w(S, H), f"{prefix}.shared_expert.up_proj.weight": w(S, H),
+           f"{prefix}.shared_expert.down_proj.weight": w(H, S)}
+    if per_expert:
+        for e in range(E):
+            out.update({f"{prefix}.experts.{e}.gate_proj.weight": w(I, H), f"{prefix}.experts.{e}.up_proj.weight":
+                        w(I, H), f"{prefix}.experts.{e}.down_proj.weight": w(H, I)})
+    else:
+        out[f"{prefix}.experts.gate_up_proj"] = np.stack([w(2 * I, H) for _ in range(E)])
+        out[f"{prefix}.experts.down_proj"] = np.stack([w(H, I) for _ in range(E)])
+    return out
+
+
+def _layer(rng, c: dict, prefix: str, kind: str, w, *, mtp: bool = False) -> dict:
     H, I = c["hidden_size"], c["intermediate_size"]
     out = _gdn(rng, c, f"{prefix}.linear_attn", w) if kind == "linear_attention" else \
         _attention(rng, c, f"{prefix}.self_attn", w)
     out.update({
         f"{prefix}.input_layernorm.weight": rng.normal(0, 0.1, H),
         f"{prefix}.post_attention_layernorm.weight": rng.normal(0, 0.1, H),
-        f"{prefix}.mlp.gate_proj.weight": w(I, H),
-        f"{prefix}.mlp.up_proj.weight": w(I, H),
-        f"{prefix}.mlp.down_proj.weight": w(H, I),
     })
+    if c.get("num_experts"):
+        out.update(_moe(rng, c, f"{prefix}.mlp", w, per_expert=mtp))
+    else:
+        out.update({f"{prefix}.mlp.gate_proj.weight": w(I, H), f"{prefix}.mlp.up_proj.weight": w(I, H),
+                    f"{prefix}.mlp.down_proj.weight": w(H, I)})
     return out
 
 
@@ -123,7 +148,7 @@ def hub_weights(config: dict, *, seed: int = 0, mtp: bool = True, dtype=np.float
             "mtp.pre_fc_norm_hidden.weight": rng.normal(0, 0.1, H),
             "mtp.norm.weight": rng.normal(0, 0.1, H),
         })
-        out.update(_layer(rng, c, "mtp.layers.0", "full_attention", w))
+        out.update(_layer(rng, c, "mtp.layers.0", "full_attention", w, mtp=True))
     return {k: np.ascontiguousarray(v, dtype=dtype) for k, v in out.items()}
 
 

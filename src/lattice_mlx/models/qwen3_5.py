@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import GDNCache, KVCache
 from ..metal.attention import sdpa
@@ -49,6 +50,11 @@ class ModelArgs:
     max_position_embeddings: int = 262144
     eos_token_id: int | list[int] | None = None
     mtp_num_hidden_layers: int = 0
+    # qwen3_5_moe: every layer's MLP (the MTP layer's too) is a sparse MoE block; 0 experts = the dense family
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
     # Derived in __post_init__: rotary dims of the attention head.
     rope_dims: int = field(init=False, default=0)
 
@@ -79,6 +85,8 @@ class ModelArgs:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is outside 1..{self.num_experts}")
 
 
 @dataclass(frozen=True)
@@ -315,6 +323,32 @@ class MLP(nn.Module):
         return project(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
 
 
+class SparseMoeBlock(nn.Module):
+    """qwen3_5_moe's MLP: a softmax router (fp32) picks the top-k experts, whose weights are renormalised to sum to 1
+    (as HF's Qwen3_5MoeTopKRouter does); the experts run through mlx-lm's SwitchGLU (gather_qmm when quantized);
+    plus one shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.top_k = args.num_experts_per_tok
+        self.gate = nn.Linear(H, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(H, args.moe_intermediate_size, args.num_experts)
+        self.shared_expert = MLP(H, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def __call__(self, x: mx.array, *, norm: nn.RMSNorm | None = None, residual: mx.array | None = None) -> mx.array:
+        """residual + the block's output on norm(x)."""
+        x = prologue_ref(rms_pre(norm), x)
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]  # [B, T, k]
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        scores = (scores / scores.sum(axis=-1, keepdims=True)).astype(x.dtype)
+        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y if residual is None else residual + y
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_type: str):
         super().__init__()
@@ -325,7 +359,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = SparseMoeBlock(args) if args.num_experts else MLP(args.hidden_size, args.intermediate_size)
 
     def __call__(self, x: mx.array, cache: Any = None, mask: mx.array | str | None = None,
                  tree: Tree | None = None) -> mx.array:
@@ -402,6 +436,32 @@ class Model(nn.Module):
         return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)
 
 
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _switch_experts(w: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MoE experts into SwitchGLU's layout: the trunk's fused `experts.gate_up_proj` [E, 2I, H] split at its middle
+    and `experts.down_proj` [E, H, I] renamed; the MTP layer's per-expert `experts.{e}.{gate,up,down}_proj` stacked."""
+    out, per_expert = {}, {}
+    for k, v in w.items():
+        m = _EXPERT.match(k)
+        if m:
+            per_expert.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = v
+        elif k.endswith(".mlp.experts.gate_up_proj"):
+            prefix, mid = k[: -len(".experts.gate_up_proj")], v.shape[-2] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = v[..., :mid, :]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = v[..., mid:, :]
+        elif k.endswith(".mlp.experts.down_proj"):
+            out[k[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight"] = v
+        else:
+            out[k] = v
+    for (prefix, proj), experts in per_expert.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{prefix}.experts: expert indices {sorted(experts)[:8]}... are not 0..{len(experts) - 1}")
+        out[f"{prefix}.switch_mlp.{proj}_proj.weight"] = mx.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
 def sanitize(weights: dict[str, mx.array], *, tie_word_embeddings: bool) -> dict[str, mx.array]:
     """Checkpoint names -> this package's names; raw HF tensors -> MLX layout (+1 norm shift, conv axes). Idempotent:
     a raw HF checkpoint is recognised by its conv1d weights in HF's [C, 1, K] layout, which this moves to [C, K, 1]."""
@@ -418,6 +478,7 @@ def sanitize(weights: dict[str, mx.array], *, tie_word_embeddings: bool) -> dict
         out[k] = v
     if tie_word_embeddings:
         out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
+    out = _switch_experts(out)
     raw = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
     if raw:
         for k, v in out.items():

@@ -1,0 +1,110 @@
+"""qwen3_5_moe: logits against HF transformers (float64) and mlx-lm's qwen3_5_moe, the MoE MTP head through the
+speculative loop, and bad MoE checkpoints."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import generate, load
+from lattice_mlx.spec import SpecOptions
+from lattice_mlx.synthetic import random_checkpoint
+
+IDS = [3, 17, 250, 9, 64, 128, 5, 77, 300, 12, 41, 199, 2, 8, 150, 33, 90]
+MOE = {
+    "e6k2": dict(seed=20, num_experts=6, num_experts_per_tok=2),
+    "e7k3-untied": dict(seed=21, num_experts=7, num_experts_per_tok=3, tie_word_embeddings=False),  # odd counts
+    "e5k1-hv4": dict(seed=22, num_experts=5, num_experts_per_tok=1, linear_num_key_heads=1, linear_num_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: random_checkpoint(root / name, **kw) for name, kw in MOE.items()}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_logits_match_transformers(moe_checkpoints, name):
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    path = moe_checkpoints[name]
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**cfg)).eval()
+    hf.set_experts_implementation("eager")  # the grouped-mm path has no float64
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items()}
+    state = {k.replace("model.language_model.", "model."): torch.from_numpy(v)
+             for k, v in weights.items() if not k.startswith("mtp.")}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    with torch.no_grad():
+        ref = hf.double()(torch.tensor([IDS])).logits.numpy()
+    model, _ = load(path)
+    err = np.abs(np.array(model(mx.array([IDS]))) - ref).max()
+    assert err <= 1e-4 * max(1.0, np.abs(ref).max()), f"max |lattice - transformers| = {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["e6k2", "e7k3-untied"])  # mlx-lm reads full_attention_interval, not layer_types
+def test_moe_logits_match_mlx_lm(moe_checkpoints, name):
+    import mlx_lm
+
+    ref_model, _ = mlx_lm.load(str(moe_checkpoints[name]))
+    model, _ = load(moe_checkpoints[name])
+    ids = mx.array([IDS])
+    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    assert err <= 1e-5, f"max |lattice - mlx-lm| = {err:.2e}"
+
+
+@pytest.mark.parametrize("verify", ["batched", "sequential"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_moe_greedy_mtp_equals_plain(moe_checkpoints, k, verify):
+    model, tok = load(moe_checkpoints["e7k3-untied"])
+    assert type(model.mtp.layers[0].mlp).__name__ == "SparseMoeBlock"  # the MoE MTP head, experts stacked
+    for prompt in ([5, 9, 33, 21, 7, 100], [250]):
+        plain = generate(model, tok, prompt, max_tokens=30).tokens
+        spec = generate(model, tok, prompt, max_tokens=30,
+                        speculation=SpecOptions(draft_tokens=k, verify=verify, adaptive=False))
+        assert spec.tokens == plain
+
+
+def test_moe_mtp_experts_are_stacked_in_expert_order(moe_checkpoints):
+    from safetensors.numpy import load_file
+
+    raw = load_file(str(moe_checkpoints["e6k2"] / "model.safetensors"))
+    model, _ = load(moe_checkpoints["e6k2"])
+    stacked = np.array(model.mtp.layers[0].mlp.switch_mlp.down_proj.weight)
+    for e in range(6):
+        np.testing.assert_array_equal(stacked[e], raw[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"])
+    trunk = np.array(model.layers[0].mlp.switch_mlp.up_proj.weight)
+    fused = raw["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(trunk, fused[:, fused.shape[1] // 2 :])
+
+
+@pytest.mark.parametrize("how, message", [("missing_expert", "expert indices"),
+                                          ("expert_count", "shape"), ("top_k", "num_experts_per_tok")])
+def test_bad_moe_checkpoint_is_one_line(moe_checkpoints, tmp_path, how, message):
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file, save_file
+
+    dst = shutil.copytree(moe_checkpoints["e6k2"], tmp_path / how)
+    if how == "top_k":
+        config = json.loads((dst / "config.json").read_text())
+        config["text_config"]["num_experts_per_tok"] = 9
+        (dst / "config.json").write_text(json.dumps(config))
+    else:
+        w = load_file(str(dst / "model.safetensors"))
+        if how == "missing_expert":
+            del w["mtp.layers.0.mlp.experts.3.up_proj.weight"]
+        else:
+            key = "model.language_model.layers.1.mlp.experts.down_proj"
+            w[key] = w[key][:-1].copy()  # one expert fewer than num_experts
+        save_file(w, str(dst / "model.safetensors"))
+    out = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--model", str(dst), "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, lines
