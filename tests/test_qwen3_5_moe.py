@@ -108,3 +108,34 @@ def test_bad_moe_checkpoint_is_one_line(moe_checkpoints, tmp_path, how, message)
                          capture_output=True, text=True, timeout=120)
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr, lines
+
+
+def test_mlx_community_4bit_moe_checkpoint_matches_mlx_lm(moe_checkpoints, tmp_path):
+    """mlx-lm's own conversion (4-bit experts, routers and shared-expert gates at 8 bits, recorded per layer)."""
+    import mlx_lm
+    from mlx_lm.convert import convert
+
+    dst = tmp_path / "q4"
+    convert(str(moe_checkpoints["e6k2"]), str(dst), quantize=True, q_group_size=32, q_bits=4)
+    ref_model, _ = mlx_lm.load(str(dst))
+    model, _ = load(dst)
+    assert model.layers[0].mlp.gate.bits == 8 and model.layers[0].mlp.switch_mlp.up_proj.bits == 4
+    ids = mx.array([IDS])
+    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    assert err <= 1e-5, f"max |lattice - mlx-lm| on a 4-bit MoE checkpoint = {err:.2e}"
+
+
+def test_convert_quantizes_moe_with_8_bit_routers_and_keeps_the_moe_head(moe_checkpoints, tmp_path):
+    from lattice_mlx.convert import convert
+
+    dst = convert(str(moe_checkpoints["e7k3-untied"]), str(tmp_path / "q"), quantize_bits=4, group_size=32)
+    quant = json.loads((dst / "config.json").read_text())["quantization"]
+    assert quant["bits"] == 4 and quant["model.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8}
+    model, tok = load(dst)
+    assert model.layers[1].mlp.gate.bits == 8 and model.layers[1].mlp.switch_mlp.down_proj.bits == 4
+    on_disk = mx.load(str(dst / "model.safetensors"))  # the head stays unquantized, in bf16
+    assert on_disk["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].dtype == mx.bfloat16
+    assert "mtp.layers.0.mlp.switch_mlp.gate_proj.scales" not in on_disk
+    plain = generate(model, tok, [5, 9, 33], max_tokens=20).tokens
+    assert generate(model, tok, [5, 9, 33], max_tokens=20,
+                    speculation=SpecOptions(draft_tokens=2, adaptive=False)).tokens == plain

@@ -76,8 +76,8 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     if quantize_bits:
         if config.get("quantization"):
             raise LoadError(f"{src} is already quantized")
-        quantize(model, bits=quantize_bits, group_size=group_size, quantize_mtp=quantize_mtp)
-        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
+        own = quantize(model, bits=quantize_bits, group_size=group_size, quantize_mtp=quantize_mtp)
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits, **own}
     out = dict(tree_flatten(model.parameters()))
     if mtp_dtype is not None:  # the head stays in this dtype unless it was quantized
         out = {k: v.astype(DTYPES[mtp_dtype]) if k.startswith("mtp.") and mx.issubdtype(v.dtype, mx.floating)

@@ -96,22 +96,38 @@ def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
             model,
             group_size=quant["group_size"],
             bits=quant["bits"],
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            class_predicate=lambda p, m: f"{p}.scales" in weights and layer_quantization(quant, p),
         )
         route_quantized(model)
     return model
 
 
-def quantize(model: Model, *, bits: int, group_size: int, quantize_mtp: bool) -> None:
-    """Affine-quantizes every Linear/Embedding whose input width divides into groups (the MTP head only if asked)."""
+def layer_quantization(quant: dict, path: str) -> dict | bool:
+    """A layer's own bits and group size where the checkpoint records them (mlx-lm writes them under its names,
+    `language_model.<path>`; e.g. MoE routers at 8 bits), else True: the checkpoint-wide setting."""
+    own = quant.get(path, quant.get(f"language_model.{path}"))
+    return {"group_size": own["group_size"], "bits": own["bits"]} if isinstance(own, dict) else True
 
-    def predicate(path: str, module: nn.Module) -> bool:
+
+ROUTER_BITS = {"group_size": 64, "bits": 8}  # MoE routers and shared-expert gates, as mlx-lm keeps them
+
+
+def quantize(model: Model, *, bits: int, group_size: int, quantize_mtp: bool) -> dict:
+    """Affine-quantizes every Linear/Embedding whose input width divides into groups (the MTP head only if asked),
+    MoE routers at 8 bits; returns the per-layer settings that differ from (bits, group_size), for config.json."""
+    own = {}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
         if not hasattr(module, "to_quantized") or (path.startswith("mtp.") and not quantize_mtp):
             return False
+        if path.endswith((".mlp.gate", ".mlp.shared_expert_gate")) and module.weight.shape[-1] % 64 == 0:
+            own[path] = ROUTER_BITS
+            return ROUTER_BITS
         return module.weight.shape[-1] % group_size == 0
 
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
     route_quantized(model)
+    return own
 
 
 def check_weights(model: Model, weights: dict[str, mx.array]) -> None:
