@@ -12,6 +12,7 @@
 #                  per token; the demo with its real head
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
+#   decode-35b     Qwen3.5-35B-A3B MoE shape (random, Q4, ~18 GB), bf16: stock vs plain vs MTP K=1..3 at oracle 0.8
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
@@ -52,6 +53,9 @@ for mode in "$@"; do
   decode-4b)
     step decode_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 2 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_4b" ;;
+  decode-35b)
+    step decode_35b 300 "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs stock,plain,plain-aa,batched --k 1,2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_35b" ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;

@@ -139,3 +139,13 @@ def test_convert_quantizes_moe_with_8_bit_routers_and_keeps_the_moe_head(moe_che
     plain = generate(model, tok, [5, 9, 33], max_tokens=20).tokens
     assert generate(model, tok, [5, 9, 33], max_tokens=20,
                     speculation=SpecOptions(draft_tokens=2, adaptive=False)).tokens == plain
+
+
+def test_bench_stock_leg_for_moe_shares_the_4_bit_weights():
+    """The bench's mlx-lm leg for an MoE shape: mlx-lm's qwen3_5_moe on our arrays, each layer quantized as ours is
+    (routers at 8 bits)."""
+    from lattice_mlx import bench
+
+    target = bench.load_target("tiny-moe", bits=4, group_size=64, dtype="float32", seed=0, stock=True)
+    assert type(target.stock).__module__ == "mlx_lm.models.qwen3_5_moe", target.stock_note
+    assert target.stock_max_logit_diff < 1e-3

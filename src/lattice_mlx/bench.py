@@ -27,6 +27,7 @@ import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
+from mlx_lm.models import qwen3_5_moe as mlx_lm_qwen3_5_moe
 from mlx_lm.sample_utils import make_sampler
 
 from . import bench_stats as bs
@@ -49,7 +50,7 @@ from .models.fuse import hf_parameters
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
 from .speculative import speculative_step
-from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, OracleDrafter, hub_config, random_model
+from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_35B_A3B, OracleDrafter, hub_config, random_model
 
 DEFAULT_MODEL = "0.8b"
 DEFAULT_OUT = "bench_out"
@@ -64,6 +65,8 @@ DEFAULT_PROMPT_TOKENS = 64
 SHAPES = {
     "0.8b": QWEN3_5_0_8B,
     "4b": QWEN3_5_4B,
+    "35b-a3b": QWEN3_5_35B_A3B,  # MoE, 256 experts top-8: ~18 GB at Q4 (a GPU machine)
+    "tiny-moe": dict(num_experts=6, num_experts_per_tok=2),
     # Qwen3.5 structure at a size a 2-core CPU decodes at ~30 tok/s (the 0.8B shape runs ~1.5 tok/s there).
     "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=8,
@@ -201,7 +204,8 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
     if stock:
         try:
             target.stock, target.stock_max_logit_diff = build_stock(model, target.config)
-            target.stock_note = "mlx_lm.models.qwen3_5.Model on the same weight arrays, mlx_lm.generate.generate_step"
+            target.stock_note = (f"{type(target.stock).__module__}.Model on the same weight arrays, "
+                                 "mlx_lm.generate.generate_step")
         except Exception as e:  # recorded, not fatal: the other legs still run
             target.stock_note = f"stock leg unavailable: {type(e).__name__}: {e}"
     return target
@@ -210,16 +214,19 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
 def build_stock(model, config: dict):
     """mlx-lm's own Qwen3.5 model sharing our parameter arrays (names model.X -> language_model.model.X), quantized
     the same way; returns it and the max |logit difference| against ours on a short prompt."""
-    stock = mlx_lm_qwen3_5.Model(mlx_lm_qwen3_5.ModelArgs.from_dict({**config, "model_type": "qwen3_5"}))
+    family = mlx_lm_qwen3_5_moe if model.args.num_experts else mlx_lm_qwen3_5
+    stock = family.Model(family.ModelArgs.from_dict({**config, "model_type": family.__name__.rsplit(".", 1)[1]}))
     theirs = ["linear_attention" if layer.is_linear else "full_attention" for layer in stock.language_model.layers]
     if theirs != model.args.layer_types:
         raise ValueError("mlx-lm derives the layer pattern from full_attention_interval; this config's layer_types "
                          "differ from it")
     weights = {"language_model." + k: v for k, v in hf_parameters(model).items() if not k.startswith("mtp.")}
-    quantized = [m for _, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")]
-    if quantized:
-        nn.quantize(stock, group_size=quantized[0].group_size, bits=quantized[0].bits,
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    # each layer as ours is quantized (MoE routers at 8 bits); fused projections take their parts' setting
+    own = {f"language_model.{p}": {"group_size": m.group_size, "bits": m.bits} for p, m in model.named_modules()
+           if hasattr(m, "group_size") and hasattr(m, "bits")}
+    if own:
+        common = max(own.values(), key=list(own.values()).count)
+        nn.quantize(stock, class_predicate=lambda p, m: f"{p}.scales" in weights and own.get(p, common))
     stock.load_weights(list(weights.items()), strict=True)
     stock.eval()
     ids = mx.array([[1, 5, 9, 2, 7, 3, 4, 8]]) % model.args.vocab_size

@@ -28,6 +28,14 @@ QWEN3_5_4B = dict(
     linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
 )
 
+# Qwen3.5-35B-A3B's text shape (HF's Qwen3_5MoeTextConfig defaults): ~18 GB at Q4, for the H200 benchmark.
+QWEN3_5_35B_A3B = dict(
+    hidden_size=2048, intermediate_size=512, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+
 
 def hub_config(*, mtp: bool = True, **text) -> dict:
     """A hub-layout config.json (Qwen3_5ForConditionalGeneration with a nested text_config); tiny by default."""
@@ -207,9 +215,11 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
     if bits:
         quantize(model, bits=bits, group_size=group_size, quantize_mtp=False)
     model.eval()
+    # one layer at a time: the whole lazy graph at once would hold every fp32 init at the 35B-A3B shape (~140 GB)
+    for part in (*model.layers, model.model.embed_tokens, model):
+        mx.eval(part.parameters())
     if fuse:
         fuse_projections(model)
-    mx.eval(model.parameters())
     return model
 
 
