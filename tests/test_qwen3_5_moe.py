@@ -149,3 +149,20 @@ def test_bench_stock_leg_for_moe_shares_the_4_bit_weights():
     target = bench.load_target("tiny-moe", bits=4, group_size=64, dtype="float32", seed=0, stock=True)
     assert type(target.stock).__module__ == "mlx_lm.models.qwen3_5_moe", target.stock_note
     assert target.stock_max_logit_diff < 1e-3
+
+
+def test_text_only_moe_layout_loads_to_the_same_model(moe_checkpoints, tmp_path):
+    """`qwen3_5_moe_text` (Qwen3_5MoeForCausalLM: flat config, `model.*` names, fused experts, mtp.* kept)."""
+    import shutil
+
+    src = moe_checkpoints["e7k3-untied"]
+    config = json.loads((src / "config.json").read_text())["text_config"]
+    weights = {k.replace("model.language_model.", "model."): v for k, v in mx.load(str(src / "model.safetensors")).items()}
+    dst = shutil.copytree(src, tmp_path / "text_only")
+    (dst / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen3_5MoeForCausalLM"])))
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    text_only, _ = load(dst)
+    hub, _ = load(src)
+    ids = mx.array([IDS])
+    assert text_only.args.model_type == "qwen3_5_moe_text" and text_only.has_mtp
+    assert mx.array_equal(text_only(ids), hub(ids))
