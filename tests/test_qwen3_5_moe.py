@@ -69,20 +69,53 @@ def test_moe_greedy_mtp_equals_plain(moe_checkpoints, k, verify):
         assert spec.tokens == plain
 
 
-def test_moe_mtp_experts_are_stacked_in_expert_order(moe_checkpoints):
+def test_moe_mtp_experts_are_stacked_in_expert_order(tmp_path):
     from safetensors.numpy import load_file
 
-    raw = load_file(str(moe_checkpoints["e6k2"] / "model.safetensors"))
-    model, _ = load(moe_checkpoints["e6k2"])
+    path = random_checkpoint(tmp_path / "e12", seed=23, num_experts=12, num_experts_per_tok=2)  # 10 after 9, not 1
+    raw = load_file(str(path / "model.safetensors"))
+    model, _ = load(path)
     stacked = np.array(model.mtp.layers[0].mlp.switch_mlp.down_proj.weight)
-    for e in range(6):
+    for e in range(12):
         np.testing.assert_array_equal(stacked[e], raw[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"])
     trunk = np.array(model.layers[0].mlp.switch_mlp.up_proj.weight)
     fused = raw["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    assert stacked.shape[0] == 12
     np.testing.assert_array_equal(trunk, fused[:, fused.shape[1] // 2 :])
 
 
-@pytest.mark.parametrize("how, message", [("missing_expert", "expert indices"),
+def test_moe_oracle_drafts_exercise_acceptance_and_rollback(moe_checkpoints):
+    """A random MoE head accepts ~nothing: oracle drafts at 0.7 make the MoE verify accept and roll back."""
+    from lattice_mlx.decode import generate_step
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.spec import SpecStats
+    from lattice_mlx.speculative import speculative_step
+    from lattice_mlx.synthetic import OracleDrafter
+
+    model, _ = load(moe_checkpoints["e7k3-untied"])
+    prompt = mx.array([5, 9, 33, 21, 7, 100])
+    steps = generate_step(model, prompt, sampler=Sampler())
+    plain = [next(steps) for _ in range(90)]
+    for verify in ("batched", "sequential"):
+        options = SpecOptions(draft_tokens=3, verify=verify, adaptive=False)
+        stats = SpecStats.of(options)
+        gen = speculative_step(model, prompt, sampler=Sampler(), options=options, stats=stats,
+                               drafter=OracleDrafter(model, Sampler(), plain, 0.7, seed=4))
+        assert [next(gen) for _ in range(80)] == plain[:80]
+        assert 0.3 < stats.to_dict()["acceptance_rate"] < 0.95
+
+
+def test_bf16_moe_runs_on_the_cpu(moe_checkpoints):
+    """MLX's CPU gather_mm is fp32-only: unquantized experts are kept in fp32 there, the rest runs in bf16."""
+    model, tok = load(moe_checkpoints["e6k2"], dtype="bfloat16")
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert model.layers[0].mlp.switch_mlp.gate_proj.weight.dtype == mx.float32
+    out = generate(model, tok, [5, 9, 33], max_tokens=12, speculation=SpecOptions(draft_tokens=2, adaptive=False))
+    assert out.generation_tokens == 12
+
+
+@pytest.mark.parametrize("how, message", [("missing_expert", "experts.3.up_proj.weight is missing"),
+                                          ("last_expert", "experts.5.up_proj.weight is missing"),
                                           ("expert_count", "shape"), ("top_k", "num_experts_per_tok")])
 def test_bad_moe_checkpoint_is_one_line(moe_checkpoints, tmp_path, how, message):
     import shutil
@@ -100,6 +133,8 @@ def test_bad_moe_checkpoint_is_one_line(moe_checkpoints, tmp_path, how, message)
         w = load_file(str(dst / "model.safetensors"))
         if how == "missing_expert":
             del w["mtp.layers.0.mlp.experts.3.up_proj.weight"]
+        elif how == "last_expert":
+            del w["mtp.layers.0.mlp.experts.5.up_proj.weight"]
         else:
             key = "model.language_model.layers.1.mlp.experts.down_proj"
             w[key] = w[key][:-1].copy()  # one expert fewer than num_experts
@@ -166,3 +201,26 @@ def test_text_only_moe_layout_loads_to_the_same_model(moe_checkpoints, tmp_path)
     ids = mx.array([IDS])
     assert text_only.args.model_type == "qwen3_5_moe_text" and text_only.has_mtp
     assert mx.array_equal(text_only(ids), hub(ids))
+
+
+def test_per_expert_quantized_mtp_tensors_are_stacked_with_their_scales(moe_checkpoints, tmp_path):
+    """A quantized checkpoint that stores the MTP layer's experts one by one (weight, scales, biases each)."""
+    from lattice_mlx.convert import convert
+
+    dst = convert(str(moe_checkpoints["e6k2"]), str(tmp_path / "q"), quantize_bits=4, group_size=32,
+                  quantize_mtp=True)
+    w = mx.load(str(dst / "model.safetensors"))
+    split = {}
+    for k, v in w.items():
+        if k.startswith("mtp.layers.0.mlp.switch_mlp."):
+            proj, tensor = k.split(".")[-2:]
+            split.update({f"mtp.layers.0.mlp.experts.{e}.{proj}.{tensor}": v[e] for e in range(v.shape[0])})
+        else:
+            split[k] = v
+    assert "mtp.layers.0.mlp.experts.5.down_proj.scales" in split
+    mx.save_safetensors(str(dst / "model.safetensors"), split)
+    again, _ = load(dst)
+    model, _ = load(convert(str(moe_checkpoints["e6k2"]), str(tmp_path / "q2"), quantize_bits=4, group_size=32,
+                            quantize_mtp=True))
+    h = mx.random.normal((1, 3, model.args.hidden_size))
+    assert mx.array_equal(again.mtp.layers[0].mlp(h), model.mtp.layers[0].mlp(h))

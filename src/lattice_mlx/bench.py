@@ -176,8 +176,10 @@ class Target:
     @property
     def bytes_per_token(self) -> int:
         """Bytes a plain decode step must read: target weights (tied embedding once) and the GDN state in and out."""
-        weights = sum(v.nbytes for k, v in tree_flatten(self.model.parameters()) if not k.startswith("mtp."))
         a = self.model.args
+        active = a.num_experts_per_tok / a.num_experts if a.num_experts else 1.0  # MoE: the experts a token uses
+        weights = sum(v.nbytes * (active if ".switch_mlp." in k else 1.0)
+                      for k, v in tree_flatten(self.model.parameters()) if not k.startswith("mtp."))
         gdn = sum(t == "linear_attention" for t in a.layer_types) * a.linear_num_value_heads * \
             a.linear_value_head_dim * a.linear_key_head_dim * 4
         return weights + 2 * gdn

@@ -149,8 +149,9 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
 
 
 def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tuple[Model, dict]:
-    """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too); `fuse` stacks
-    projections that share an input (exact, fewer matmuls: models/fuse.py)."""
+    """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too, with fuse=False:
+    the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
+    fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
     config = read_config(path)
     try:
         weights = sanitize(read_weights(path), tie_word_embeddings=model_args(config).tie_word_embeddings)
@@ -159,6 +160,9 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tu
     model = build_model(config, weights)
     check_weights(model, weights)
     weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
+    if fuse and mx.default_device() == mx.cpu:  # CPU gather_mm is fp32-only: unquantized MoE experts stay fp32 there
+        weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and k.endswith(".weight") and
+                   f"{k[: -len('weight')]}scales" not in weights else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     if fuse:

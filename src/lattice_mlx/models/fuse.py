@@ -64,7 +64,8 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 def hf_parameters(model: nn.Module) -> dict[str, mx.array]:
-    """The model's parameters under Hugging Face names, fused projections split back into their parts."""
+    """The model's parameters under the checkpoint's names, fused projections split back into their parts (MoE
+    experts keep the stacked `switch_mlp` names that mlx-lm and this package's conversions use)."""
     fused_paths = {}
     for path, module in model.named_modules():
         for fused_name, names in FUSIONS.items():

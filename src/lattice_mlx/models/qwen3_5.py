@@ -325,7 +325,7 @@ class MLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """qwen3_5_moe's MLP: a softmax router (fp32) picks the top-k experts, whose weights are renormalised to sum to 1
-    (as HF's Qwen3_5MoeTopKRouter does); the experts run through mlx-lm's SwitchGLU (gather_qmm when quantized);
+    (HF's Qwen3_5MoeTopKRouter math; on exact ties the experts picked may differ from HF's, as mlx-lm's do); the experts run through mlx-lm's SwitchGLU (gather_qmm when quantized);
     plus one shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, args: ModelArgs):
@@ -344,7 +344,10 @@ class SparseMoeBlock(nn.Module):
         inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]  # [B, T, k]
         scores = mx.take_along_axis(probs, inds, axis=-1)
         scores = (scores / scores.sum(axis=-1, keepdims=True)).astype(x.dtype)
-        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        # unquantized experts may be kept in fp32 (MLX's CPU gather_mm takes fp32 only; load.py does that there)
+        experts_dtype = self.switch_mlp.gate_proj.weight.dtype if "scales" not in self.switch_mlp.gate_proj else x.dtype
+        y = self.switch_mlp(x.astype(experts_dtype), inds).astype(x.dtype)
+        y = (y * scores[..., None]).sum(axis=-2)
         y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y if residual is None else residual + y
 
@@ -436,7 +439,7 @@ class Model(nn.Module):
         return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)
 
 
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|scales|biases)$")
 
 
 def _switch_experts(w: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -446,7 +449,7 @@ def _switch_experts(w: dict[str, mx.array]) -> dict[str, mx.array]:
     for k, v in w.items():
         m = _EXPERT.match(k)
         if m:
-            per_expert.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = v
+            per_expert.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = v
         elif k.endswith(".mlp.experts.gate_up_proj"):
             prefix, mid = k[: -len(".experts.gate_up_proj")], v.shape[-2] // 2
             out[f"{prefix}.switch_mlp.gate_proj.weight"] = v[..., :mid, :]
@@ -455,10 +458,14 @@ def _switch_experts(w: dict[str, mx.array]) -> dict[str, mx.array]:
             out[k[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight"] = v
         else:
             out[k] = v
-    for (prefix, proj), experts in per_expert.items():
-        if sorted(experts) != list(range(len(experts))):
-            raise ValueError(f"{prefix}.experts: expert indices {sorted(experts)[:8]}... are not 0..{len(experts) - 1}")
-        out[f"{prefix}.switch_mlp.{proj}_proj.weight"] = mx.stack([experts[e] for e in range(len(experts))])
+    counts = {}
+    for (prefix, proj, tensor), experts in per_expert.items():
+        n = counts.setdefault(prefix, max(max(e) + 1 for (p, _, _), e in per_expert.items() if p == prefix))
+        missing = sorted(set(range(n)) - set(experts))
+        if missing:
+            raise ValueError(f"{prefix}.experts.{missing[0]}.{proj}_proj.{tensor} is missing ({len(experts)} of {n} "
+                             "experts)")
+        out[f"{prefix}.switch_mlp.{proj}_proj.{tensor}"] = mx.stack([experts[e] for e in range(n)])
     return out
 
 
