@@ -71,3 +71,29 @@ def tiny_vocab_model(tmp_path_factory):
     path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v8", seed=6, vocab_size=8, hidden_size=32,
                              intermediate_size=64, num_hidden_layers=4)
     return load(path)[0]
+
+
+def hf_reference_logits(path, ids: list[int]):
+    """Logits of HF transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (by the checkpoint's config) on the
+    checkpoint's weights, mtp.* left out: (float64, float32)."""
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
+    import transformers
+
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    family = "Qwen3_5Moe" if cfg.get("num_experts") else "Qwen3_5"
+    hf = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}TextConfig")(**cfg)).eval()
+    if cfg.get("num_experts"):
+        hf.set_experts_implementation("eager")  # the grouped-mm path has no float64
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items()}
+    state = {k.replace("model.language_model.", "model."): torch.from_numpy(v)
+             for k, v in weights.items() if not k.startswith("mtp.")}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    with torch.no_grad():
+        fp32 = hf(torch.tensor([ids])).logits.numpy()
+        return hf.double()(torch.tensor([ids])).logits.numpy(), fp32

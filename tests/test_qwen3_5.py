@@ -5,26 +5,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import hf_reference_logits
 
 from lattice_mlx.load import load
 
 IDS = [3, 17, 250, 9, 64, 128, 5, 77, 300, 12, 41, 199, 2, 8, 150, 33, 90]
-
-
-def hf_reference_logits(path, ids):
-    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    cfg = json.loads((path / "config.json").read_text())["text_config"]
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
-    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items()}
-    state = {k.replace("model.language_model.", "model."): torch.from_numpy(v)
-             for k, v in weights.items() if not k.startswith("mtp.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    with torch.no_grad():
-        fp32 = model(torch.tensor([ids])).logits.numpy()
-        return model.double()(torch.tensor([ids])).logits.numpy(), fp32
 
 
 def test_logits_match_transformers(checkpoint):

@@ -6,6 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import hf_reference_logits
 
 from lattice_mlx import generate, load
 from lattice_mlx.spec import SpecOptions
@@ -27,20 +28,8 @@ def moe_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MOE))
 def test_moe_logits_match_transformers(moe_checkpoints, name):
-    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
     path = moe_checkpoints[name]
-    cfg = json.loads((path / "config.json").read_text())["text_config"]
-    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**cfg)).eval()
-    hf.set_experts_implementation("eager")  # the grouped-mm path has no float64
-    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path / "model.safetensors")).items()}
-    state = {k.replace("model.language_model.", "model."): torch.from_numpy(v)
-             for k, v in weights.items() if not k.startswith("mtp.")}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    with torch.no_grad():
-        ref = hf.double()(torch.tensor([IDS])).logits.numpy()
+    ref, _ = hf_reference_logits(path, IDS)
     model, _ = load(path)
     err = np.abs(np.array(model(mx.array([IDS]))) - ref).max()
     assert err <= 1e-4 * max(1.0, np.abs(ref).max()), f"max |lattice - transformers| = {err:.2e}"

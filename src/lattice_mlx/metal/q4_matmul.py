@@ -8,7 +8,7 @@ around a projection: on MLX's CUDA backend every launch costs ~9 us of host disp
 """
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -240,6 +240,7 @@ _BODY = """
 """
 
 
+@cache  # built once per variant: the dispatcher runs per projection and token on uncompiled paths
 def body(kind: str, residual: bool) -> str:
     """The kernel body of one prologue kind, with or without the residual epilogue (one source for both dialects)."""
     return (_BODY.replace("{LOAD_X}", _LOAD_X[kind]).replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, ""))
