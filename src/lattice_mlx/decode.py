@@ -18,7 +18,7 @@ def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, retu
         mx.eval([c.state for c in cache])
         if return_hidden:
             hs.append(model.head_input(h))
-    logits = model.lm_logits(model.model.norm(h[:, -1:]))[0, -1]
+    logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[0, -1]  # as a decode step computes them
     return logits, (mx.concatenate(hs, axis=1)[0] if return_hidden else None)
 
 

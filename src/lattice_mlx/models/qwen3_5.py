@@ -404,16 +404,16 @@ class Model(nn.Module):
         """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
         pre = self.model(inputs, cache, input_embeddings, mask, tree)
-        if not return_hidden:  # the final norm fused into the lm_head
-            return self.lm_logits(pre, norm=self.model.norm)
-        post = self.model.norm(pre)
-        return self.lm_logits(post), self.head_input(pre, post)
+        # the final norm fused into the lm_head either way: a verify row's logits are then computed exactly as a
+        # decode step's (the unfused form rounds norm(h) to the activation dtype first: other logits in bf16)
+        logits = self.lm_logits(pre, norm=self.model.norm)
+        return (logits, self.head_input(pre)) if return_hidden else logits
 
-    def head_input(self, pre: mx.array, post: mx.array | None = None) -> mx.array:
+    def head_input(self, pre: mx.array) -> mx.array:
         """The final hidden the MTP head reads: after the final norm unless the head says `input_hidden = "pre"`."""
         if self.has_mtp and self.mtp.input_hidden == "pre":
             return pre
-        return post if post is not None else self.model.norm(pre)
+        return self.model.norm(pre)
 
     def lm_logits(self, h: mx.array, *, norm: nn.RMSNorm | None = None) -> mx.array:
         """Logits of h (of norm(h) when given, fused into the matmul)."""
