@@ -17,15 +17,20 @@ import numpy as np
 
 from lattice_mlx import cache as cache_ops
 from lattice_mlx.bench import DTYPES, SHAPES
+from lattice_mlx.decode import generate_step
 from lattice_mlx.models import compiled
 from lattice_mlx.models import qwen3_5 as q35
-from lattice_mlx.synthetic import random_model
+from lattice_mlx.sample import Sampler
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
+from lattice_mlx.synthetic import OracleDrafter, random_model
 
 # (module, name, axis of T in the output, output index when the op returns a tuple)
 PATCH = [
     (q35, "q4_matmul", 1, None),
     (q35, "sdpa", 2, None),
     (q35, "gated_delta_conv_update", 1, 0),
+    (q35, "qk_norm_rope", 2, "all"),
     (mx.fast, "rms_norm", 1, None),
     (mx.fast, "rope", 2, None),
 ]
@@ -43,9 +48,9 @@ class Recorder:
 
             def wrap(*a, _fn=fn, _name=name, _axis=axis, _idx=idx, **kw):
                 out = _fn(*a, **kw)
-                o = out[_idx] if _idx is not None else out
-                mx.eval(o)
-                self.calls.append((_name, _axis, o))
+                outs = list(out) if _idx == "all" else [out[_idx] if _idx is not None else out]
+                mx.eval(outs)
+                self.calls += [(_name, _axis, o) for o in outs]
                 return out
 
             setattr(mod, name, wrap)
@@ -121,6 +126,28 @@ class _null:
         return False
 
 
+def loop_check(model, prompts: list[list[int]], n: int, ks: list[int], p: float) -> list[dict]:
+    """Whole generations: plain twice (is plain decoding deterministic?), then MTP with oracle drafts (every draft the
+    recorded plain token with probability p) per K; the first position where MTP's tokens leave plain's."""
+    out = []
+    for i, ids in enumerate(prompts):
+        def plain():
+            return [t for t, _ in zip(generate_step(model, mx.array(ids), sampler=Sampler()), range(n))]
+        ref, again = plain(), plain()
+        row = {"prompt": i, "plain_repeatable": ref == again}
+        for k in ks:
+            opts = SpecOptions(draft_tokens=k, adaptive=False)
+            stats = SpecStats.of(opts)
+            drafter = OracleDrafter(model, Sampler(), ref, p, seed=i)
+            got = [t for t, _ in zip(speculative_step(model, mx.array(ids), sampler=Sampler(), options=opts,
+                                                      stats=stats, drafter=drafter), range(n))]
+            first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+            row[f"K{k}"] = {"first_divergence": first, "acceptance": round(stats.to_dict()["acceptance_rate"], 3)}
+        print(f"prompt {i}: {row}", flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="0.8b", choices=sorted(SHAPES))
@@ -128,6 +155,8 @@ def main() -> int:
     ap.add_argument("--ts", default="2,4")
     ap.add_argument("--prompt", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--loop", type=int, default=0, help="also N prompts of whole generations (plain vs oracle MTP)")
+    ap.add_argument("--tokens", type=int, default=112)
     args = ap.parse_args()
     model = random_model(**SHAPES[args.model], bits=4, group_size=64, dtype=DTYPES[args.dtype])
     prompt = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, args.prompt).astype(np.int32))
@@ -143,6 +172,13 @@ def main() -> int:
                   f"{max(row['max_abs'] for row in r['rows']):.3g}", flush=True)
             for f in r.get("first_diff", []):
                 print(f"   row {f['row']}: first differing op {f['first_diff']}", flush=True)
+    if args.loop:
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(1, model.args.vocab_size, 64).tolist() for _ in range(args.loop)]
+        for path in ("compiled", "layers"):
+            with compiled.forced(path == "compiled"):
+                print(f"loop, {path} path:", flush=True)
+                out[f"loop_{path}"] = loop_check(model, prompts, args.tokens, [2, 3], 1.0)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "batch_invariance.json").write_text(json.dumps(out, indent=1))

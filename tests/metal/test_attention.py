@@ -96,13 +96,13 @@ def test_dispatch_uses_reference_when_forced(monkeypatch):
     assert mx.array_equal(got, sdpa_ref(q, k, v, scale=0.0625, mask="causal"))
 
 
-def test_kernel_only_where_it_won_on_the_h200():
+def test_kernel_serves_every_row_count_up_to_its_key_limit():
+    """Decode and verify take the same kernel at a given length (batch invariance), MLX's SDPA past the limit."""
     def wins(T, L):
         return kernel_wins(mx.zeros((1, 8, T, 256)), mx.zeros((1, 2, L, 256)))
 
-    assert wins(1, 16384) and wins(4, 16384) and wins(9, 4096), "measured kernel wins"
-    assert not wins(9, 16384) and not wins(16, 8192), "MLX's SDPA won at T=9 with 16,384 keys"
-    assert not wins(1, 100000), "decode beyond the longest context measured goes to MLX"
+    assert all(wins(T, L) for T in (1, 4, 9, 16) for L in (1, 4096, attention.KERNEL_MAX_KEYS))
+    assert not any(wins(T, attention.KERNEL_MAX_KEYS + 1) for T in (1, 4, 16))
 
 
 def test_supported_shapes():
@@ -121,11 +121,10 @@ def test_supported_shapes():
     assert not ok(8, 2, 1, 100, 128, dtype=mx.int32)
 
 
-def test_num_splits():
-    assert attention.num_splits(2, attention.SINGLE_LAUNCH_MAX_L) == 1
-    for blocks, L in [(2, 4096), (2, 600), (32, 5000), (64, 100000)]:
-        n = attention.num_splits(blocks, L)
-        assert n >= 2 and (L / n >= attention.MIN_SPLIT_KEYS or n == 2), (blocks, L, n)
+def test_num_splits_fixed_key_blocks():
+    """Splits are blocks of SPLIT_KEYS keys whatever the row count: key j is always in split j // SPLIT_KEYS."""
+    n = attention.SPLIT_KEYS
+    assert [attention.num_splits(L) for L in (1, n, n + 1, 2 * n, 4096)] == [1, 1, 2, 2, -(-4096 // n)]
 
 
 # --- the bodies render to both dialects (and compile for sm_90 where nvcc exists) ---
@@ -144,7 +143,7 @@ def test_body_renders(op, dialect):
 def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
     if op == "attention":
-        ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float")]
+        ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float"), ("chunk_keys", "int")]
         outs = [("out", bf), ("o_part", "float"), ("ml_part", "float")]
         unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256), ("CAUSAL", True)])
     else:
@@ -207,3 +206,17 @@ def test_kernel_qwen_shapes(T, L):
     # the dispatcher runs the kernel where it won on the H200 (verify-20k goes to MLX's SDPA)
     same = kernel if kernel_wins(q, k) else sdpa_ref(q, k, v, scale=256**-0.5, mask=mask)
     assert_close(got, same, "same", "dispatch vs its choice")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("L0", [30, attention.SPLIT_KEYS - 2, 600], ids=["short", "split-boundary", "3-splits"])
+def test_kernel_is_batch_invariant(L0, dtype):
+    """Row t of a causal 4-row call (a verify) is bitwise the 1-row call over its first L0 + t + 1 keys (the decode
+    step at that position), through the dispatcher, across a split boundary and with several splits."""
+    T = 4
+    q, k, v = make_inputs(1, 8, 2, T, L0 + T, 256, DTYPES[dtype], seed=L0)
+    rows = sdpa(q, k, v, scale=0.0625, mask="causal")
+    for t in range(T):
+        one = sdpa(q[:, :, t : t + 1], k[:, :, : L0 + t + 1], v[:, :, : L0 + t + 1], scale=0.0625)
+        assert mx.array_equal(rows[:, :, t : t + 1], one), f"row {t}"

@@ -30,3 +30,42 @@ def test_demo_greedy_mtp_with_kernels_equals_plain(k):
     spec = SpecOptions(draft_tokens=k, adaptive=False)
     assert generate(model, tok, prompt, max_tokens=120, speculation=spec).tokens == \
         generate(model, tok, prompt, max_tokens=120).tokens
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_bf16_greedy_mtp_equals_plain_bitwise_verify(k):
+    """bf16 activations, 0.8B layer shapes (4 layers, Q4): a verify row is bitwise the decode step at its position,
+    so oracle drafts equal to plain's tokens are all accepted and MTP's tokens are plain's, past the attention
+    kernel's first key-split boundary (SPLIT_KEYS) too. Random weights make near-ties common: a single differing
+    bit anywhere in a verify row shows up here as a rejected correct draft or a changed token."""
+    import numpy as np
+
+    from lattice_mlx.decode import generate_step
+    from lattice_mlx.metal.attention import SPLIT_KEYS
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.spec import SpecStats
+    from lattice_mlx.speculative import speculative_step
+    from lattice_mlx.synthetic import QWEN3_5_0_8B, OracleDrafter, random_model
+
+    model = random_model(**{**QWEN3_5_0_8B, "num_hidden_layers": 4}, bits=4, dtype=mx.bfloat16)
+    ids = mx.array(np.random.default_rng(k).integers(1, 248320, SPLIT_KEYS - 20).tolist())
+    n = 60
+    plain = [t for t, _ in zip(generate_step(model, ids, sampler=Sampler()), range(n + 8))]
+    for p in (1.0, 0.7):
+        opts = SpecOptions(draft_tokens=k, adaptive=False)
+        stats = SpecStats.of(opts)
+        drafter = OracleDrafter(model, Sampler(), plain, p, seed=1)
+        got = [t for t, _ in zip(speculative_step(model, ids, sampler=Sampler(), options=opts, stats=stats,
+                                                  drafter=drafter), range(n))]
+        assert got == plain[:n], f"p={p}: MTP left plain decoding"
+        if p == 1.0:
+            assert stats.to_dict()["acceptance_rate"] == 1.0, "a correct draft was rejected: verify row != step"
+
+
+def test_demo_bf16_greedy_mtp_equals_plain():
+    model, tok = load()
+    model.set_dtype(mx.bfloat16)
+    prompt = "def fib(n):\n"
+    spec = SpecOptions(draft_tokens=3, adaptive=False)
+    assert generate(model, tok, prompt, max_tokens=100, speculation=spec).tokens == \
+        generate(model, tok, prompt, max_tokens=100).tokens

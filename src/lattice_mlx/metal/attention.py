@@ -6,7 +6,6 @@ are the rows' own positions), as `mx.fast.scaled_dot_product_attention(..., mask
 """
 
 import functools
-import math
 
 import mlx.core as mx
 
@@ -46,7 +45,7 @@ _BODY = """
   const int bi = LX_BID_Z / Hkv;
   const int hk = LX_BID_Z % Hkv;
   const int row0 = LX_BID_Y * RB;
-  const int chunk = (L + nsplit - 1) / nsplit;
+  const int chunk = nsplit == 1 ? L : chunk_keys[0];
   const int k0 = split * chunk;
   const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
   const float qscale = scale[0];
@@ -194,28 +193,33 @@ THREADS = 256  # 8 warps (the body's NW)
 # Launch geometry: threadgroups (split, row block, b * Hkv) of 256 threads, then (splits > 1) the combine with one
 # threadgroup of D threads per output row. nvcc sm_90: 242 registers at D=256 (80 at D=64), no spills, so one
 # threadgroup per SM at D=256. A threadgroup does 2 RB D FMAs per key, so one per kv head is compute bound on its
-# SM (Qwen3.5-0.8B decode, L=4096: ~8M FMAs, tens of us) and long caches split: Qwen3.5-0.8B (B=1, Hkv=2, G=4)
-# decode at L=4096 is 2 x 32 threadgroups of 128 keys + 8 combine threadgroups; verify T=4 (4 row blocks) 8 x 32.
-# Up to SINGLE_LAUNCH_MAX_L keys one launch is assumed cheaper than a second launch (~6-17 us each on CUDA).
-# These three numbers are estimates, not measurements: sweep `splits=` on the GPU and set them.
-SINGLE_LAUNCH_MAX_L = 512
-MIN_SPLIT_KEYS = 128
-TARGET_BLOCKS = 264
-_INPUTS = ("q", "k", "v", "scale")
+# SM (Qwen3.5-0.8B decode, L=4096: ~8M FMAs, tens of us) and long caches split into blocks of SPLIT_KEYS keys:
+# Qwen3.5-0.8B (B=1, Hkv=2, G=4) decode at L=4096 is 2 x 16 threadgroups + 8 combine threadgroups.
+#
+# Batch invariance: key j always lands in split j // SPLIT_KEYS and, inside it, in the same warp and step, whatever
+# T or L is, so a verify row reduces its keys exactly as the decode step at its position does (a split or warp
+# holding only keys past a row's last contributes exact zeros, and the single-launch and combine paths divide the
+# same sums). The split size is fixed for that reason, not tuned per length: an earlier rule (splits from L and the
+# block count) made a verify row differ from the decode step in bf16 past 512 keys.
+SPLIT_KEYS = 256
+_INPUTS = ("q", "k", "v", "scale", "chunk_keys")
 _OUTPUTS = ("out", "o_part", "ml_part")
 
 
-def num_splits(blocks: int, L: int) -> int:
-    """Key splits for `blocks` threadgroups per split and L keys (1 = the single-launch path)."""
-    if L <= SINGLE_LAUNCH_MAX_L:
-        return 1
-    return max(2, min(L // MIN_SPLIT_KEYS, math.ceil(TARGET_BLOCKS / blocks)))
+def num_splits(L: int, split_keys: int = SPLIT_KEYS) -> int:
+    """Key splits for L keys (1 = the single-launch path)."""
+    return max(1, -(-L // split_keys))
 
 
 @functools.cache
 def _scale_array(scale: float) -> mx.array:
     """The scale as a 1-element fp32 input, made once per value (kernels take no scalar arguments)."""
     return mx.array([scale], dtype=mx.float32)
+
+
+@functools.cache
+def _int_array(value: int) -> mx.array:
+    return mx.array([value], dtype=mx.int32)
 
 
 def supported(q: mx.array, k: mx.array, v: mx.array, *, causal: bool) -> bool:
@@ -249,17 +253,19 @@ def sdpa_kernel(
 ) -> mx.array:
     """The GPU kernel (Metal or CUDA); same result as `sdpa_ref` with mask None or "causal".
 
-    `splits` forces the number of key splits (default `num_splits`); `init_value` poisons outputs (tests).
+    `splits` forces the number of key splits (tests; default `num_splits`, keys split into blocks of SPLIT_KEYS);
+    `init_value` poisons outputs (tests).
     """
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     causal = causal and T > 1  # one row attends every key either way: one variant fewer
     row_blocks = (Hq // Hkv * T + RB - 1) // RB
-    ns = splits or num_splits(B * Hkv * row_blocks, L)
+    chunk = -(-L // splits) if splits else SPLIT_KEYS
+    ns = num_splits(L, chunk)
     part = (B * Hq * T, ns, D) if ns > 1 else (1,)
     kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False)
     out, o_part, ml_part = kernel(
-        inputs=[q, k, v, _scale_array(float(scale))],
+        inputs=[q, k, v, _scale_array(float(scale)), _int_array(chunk)],
         template=[("OT", q.dtype), ("D", D), ("CAUSAL", causal)],
         grid=(THREADS * ns, row_blocks, B * Hkv),
         threadgroup=(THREADS, 1, 1),
@@ -281,18 +287,17 @@ def sdpa_kernel(
     )[0]
 
 
-# Above this many (query row, key) pairs with T > 1 the kernel lost to MLX's SDPA on the H200 (run 3,
-# docs/bench/h200/run3/kernels_new.out, Qwen3.5-0.8B attention shapes): T=9 at 16,384 keys 231 vs 153 us; at or
-# below it the kernel won (T=4 at 16,384 keys 137 vs 145 us, T=9 at 4,096 keys 98 vs 138 us). T = 1 won at every
-# length measured, up to 16,384 keys (77 vs 81 us), with its lead shrinking (~2.2 vs ~0.7 us per 1k keys): longer
-# decode contexts, never measured, go to MLX too. Measured at the 0.8B's heads (8 query, 2 kv, D=256) only.
-KERNEL_MAX_ROW_KEYS = 65536
-KERNEL_MAX_DECODE_KEYS = 16384
+# Up to this many keys the kernel serves every T <= 16, so that a verify row and the decode step at its position run
+# the same reduction (batch invariance; MLX's SDPA picks other kernels for one row and for several). On the H200
+# (run 3, docs/bench/h200/run3/kernels_new.out, Qwen3.5-0.8B attention shapes, the earlier split rule) the kernel
+# won at T = 1 at every length measured, up to 16,384 keys (77 vs 81 us), and at T=4 (16,384 keys: 137 vs 145 us);
+# it lost at T=9 past ~7k keys (16,384 keys: 231 vs 153 us), a cost accepted for exactness. Longer contexts,
+# never measured, go to MLX for every T (and are not batch-invariant).
+KERNEL_MAX_KEYS = 16384
 
 
 def kernel_wins(q: mx.array, k: mx.array) -> bool:
-    T, L = q.shape[2], k.shape[2]
-    return L <= KERNEL_MAX_DECODE_KEYS if T == 1 else T * L <= KERNEL_MAX_ROW_KEYS
+    return k.shape[2] <= KERNEL_MAX_KEYS
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:

@@ -15,6 +15,7 @@ from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu
+from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
 # RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
@@ -269,6 +270,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if "qkv_proj" in self:  # fused (models/fuse.py): [q and gate | k | v]
             gate_src = project(self.qkv_proj, x, pre=rms_pre(norm))
+            if tree is None:  # q/k norms and RoPE in one kernel on a GPU (metal/qk_norm_rope.py)
+                q, k, v = qk_norm_rope(gate_src, self.q_norm, self.k_norm, offset,
+                                       heads=(self.n_heads, self.n_kv, self.head_dim), rope_dims=self.rope_dims,
+                                       base=self.rope_theta)
+                return q, k, v, gate_src
             qg, k, v = mx.split(gate_src, self.qkv_proj_points, axis=-1)
         else:
             x = prologue_ref(rms_pre(norm), x)
