@@ -65,12 +65,13 @@ def bits_equal(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and bool(mx.all(a == b).item())
 
 
-def compare(model, prompt: mx.array, T: int, *, record_ops: bool) -> dict:
-    cache = model.make_cache()
-    model(prompt[None], cache)
-    mx.eval([c.state for c in cache])
+def compare(model, prompt: mx.array, T: int, *, record_ops: bool, cache=None, seed: int = 1) -> dict:
+    if cache is None:
+        cache = model.make_cache()
+        model(prompt[None], cache)
+        mx.eval([c.state for c in cache])
     snap = cache_ops.snapshot(cache)
-    toks = mx.array(np.random.default_rng(1).integers(0, model.args.vocab_size, T).astype(np.int32))
+    toks = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, T).astype(np.int32))
 
     step_logits, step_calls = [], []
     for t in range(T):
@@ -85,6 +86,7 @@ def compare(model, prompt: mx.array, T: int, *, record_ops: bool) -> dict:
         lg, hidden = model(toks[None], cache, return_hidden=True)  # the verify forward
         mx.eval(lg, hidden)
     cache_ops.commit(cache)
+    cache_ops.restore(cache, snap)
     verify_calls = rec.calls if rec else []
 
     rows = []
@@ -126,6 +128,25 @@ class _null:
         return False
 
 
+def sweep(model, prompt: mx.array, T: int, positions: int, *, record_ops: bool) -> dict:
+    """`compare` at `positions` successive cache lengths (one plain step between them): which op differs first, how
+    often."""
+    import collections
+    cache = model.make_cache()
+    model(prompt[None], cache)
+    mx.eval([c.state for c in cache])
+    firsts, rows_bad = collections.Counter(), 0
+    for j in range(positions):
+        r = compare(model, prompt, T, record_ops=record_ops, cache=cache, seed=j)
+        rows_bad += sum(not row["bitwise"] for row in r["rows"])
+        for f in r.get("first_diff", []):
+            if f["first_diff"] is not None:
+                firsts[f"{f['first_diff']['name']}#{f['first_diff']['op']}"] += 1
+        lg = model(mx.array([[j + 1]]), cache)
+        mx.eval(lg, [c.state for c in cache])
+    return {"T": T, "positions": positions, "rows_not_bitwise": rows_bad, "first_diff_ops": dict(firsts)}
+
+
 def loop_check(model, prompts: list[list[int]], n: int, ks: list[int], p: float) -> list[dict]:
     """Whole generations: plain twice (is plain decoding deterministic?), then MTP with oracle drafts (every draft the
     recorded plain token with probability p) per K; the first position where MTP's tokens leave plain's."""
@@ -157,12 +178,15 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--loop", type=int, default=0, help="also N prompts of whole generations (plain vs oracle MTP)")
     ap.add_argument("--tokens", type=int, default=112)
+    ap.add_argument("--sweep", type=int, default=0, help="compare at N successive positions (counts, first ops)")
+    ap.add_argument("--paths", default="layers,compiled", help="paths to check (layers, compiled)")
     args = ap.parse_args()
     model = random_model(**SHAPES[args.model], bits=4, group_size=64, dtype=DTYPES[args.dtype])
     prompt = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, args.prompt).astype(np.int32))
     out = {"model": args.model, "dtype": args.dtype, "device": str(mx.default_device()), "results": []}
-    for T in map(int, args.ts.split(",")):
-        for path in ("layers", "compiled"):
+    paths = args.paths.split(",")
+    for T in map(int, filter(None, args.ts.split(","))) if not args.sweep else ():
+        for path in paths:
             with compiled.forced(path == "compiled"):
                 r = compare(model, prompt, T, record_ops=path == "layers")
             r["path"] = path
@@ -172,10 +196,17 @@ def main() -> int:
                   f"{max(row['max_abs'] for row in r['rows']):.3g}", flush=True)
             for f in r.get("first_diff", []):
                 print(f"   row {f['row']}: first differing op {f['first_diff']}", flush=True)
+    if args.sweep:
+        for T in map(int, filter(None, args.ts.split(","))):
+            for path in paths:
+                with compiled.forced(path == "compiled"):
+                    r = sweep(model, prompt, T, args.sweep, record_ops=path == "layers")
+                print(f"sweep T={T} {path}: {r}", flush=True)
+                out.setdefault("sweep", []).append({**r, "path": path})
     if args.loop:
         rng = np.random.default_rng(2)
         prompts = [rng.integers(1, model.args.vocab_size, 64).tolist() for _ in range(args.loop)]
-        for path in ("compiled", "layers"):
+        for path in paths:
             with compiled.forced(path == "compiled"):
                 print(f"loop, {path} path:", flush=True)
                 out[f"loop_{path}"] = loop_check(model, prompts, args.tokens, [2, 3], 1.0)

@@ -13,6 +13,9 @@ TOL = {
     "float16": (1e-3, 2e-3),
     # y rounded once to bf16 (2^-8 relative): the same, with a coarser grid.
     "bfloat16": (8e-3, 1.6e-2),
+    # RoPE in fp32 at position ~1e3: theta = pos * inv_freq carries inv_freq's last-bit difference (an exp2 here,
+    # MLX's own formula there) times pos, and cos/sin of such angles differ by ~pos * 2^-24: ~1e-5 relative.
+    "rope_fp32": (5e-5, 5e-4),
     # split calls or one call, one row or many: identical arithmetic per element, so bit-exact is expected;
     # the small slack covers the compiler contracting a multiply-add differently in another variant.
     "same": (1e-6, 1e-5),

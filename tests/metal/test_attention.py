@@ -145,7 +145,7 @@ def test_cuda_render_compiles(op, tmp_path):
     if op == "attention":
         ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float"), ("chunk_keys", "int")]
         outs = [("out", bf), ("o_part", "float"), ("ml_part", "float")]
-        unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256), ("CAUSAL", True)])
+        unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256)])
     else:
         unit = cuda_translation_unit(_COMBINE, [("o_part", "float"), ("ml_part", "float")], [("out", bf)], [("OT", bf)])
     src = tmp_path / f"{op}.cu"

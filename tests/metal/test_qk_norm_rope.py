@@ -109,7 +109,8 @@ def test_kernel_matches_ref(D, rope_dims, T, dtype):
         ref = qk_norm_rope_ref(src, qn, kn, 1234, **args)
     for name, g, r in zip("qkv", got, ref):
         assert g.shape == r.shape and g.dtype == dt
-        assert_close(g, r, out_key(dt), f"{name}: kernel vs ref")
+        key = "rope_fp32" if dt == mx.float32 and name != "v" else out_key(dt)
+        assert_close(g, r, key, f"{name}: kernel vs ref")
 
 
 @needs_gpu

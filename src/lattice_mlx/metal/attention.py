@@ -46,6 +46,7 @@ _BODY = """
   const int hk = LX_BID_Z % Hkv;
   const int row0 = LX_BID_Y * RB;
   const int chunk = nsplit == 1 ? L : chunk_keys[0];
+  const bool causal = chunk_keys[1] != 0;
   const int k0 = split * chunk;
   const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
   const float qscale = scale[0];
@@ -59,7 +60,7 @@ _BODY = """
     const int row = row0 + r < rows ? row0 + r : rows - 1;
     const int g = row / T;
     const int t = row % T;
-    const int lim = CAUSAL ? L - T + t : L - 1;
+    const int lim = causal ? L - T + t : L - 1;
     hi[r] = row0 + r < rows ? (lim < k1 - 1 ? lim : k1 - 1) : -1;
     kend = hi[r] + 1 > kend ? hi[r] + 1 : kend;
     const int64_t qb = bi * q_strides[0] + (hk * G + g) * q_strides[1] + t * q_strides[2];
@@ -96,21 +97,24 @@ _BODY = """
       for (int c = 0; c < KB; ++c) {
         float part = 0.0f;
 #pragma unroll
-        for (int i = 0; i < NK; ++i) part += qr[r][i] * kx[c][i];
+        for (int i = 0; i < NK; ++i) part = LX_FMA(qr[r][i], kx[c][i], part);
         s[c] = LX_SIMD_SUM(part);
         mnew = j0 + c <= hi[r] ? LX_FMAX(mnew, s[c]) : mnew;
       }
       const float corr = LX_EXP(m[r] - mnew);
       m[r] = mnew;
-      l[r] *= corr;
+      float p[KB];
 #pragma unroll
-      for (int i = 0; i < NK; ++i) acc[r][i] *= corr;
+      for (int c = 0; c < KB; ++c) p[c] = j0 + c <= hi[r] ? LX_EXP(s[c] - mnew) : 0.0f;
+      l[r] = LX_FMA(l[r], corr, p[0]);
 #pragma unroll
-      for (int c = 0; c < KB; ++c) {
-        const float p = j0 + c <= hi[r] ? LX_EXP(s[c] - mnew) : 0.0f;
-        l[r] += p;
+      for (int c = 1; c < KB; ++c) l[r] += p[c];
 #pragma unroll
-        for (int i = 0; i < NK; ++i) acc[r][i] += p * vx[c][i];
+      for (int i = 0; i < NK; ++i) {
+        float a = LX_FMA(p[0], vx[0][i], acc[r][i] * corr);
+#pragma unroll
+        for (int c = 1; c < KB; ++c) a = LX_FMA(p[c], vx[c][i], a);
+        acc[r][i] = a;
       }
     }
   }
@@ -124,13 +128,12 @@ _BODY = """
     }
   }
   LX_BARRIER;
+  float f[RB];
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     float mb = LOWEST;
     for (int w = 0; w < NW; ++w) mb = LX_FMAX(mb, sm_m[w * RB + r]);
-    const float f = LX_EXP(m[r] - mb);
-#pragma unroll
-    for (int i = 0; i < NK; ++i) acc[r][i] *= f;
+    f[r] = LX_EXP(m[r] - mb);
   }
   for (int w = 0; w < NW; ++w) {
     if (warp == w) {
@@ -139,7 +142,7 @@ _BODY = """
 #pragma unroll
         for (int i = 0; i < NK; ++i) {
           const int e = r * D + lane + 32 * i;
-          sm_o[e] = (w == 0 ? 0.0f : sm_o[e]) + acc[r][i];
+          sm_o[e] = LX_FMA(acc[r][i], f[r], w == 0 ? 0.0f : sm_o[e]);
         }
       }
     }
@@ -152,7 +155,7 @@ _BODY = """
     float mb = LOWEST;
     for (int w = 0; w < NW; ++w) mb = LX_FMAX(mb, sm_m[w * RB + r]);
     float lb = 0.0f;
-    for (int w = 0; w < NW; ++w) lb += sm_l[w * RB + r] * LX_EXP(sm_m[w * RB + r] - mb);
+    for (int w = 0; w < NW; ++w) lb = LX_FMA(sm_l[w * RB + r], LX_EXP(sm_m[w * RB + r] - mb), lb);
     const int g = (row0 + r) / T;
     const int t = (row0 + r) % T;
     const int64_t orow = (int64_t(bi) * Hq + hk * G + g) * T + t;
@@ -181,8 +184,8 @@ _COMBINE = """
     float acc = 0.0f, lb = 0.0f;
     for (int s = 0; s < ns; ++s) {
       const float w = LX_EXP(ml_part[2 * (row * ns + s)] - mb);
-      lb += w * ml_part[2 * (row * ns + s) + 1];
-      acc += w * o_part[(row * ns + s) * D + d];
+      lb = LX_FMA(w, ml_part[2 * (row * ns + s) + 1], lb);
+      acc = LX_FMA(w, o_part[(row * ns + s) * D + d], acc);
     }
     out[row * D + d] = static_cast<OT>(acc / lb);
   }
@@ -218,8 +221,8 @@ def _scale_array(scale: float) -> mx.array:
 
 
 @functools.cache
-def _int_array(value: int) -> mx.array:
-    return mx.array([value], dtype=mx.int32)
+def _int_pair(a: int, b: int) -> mx.array:
+    return mx.array([a, b], dtype=mx.int32)
 
 
 def supported(q: mx.array, k: mx.array, v: mx.array, *, causal: bool) -> bool:
@@ -258,15 +261,17 @@ def sdpa_kernel(
     """
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    causal = causal and T > 1  # one row attends every key either way: one variant fewer
+    # causal is a runtime flag, not a template constant: decode (T = 1) and verify rows run the same compiled kernel
+    # (two variants rounded differently in rare cases: a verify row then differed from the decode step)
+    causal = causal and T > 1
     row_blocks = (Hq // Hkv * T + RB - 1) // RB
     chunk = -(-L // splits) if splits else SPLIT_KEYS
     ns = num_splits(L, chunk)
     part = (B * Hq * T, ns, D) if ns > 1 else (1,)
     kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False)
     out, o_part, ml_part = kernel(
-        inputs=[q, k, v, _scale_array(float(scale)), _int_array(chunk)],
-        template=[("OT", q.dtype), ("D", D), ("CAUSAL", causal)],
+        inputs=[q, k, v, _scale_array(float(scale)), _int_pair(chunk, int(causal))],
+        template=[("OT", q.dtype), ("D", D)],
         grid=(THREADS * ns, row_blocks, B * Hkv),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[q.shape if ns == 1 else (1,), part, (*part[:2], 2) if ns > 1 else (1,)],
