@@ -313,3 +313,42 @@ def test_conv_dispatch_uses_reference_when_forced(monkeypatch):
     y, s, c = got
     assert y.shape == (1, 2, 2, 8) and y.dtype == mx.bfloat16 and s.shape == (1, 2, 2, 8, 32)
     assert s.dtype == mx.float32 and c.shape == (1, 5, 2 * 2 * 32 + 2 * 8)
+
+
+def packed_projection(qkv: mx.array, a: mx.array, b: mx.array, *, z: int = 24) -> tuple[mx.array, int, int]:
+    """The fused in_proj's output layout [qkv | z | b | a] holding the given qkv, b and a (z filled with noise)."""
+    B, T, _ = qkv.shape
+    noise = mx.random.normal((B, T, z), key=mx.random.key(5)).astype(qkv.dtype)
+    src = mx.concatenate([qkv, noise, b, a], axis=-1)
+    C, Hv = qkv.shape[-1], a.shape[-1]
+    return src, C + z, C + z + Hv
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_conv_dispatch_packed_equals_separate_arrays(T, monkeypatch):
+    """qkv, b and a passed as column ranges of one projection output give the separate arrays' result (the reference
+    path here: it slices them out)."""
+    monkeypatch.setenv("LATTICE_KERNELS", "ref")
+    qkv, cs, cw, a, b, A_log, dt_bias, state = make_conv_inputs(1, T, 2, 4, 32, 8, mx.float32, seed=T)
+    packed = packed_projection(qkv, a, b)
+    got = gated_delta_conv_update(None, cs, cw, None, None, A_log, dt_bias, state, heads=(2, 32, 4, 8),
+                                  step_states=True, packed=packed)
+    ref = gated_delta_conv_update(qkv, cs, cw, a, b, A_log, dt_bias, state, heads=(2, 32, 4, 8), step_states=True)
+    assert all(mx.array_equal(g, r) for g, r in zip(got, ref))
+
+
+@needs_gpu
+@pytest.mark.parametrize("step", [False, True], ids=["decode", "record"])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "fp32"])
+def test_conv_kernel_reads_packed_projection_in_place(dtype, T, step):
+    """The kernel reading qkv, b and a in place from the fused projection output is bitwise the kernel on separate
+    contiguous arrays (the model's path since the slices stopped being copied)."""
+    Hk, Hv, Dk, Dv = 16, 16, 128, 128
+    qkv, cs, cw, a, b, A_log, dt_bias, state = make_conv_inputs(1, T, Hk, Hv, Dk, Dv, dtype, seed=7 + T)
+    heads = (Hk, Dk, Hv, Dv)
+    got = gated_delta_conv_kernel(None, cs, cw, None, None, A_log, dt_bias, state, heads=heads, step_states=step,
+                                  packed=packed_projection(qkv, a, b), init_value=float("nan"))
+    ref = gated_delta_conv_kernel(qkv, cs, cw, a, b, A_log, dt_bias, state, heads=heads, step_states=step)
+    for name, g, r in zip(("y", "state", "conv_in"), got, ref):
+        assert mx.array_equal(g, r), name

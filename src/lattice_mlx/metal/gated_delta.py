@@ -4,6 +4,8 @@ Shapes: q, k [B, T, Hk, Dk] (raw, normalised here); v [B, T, Hv, Dv]; a, b [B, T
 state [B, Hv, Dv, Dk] fp32. Key head of value head h is h // (Hv // Hk).
 """
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -431,7 +433,10 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
     if (lane == 0) conv_in[dst + cv] = static_cast<YT>(xv[r]);
   }
   for (int t = 0; t < T; ++t) {
-    const int src = (bi * T + t) * C;
+    // qkv, b and a rows through their row strides and first columns (cols): separate arrays, or column ranges of
+    // the fused projection's output read in place
+    const int64_t bt = bi * T + t;
+    const int64_t src = bt * cols[0] + cols[1];
     const int dst = (bi * (W + T) + W + t) * C;
     float qc[NK], kc[NK];
     for (int i = 0; i < NK; ++i) {
@@ -468,8 +473,8 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
       xv[j] = xv[j + 1];
     }
     const int hvt = (bi * T + t) * Hv + hv;
-    const float ac = LX_F32(a[hvt]) + dtb;
-    const float bc = LX_F32(b[hvt]);
+    const float ac = LX_F32(a[bt * cols[4] + cols[5] + hv]) + dtb;
+    const float bc = LX_F32(b[bt * cols[2] + cols[3] + hv]);
 
 """ + _STEP + """\
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
@@ -482,7 +487,7 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
     for (int i = 0; i < NK; ++i) state_out[srow + lane + 32 * i] = S[i];
   }
 """
-_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in")
+_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "cols")
 _CONV_OUTPUTS = ("y", "state_out", "conv_in")
 # The fused form serves decode and verify (T below this); longer prompts take conv1d + the batched form.
 CONV_FUSED_MAX_T = BATCHED_FROM_T - 1
@@ -516,21 +521,44 @@ def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *
     return y, s, conv_in
 
 
+@functools.cache
+def _cols(qkv_stride: int, qkv_col: int, b_stride: int, b_col: int, a_stride: int, a_col: int) -> mx.array:
+    return mx.array([qkv_stride, qkv_col, b_stride, b_col, a_stride, a_col], dtype=mx.int32)
+
+
+def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(qkv, a, b) as views of a packed projection output (src, b_col, a_col)."""
+    src, b_col, a_col = packed
+    return src[..., :C], src[..., a_col : a_col + Hv], src[..., b_col : b_col + Hv]
+
+
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
                             heads: tuple[int, int, int, int], step_states: bool = False,
+                            packed: tuple[mx.array, int, int] | None = None,
                             init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """The GPU kernel of the fused form; same contract as `gated_delta_conv_ref`."""
+    """The GPU kernel of the fused form; same contract as `gated_delta_conv_ref`. With `packed` = (src, b_col,
+    a_col), qkv, b and a are read in place as columns [0, C), [b_col, b_col + Hv), [a_col, a_col + Hv) of src
+    [B, T, S] (the fused in_proj's output), and the qkv, a, b arguments are ignored: no copies of the slices."""
     Hk, Dk, Hv, Dv = heads
-    B, T, C = qkv.shape
+    C = 2 * Hk * Dk + Hv * Dv
     KC = conv_w.shape[-1]
-    assert C == 2 * Hk * Dk + Hv * Dv and conv_state.shape[1:] == (KC - 1, C)
+    if packed is not None:
+        src, b_col, a_col = packed
+        S = src.shape[-1]
+        qkv = a = b = src
+        cols = _cols(S, 0, S, b_col, S, a_col)
+    else:
+        assert qkv.shape[-1] == C and a.shape[-1] == b.shape[-1] == Hv
+        cols = _cols(C, 0, Hv, 0, Hv, 0)
+    B, T, _ = qkv.shape
+    assert conv_state.shape[1:] == (KC - 1, C)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     kernel = _dialect.build("lattice_gated_delta_conv", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS)
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
     y, s, conv_in = kernel(
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,
-                state if state.dtype == mx.float32 else state.astype(mx.float32)],
+                state if state.dtype == mx.float32 else state.astype(mx.float32), cols],
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
                   ("STEP", step_states)],
         grid=(32, Dv, B * Hv),
@@ -543,14 +571,18 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
 
 
 def gated_delta_conv_update(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
-                            heads: tuple[int, int, int, int], step_states: bool = False
+                            heads: tuple[int, int, int, int], step_states: bool = False,
+                            packed: tuple[mx.array, int, int] | None = None
                             ) -> tuple[mx.array, mx.array, mx.array]:
     """The model's entry point for a GDN mixer step after its input projection: conv + SiLU + recurrence.
-    conv_state [B, KC-1, C] (zeros when starting), conv_w [C, KC]."""
+    conv_state [B, KC-1, C] (zeros when starting), conv_w [C, KC]. qkv, a, b may be None when `packed` (see
+    `gated_delta_conv_kernel`) holds them."""
     Hk, Dk, Hv, Dv = heads
-    T = qkv.shape[1]
+    T = (packed[0] if packed is not None else qkv).shape[1]
     if use_kernels() and T <= CONV_FUSED_MAX_T and Dk % 32 == 0 and Dk <= 256 and Dv % 4 == 0 and Hv % Hk == 0:
         return gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
-                                       step_states=step_states)
+                                       step_states=step_states, packed=packed)
+    if packed is not None:
+        qkv, a, b = unpack(packed, 2 * Hk * Dk + Hv * Dv, Hv)
     return gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
                                 step_states=step_states)

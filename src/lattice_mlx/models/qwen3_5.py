@@ -12,7 +12,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import GDNCache, KVCache
 from ..metal.attention import sdpa
-from ..metal.gated_delta import gated_delta_conv_update
+from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
@@ -209,19 +209,26 @@ class GatedDeltaNet(nn.Module):
                  norm: nn.RMSNorm | None = None, residual: mx.array | None = None) -> mx.array:
         """residual + the mixer's output on norm(x) (norm and residual fused into the projections)."""
         B, T, _ = x.shape
+        packed = None
         if "in_proj" in self:  # fused (models/fuse.py): [qkv | z | b | a]
             proj = project(self.in_proj, x, pre=rms_pre(norm))
-            qkv, _, b, a = mx.split(proj, self.in_proj_points, axis=-1)
+            # the GDN kernel reads qkv, b and a in place (no slice copies); the slices exist only where needed
+            packed = (proj, self.in_proj_points[1], self.in_proj_points[2])
+            qkv = a = b = None
             z_src, z_offset = proj, self.in_proj_points[0]
+            dtype = proj.dtype
         else:
             x = prologue_ref(rms_pre(norm), x)
             qkv, z_src, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
             z_offset = 0
+            dtype = qkv.dtype
 
         conv_state = cache.conv if cache is not None else None
         if conv_state is None:
-            conv_state = mx.zeros((B, self.kernel_size - 1, self.conv_dim), dtype=qkv.dtype)
+            conv_state = mx.zeros((B, self.kernel_size - 1, self.conv_dim), dtype=dtype)
         if tree is not None:
+            if packed is not None:
+                qkv, a, b = unpack(packed, self.conv_dim, self.Hv)
             conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, T+K-1, C]
             windows = conv_in[:, tree.conv_windows(self.kernel_size)]  # [B, T, K, C]
             # fp32 sums rounded before the SiLU, as the chain path's kernel and conv_silu_ref do
@@ -241,7 +248,7 @@ class GatedDeltaNet(nn.Module):
             y, new_state, conv_in = gated_delta_conv_update(
                 qkv, conv_state, self.conv1d.weight.reshape(self.conv_dim, self.kernel_size), a, b, self.A_log,
                 self.dt_bias, cache.ssm if cache is not None else None, heads=(self.Hk, self.Dk, self.Hv, self.Dv),
-                step_states=record)
+                step_states=record, packed=packed)
             if cache is not None:
                 cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
         gated = Pre("gated_rms", self.norm.weight, self.norm.eps, src=z_src, offset=z_offset)
