@@ -49,8 +49,8 @@ class GDNCache:
         self.ssm: mx.array | None = None
         self.offset = 0
         self.recording = False
-        self._base: tuple | None = None
-        self._qkv: list[mx.array] = []
+        self._base_state: mx.array | None = None
+        self._conv_in: list[mx.array] = []  # each recorded call's conv input [B, W + T, C] (its window first)
         self._states: list[mx.array] = []
 
     @property
@@ -64,9 +64,9 @@ class GDNCache:
     def update(self, conv_in: mx.array, new_state: mx.array, *, window: int, stepwise: bool) -> None:
         """Called by the layer: conv_in [B, window+T, C]; new_state final [B, Hv, Dv, Dk] or per-step [B, T, ...]."""
         if stepwise:
-            if self._base is None:
-                self._base = (conv_in[:, :window], self.ssm)
-            self._qkv.append(conv_in[:, window:])
+            if not self._conv_in:
+                self._base_state = self.ssm
+            self._conv_in.append(conv_in)
             self._states.append(new_state)
             new_state = new_state[:, -1]
         self.conv = conv_in[:, -window:]
@@ -86,27 +86,28 @@ class GDNCache:
 
     def begin(self) -> None:
         self.recording = True
-        self._base, self._qkv, self._states = None, [], []
+        self._base_state, self._conv_in, self._states = None, [], []
 
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        # One recorded call (the batched verifier) needs no concatenation: an op fewer per layer and round.
-        qkv = self._qkv[0] if len(self._qkv) == 1 else mx.concatenate(self._qkv, axis=1)  # [B, R, C]
+        W = self.conv.shape[1]
+        # One recorded call (the batched verifier): its conv input already is [window; every recorded row], so the
+        # new window is a slice of it and nothing is concatenated (no copy kernel per layer and rejected round).
+        conv_in = self._conv_in[0] if len(self._conv_in) == 1 else \
+            mx.concatenate([self._conv_in[0]] + [c[:, W:] for c in self._conv_in[1:]], axis=1)  # [B, W + R, C]
         states = self._states[0] if len(self._states) == 1 else mx.concatenate(self._states, axis=1)  # [B, R, Hv, ..]
-        base_conv, base_state = self._base
-        keep = qkv.shape[1] - n
+        keep = conv_in.shape[1] - W - n
         assert keep >= 0, "rollback past the start of the speculative region"
-        window = mx.concatenate([base_conv, qkv], axis=1)
-        self.conv = window[:, keep : keep + base_conv.shape[1]]
-        self.ssm = states[:, keep - 1] if keep > 0 else base_state
-        self._qkv = [qkv[:, :keep]]
+        self.conv = conv_in[:, keep : keep + W]
+        self.ssm = states[:, keep - 1] if keep > 0 else self._base_state
+        self._conv_in = [conv_in[:, : W + keep]]
         self._states = [states[:, :keep]]
         self.offset -= n
 
     def commit(self) -> None:
         self.recording = False
-        self._base, self._qkv, self._states = None, [], []
+        self._base_state, self._conv_in, self._states = None, [], []
 
     def snapshot(self) -> tuple:
         return self.conv, self.ssm, self.offset
