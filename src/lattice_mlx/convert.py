@@ -12,11 +12,13 @@ import threading
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .cli import ArgumentParser
-from .load import DTYPES, LoadError, check_tokenizer_files, load_model, quantize, resolve_path
+from .load import DTYPES, LoadError, check_tokenizer_files, load_model, load_tokenizer, quantize, resolve_path
+from .models.mtp import DraftVocab
 from .rotate import rotate_model
 
 DEFAULT_Q_BITS = 4
@@ -62,15 +64,60 @@ def save_weights(dst: Path, weights: dict[str, mx.array]) -> None:
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
 
 
+def _corpus_files(corpus: Path) -> list[Path]:
+    if corpus.is_file():
+        return [corpus]
+    if corpus.is_dir():
+        return sorted(p for p in corpus.rglob("*") if p.is_file())
+    raise LoadError(f"--draft-corpus {corpus}: no such file or directory")
+
+
+def draft_vocab_ids(src: Path, config: dict, size: int, vocab: int, corpus: str | None) -> dict:
+    """The `size` most frequent token ids of `corpus` (text files, counted with the checkpoint's tokenizer; ties by
+    id), or without a corpus the lowest ids (byte-level BPE vocabularies list merges in the order they were learned,
+    most frequent first: a proxy); the end-of-sequence ids always included. Returns draft_vocab.json's content."""
+    tok = load_tokenizer(src, config)
+    eos = sorted(i for i in getattr(tok, "eos_token_ids", []) if 0 <= i < vocab)
+    if corpus is None:
+        ids = sorted(set(range(size)) | set(eos))
+        return {"ids": ids, "source": "token-id order (no --draft-corpus)", "coverage": None}
+    counts, total = np.zeros(vocab, dtype=np.int64), 0
+    for f in tqdm(_corpus_files(Path(corpus)), desc="counting tokens", unit="file"):
+        text = f.read_text(encoding="utf-8", errors="ignore")
+        ids = np.asarray(tok.encode(text, add_special_tokens=False) if text else [], dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        counts += np.bincount(ids, minlength=vocab)
+        total += ids.size
+    if total == 0:
+        raise LoadError(f"--draft-corpus {corpus}: no text in it")
+    top = np.lexsort((np.arange(vocab), -counts))[:size]
+    ids = sorted(set(top.tolist()) | set(eos))
+    return {"ids": ids, "source": f"--draft-corpus {Path(corpus).name}: {total} tokens",
+            "coverage": round(float(counts[ids].sum()) / total, 6)}
+
+
 def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, group_size: int = DEFAULT_Q_GROUP_SIZE,
             quantize_mtp: bool = False, dtype: str | None = None, force: bool = False,
-            rotate_seed: int | None = None, mtp_dtype: str | None = DEFAULT_MTP_DTYPE) -> Path:
+            rotate_seed: int | None = None, mtp_dtype: str | None = DEFAULT_MTP_DTYPE, draft_vocab: int | None = None,
+            draft_corpus: str | None = None) -> Path:
+    """`draft_vocab`: the MTP head drafts from this many frequent ids (models/mtp.py DraftVocab; 0: the whole
+    vocabulary; None: as the source has it). Off unless asked for: its acceptance cost on a real Qwen3.5 checkpoint
+    has not been measured yet (docs/mtp.md has the demo's)."""
     dst = Path(mlx_path)
     if dst.exists() and not force:
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
     src = resolve_path(hf_path)
     check_tokenizer_files(src)
     model, config = load_model(src, dtype=dtype, fuse=False)
+    vocab = model.args.vocab_size
+    if draft_vocab and not model.has_mtp:
+        raise LoadError("--draft-vocab: this checkpoint has no MTP head to draft with")
+    if draft_vocab is not None and draft_vocab >= vocab:
+        raise LoadError(f"--draft-vocab {draft_vocab}: must be below the vocabulary size ({vocab}); 0 turns it off")
+    keep_source = draft_vocab is None and (src / DraftVocab.FILE).exists()
+    if draft_corpus is not None and not draft_vocab:
+        raise LoadError("--draft-corpus chooses the ids of a draft vocabulary: give its size with --draft-vocab N")
+    draft = draft_vocab_ids(src, config, draft_vocab, vocab, draft_corpus) if draft_vocab else None
     if rotate_seed is not None:
         rotate_into(model, config, seed=rotate_seed)
     if quantize_bits:
@@ -89,9 +136,11 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
     try:
         save_weights(tmp, out)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
+        for name in TOKENIZER_FILES + ((DraftVocab.FILE,) if keep_source else ()):
             if (src / name).exists():
                 shutil.copy(src / name, tmp / name)
+        if draft is not None:
+            (tmp / DraftVocab.FILE).write_text(json.dumps(draft))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary directory
@@ -152,6 +201,11 @@ def setup_arg_parser() -> ArgumentParser:
                    help="dtype of an unquantized MTP head (default bfloat16)")
     p.add_argument("--rotate", action="store_true", help="fold a Hadamard rotation into the residual stream first")
     p.add_argument("--rotation-seed", type=int, default=0, help="seed of the rotation's random signs")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="the MTP head drafts from the N most frequent token ids, e.g. 32768 (its lm_head then reads "
+                        "N rows; 0: the whole vocabulary; default: as the source checkpoint has it)")
+    p.add_argument("--draft-corpus", metavar="PATH",
+                   help="text file or folder whose token counts rank the draft ids (default: token-id order)")
     return p
 
 
@@ -160,13 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.quantize and (args.q_bits or args.q_group_size or args.quantize_mtp):
         parser.error("--q-bits, --q-group-size and --quantize-mtp take effect with -q (--quantize): add -q")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        parser.error(f"--draft-vocab {args.draft_vocab}: give a number of token ids >= 0 (0 turns it off)")
     in_main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         dst = convert(args.hf_path, args.mlx_path, quantize_bits=(args.q_bits or DEFAULT_Q_BITS) if args.quantize
                       else None, group_size=args.q_group_size or DEFAULT_Q_GROUP_SIZE, quantize_mtp=args.quantize_mtp,
                       dtype=args.dtype, force=args.force, rotate_seed=args.rotation_seed if args.rotate else None,
-                      mtp_dtype=None if args.mtp_dtype == "keep" else args.mtp_dtype)
+                      mtp_dtype=None if args.mtp_dtype == "keep" else args.mtp_dtype, draft_vocab=args.draft_vocab,
+                      draft_corpus=args.draft_corpus)
     except (LoadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

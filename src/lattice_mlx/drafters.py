@@ -25,11 +25,13 @@ def _pick(sampler: Sampler, logits: mx.array) -> tuple[mx.array, mx.array | None
 
 def mtp_step(model, tokens: mx.array, hidden: mx.array, cache: list) -> tuple[mx.array, mx.array]:
     """One MTP head step: slots pairing embed(tokens [T]) with hidden [T, H] (the head's basis) -> the last slot's
-    logits [V] and the hidden that feeds the next slot [1, H]."""
+    logits [V] (over the head's draft vocabulary [|ids|] when it has one: DraftVocab.to_full maps a pick) and the
+    hidden that feeds the next slot [1, H]."""
     head = model.mtp
     x = head(model.model.embed_tokens(tokens)[None], hidden[None], cache)[:, -1:]
     post = head.norm(x)
-    logits = model.lm_logits(head.to_target(post))[0, -1]
+    u = head.to_target(post)
+    logits = (head.draft_vocab.lm_logits(model, u) if head.draft_vocab is not None else model.lm_logits(u))[0, -1]
     return logits, (post if head.input_hidden == "post" else x)[0]
 
 
@@ -66,9 +68,12 @@ class MTPDrafter:
         tokens, h = mx.array(self.tokens), self.model.mtp.from_target(mx.concatenate(self.hidden))
         self.tokens, self.hidden = [], []
         drafts, qs = [], []
+        vocab = self.model.mtp.draft_vocab
         for _ in range(k):
             logits, h = mtp_step(self.model, tokens, h, self.cache)
             d, q = _pick(self.sampler, logits)
+            if vocab is not None:
+                d, q = vocab.to_full(d, q, self.model.args.vocab_size)
             drafts.append(d)
             qs += [q] if q is not None else []
             tokens = d.reshape(1)

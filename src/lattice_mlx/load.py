@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.fuse import fuse_projections
-from .models.mtp import MTPHead
+from .models.mtp import DraftVocab, MTPHead
 from .models.qwen3_5 import Model, ModelArgs, route_quantized, sanitize
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
@@ -168,7 +168,26 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tu
     if fuse:
         fuse_projections(model)
     mx.eval(model.parameters())
+    if model.has_mtp:
+        model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
     return model, config
+
+
+def read_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:
+    """The MTP head's draft vocabulary (`convert --draft-vocab`) if the checkpoint has one."""
+    f = Path(path) / DraftVocab.FILE
+    if not f.exists():
+        return None
+    try:
+        ids = json.loads(f.read_text())["ids"]
+        ok = isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise LoadError(f"{f} is not a draft vocabulary: it needs \"ids\", a non-empty list of token ids below "
+                        f"{vocab_size} (rewrite it with convert --draft-vocab, or delete it to draft from the whole "
+                        f"vocabulary)")
+    return DraftVocab(ids)
 
 
 # Any one of these makes a tokenizer (fast, sentencepiece, or byte-level BPE); without them transformers silently

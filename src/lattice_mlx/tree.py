@@ -44,6 +44,9 @@ class TreeDrafter:
 
     def _expand(self, logits, h, node: int, depth: int, tokens, parents, ranks) -> None:
         top = mx.argsort(-logits)[: self.shape[depth]]
+        vocab = self.model.mtp.draft_vocab
+        if vocab is not None:  # the head's logits cover its draft vocabulary only
+            top = vocab.ids[top]
         children = []
         for r in range(self.shape[depth]):
             tokens.append(top[r])

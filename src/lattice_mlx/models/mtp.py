@@ -8,8 +8,57 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
+from ..metal.q4_matmul import q4_matmul
 from .compiled import run_layers
 from .qwen3_5 import DecoderLayer, ModelArgs
+
+
+class DraftVocab:
+    """The token subset the MTP head drafts from: a frequent-token list stored with the checkpoint (`FILE`, written by
+    `convert --draft-vocab`). The target's lm_head rows of those ids are gathered once, so a draft step's lm_head
+    reads |ids| rows instead of the whole vocabulary (Qwen3.5: 248,320). Exactness is untouched: a token outside the
+    subset is simply never proposed, and a sampled draft's distribution q is zero there (the verifier's
+    min(1, p/q) and residual max(0, p - q) stay exact for any q)."""
+
+    FILE = "draft_vocab.json"
+
+    def __init__(self, ids):
+        ids = sorted({int(i) for i in ids})
+        self.ids = mx.array(ids, dtype=mx.int32)
+        self.size = len(ids)
+        self._rows, self._key = None, None
+
+    def _lm_rows(self, model) -> dict:
+        """The lm_head's rows of the subset (tied: the embedding's), gathered on first use and again if the weights
+        were replaced."""
+        lin = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+        key = id(lin["weight"])
+        if self._key != key:
+            rows = {name: mx.take(lin[name], self.ids, axis=0) for name in ("weight", "scales", "biases")
+                    if name in lin and lin[name] is not None}
+            if "scales" in rows:
+                rows.update(bits=lin.bits, group_size=lin.group_size, mode=getattr(lin, "mode", "affine"))
+            mx.eval({k: v for k, v in rows.items() if isinstance(v, mx.array)})
+            self._rows, self._key = rows, key
+        return self._rows
+
+    def lm_logits(self, model, h: mx.array) -> mx.array:
+        """Logits [.., |ids|] of h (in the target lm_head's basis) over the subset."""
+        r = self._lm_rows(model)
+        if "scales" not in r:
+            return h @ r["weight"].T
+        if r["bits"] == 4 and r["mode"] == "affine":
+            return q4_matmul(h, r["weight"], r["scales"], r["biases"], group_size=r["group_size"])
+        return mx.quantized_matmul(h, r["weight"], r["scales"], r.get("biases"), transpose=True,
+                                   group_size=r["group_size"], bits=r["bits"], mode=r["mode"])
+
+    def to_full(self, draft: mx.array, q: mx.array | None, vocab: int) -> tuple[mx.array, mx.array | None]:
+        """A draft picked over the subset (an index into it) and its distribution [|ids|] -> the token id and q over
+        the whole vocabulary (zero outside the subset)."""
+        token = self.ids[draft]
+        if q is None:
+            return token, None
+        return token, mx.zeros((vocab,), dtype=q.dtype).at[self.ids].add(q)
 
 
 class MTPHead(nn.Module):
@@ -19,6 +68,7 @@ class MTPHead(nn.Module):
     between the two bases."""
 
     input_hidden = "post"
+    draft_vocab: DraftVocab | None = None  # set by load() from the checkpoint's draft_vocab.json
 
     def __init__(self, args: ModelArgs, *, rotated: bool = False):
         super().__init__()
