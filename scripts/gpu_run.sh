@@ -15,6 +15,7 @@
 #                  per token; the demo with its real head
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
+#   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
 #   decode-35b     Qwen3.5-35B-A3B MoE shape (random, Q4, ~18 GB), bf16: stock vs plain vs MTP K=1..3 at oracle 0.8
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
@@ -61,6 +62,10 @@ for mode in "$@"; do
   decode-4b)
     step decode_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 2 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_4b" ;;
+  draft-vocab)
+    step draft_vocab 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,batched --k 2,3 --oracle-p 0.8 --draft-vocab-ab 32768 --no-stock \
+      --out "$RES/draft_vocab" ;;
   decode-35b)
     step decode_35b 300 "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 1,2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_35b" ;;

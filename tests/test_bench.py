@@ -231,3 +231,28 @@ def test_decode_profile_columns(tmp_path):
     assert mtp["rounds"] >= 1 and mtp["kernels_per_round"] == pytest.approx(160.0 * 12 / mtp["rounds"])
     assert "kernels/tok" in (out / "decode.md").read_text()
     assert bench.main(["decode", "--model", "tiny", "--profile", str(tmp_path / "none"), "--out", str(out)]) == 1
+
+
+def test_draft_vocab_ab_twins_run_with_the_subset_and_restore_it(tmp_path, monkeypatch):
+    """--draft-vocab-ab N: each MTP leg gets a +dvN twin whose head drafts from ids 0..N-1 while it runs (drafts
+    stay inside, output stays plain's); the head's own setting is back after every run."""
+    from lattice_mlx.models.mtp import DraftVocab
+
+    legs = bench.with_draft_vocab_ab([bench.Leg("plain"), bench.Leg("mtp", "batched", 2)], 16)
+    assert [leg.name for leg in legs] == ["plain", "batched-K2", "batched-K2+dv16"]
+    drafted, real = [], DraftVocab.to_full
+
+    def spy(self, draft, q, vocab):
+        token, q = real(self, draft, q, vocab)
+        drafted.append(token.item())
+        return token, q
+
+    monkeypatch.setattr(DraftVocab, "to_full", spy)
+    out = tmp_path / "dv"
+    assert bench.main(["decode", "--model", "tiny", "--reps", "1", "--lengths", "4,12", "--temps", "0", "--legs",
+                       "plain,batched", "--k", "2", "--no-stock", "--draft-vocab-ab", "16", "--out", str(out)]) == 0
+    names = [leg["leg"] for leg in json.loads((out / "decode.json").read_text())["groups"][0]["legs"]]
+    assert "batched-K2-oracle0.8+dv16" in names
+    assert drafted and all(t < 16 for t in drafted)
+    assert bench.main(["decode", "--model", "tiny", "--draft-vocab-ab", "0", "--out", str(out)]) == 1
+    assert bench.main(["decode", "--model", "tiny", "--draft-vocab-ab", "100000", "--out", str(out)]) == 1

@@ -47,6 +47,7 @@ from .decode import generate_step
 from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, resolve_path
 from .models import compiled
 from .models.fuse import hf_parameters
+from .models.mtp import DraftVocab
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
 from .speculative import speculative_step
@@ -135,6 +136,7 @@ class Leg:
     adaptive: bool = False
     p: float | None = None
     compiled: bool | None = None  # --compile-ab: the compiled path forced on / off while the leg runs; None: as set
+    draft_vocab: int | None = None  # --draft-vocab-ab: the MTP head drafts from ids 0..N-1 only; None: as loaded
 
     @property
     def name(self) -> str:
@@ -142,6 +144,7 @@ class Leg:
             return self.kind + ("+compile" if self.compiled else "")
         name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
         name += f"-oracle{self.p:g}" if self.p is not None else ""
+        name += f"+dv{self.draft_vocab}" if self.draft_vocab else ""
         return name + ("+compile" if self.compiled else "")
 
 
@@ -156,6 +159,25 @@ def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
         else:
             out += [dataclasses.replace(leg, compiled=False), dataclasses.replace(leg, compiled=True)]
     return out
+
+
+def with_draft_vocab_ab(legs: list[Leg], n: int | None) -> list[Leg]:
+    """With n, every MTP leg is followed by its twin whose head drafts from the first n token ids only (the
+    conversion's --draft-vocab without a corpus): the lm_head cost a draft vocabulary saves, paired in one run."""
+    if not n:
+        return legs
+    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, draft_vocab=n)] if leg.kind == "mtp"
+                                              else [leg])]
+
+
+def _draft_vocab_during(model, n: int, stream):
+    """Runs `stream` with the head drafting from ids 0..n-1, restoring the head's own setting after."""
+    before = model.mtp.draft_vocab
+    model.mtp.draft_vocab = DraftVocab(range(n))
+    try:
+        yield from stream
+    finally:
+        model.mtp.draft_vocab = before
 
 
 @dataclass
@@ -277,6 +299,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
     drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed) if leg.p is not None else None
     stream = speculative_step(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
                               drafter=drafter)
+    if leg.draft_vocab:
+        stream = _draft_vocab_during(target.model, leg.draft_vocab, stream)
     return stream, stats
 
 
@@ -449,7 +473,7 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
                     legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
                 else:
                     legs += mtp_legs([name], args.k.split(","), p=p)
-            legs = with_compile_ab(legs, args.compile_ab)
+            legs = with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab), args.draft_vocab_ab)
             label = f"decode {workload} temp={temp:g}"
             records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
                                 seed=args.seed, label=label, profiler=profiler)
@@ -598,6 +622,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
     p.add_argument("--compile-ab", action="store_true",
                    help="decode / oracle: every lattice leg layer by layer and as its compiled twin")
+    p.add_argument("--draft-vocab-ab", type=int, metavar="N",
+                   help="decode: every MTP leg also as a twin whose head drafts from token ids 0..N-1 only")
     p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
                    "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
@@ -618,6 +644,8 @@ def check_args(args) -> None:
             raise ValueError(f"--k entries are 1..8 or 'adaptive', got {k!r}")
     if not all(0.0 <= p <= 1.0 for p in [args.oracle_p, *parse_floats(args.oracle_ps)]):
         raise ValueError("oracle acceptance values must lie in [0, 1]")
+    if args.draft_vocab_ab is not None and args.draft_vocab_ab < 1:
+        raise ValueError(f"--draft-vocab-ab needs a number of token ids >= 1, got {args.draft_vocab_ab}")
 
 
 def run(args, argv: list[str]) -> dict:
@@ -628,6 +656,9 @@ def run(args, argv: list[str]) -> dict:
                          stock=not args.no_stock)
     if args.experiment == "all" and target.synthetic:
         names.remove("acceptance")  # random weights accept ~0%: only the oracle curve says anything
+    if args.draft_vocab_ab and (args.draft_vocab_ab >= target.model.args.vocab_size or not target.model.has_mtp):
+        raise ValueError(f"--draft-vocab-ab {args.draft_vocab_ab}: needs an MTP head and fewer ids than the "
+                         f"vocabulary ({target.model.args.vocab_size})")
     log(f"model: {target.label}; stock: {target.stock_note}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
