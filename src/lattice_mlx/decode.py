@@ -25,11 +25,12 @@ def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, retu
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None) -> Iterator[int]:
     """Plain decoding: one target forward per token; the next step is queued before the current token is yielded."""
     cache = cache if cache is not None else model.make_cache()
+    agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
     logits, _ = prefill(model, ids, cache)
-    y = sampler(logits)
+    y = agree(sampler(logits))
     mx.async_eval(y)
     while True:
-        next_y = sampler(model(y.reshape(1, 1), cache)[0, -1])
+        next_y = agree(sampler(model(y.reshape(1, 1), cache)[0, -1]))
         mx.async_eval(next_y)
         yield y.item()
         y = next_y

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Generator, Iterator
@@ -80,6 +81,9 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
         raise ValueError(f"{flag} needs MTP weights (mtp.*), and this checkpoint has none: drop {flag}")
+    if getattr(model, "sharding_group", None) is not None and (options.tree or options.verify != "batched"):
+        raise ValueError("a tensor-parallel model speculates with chains and the batched verifier only: drop "
+                         + ("--tree" if options.tree else "--verify sequential"))
     stats = SpecStats.of(options)
     if options.tree:
         return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats
@@ -171,7 +175,8 @@ def run(args: argparse.Namespace) -> GenerationResult:
     Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    group = distributed_group()
+    model, tokenizer = load(args.model, dtype=args.dtype, group=group)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         chat_template=not args.no_chat_template, speculation=speculation,
@@ -188,8 +193,20 @@ def run(args: argparse.Namespace) -> GenerationResult:
     return result
 
 
+def distributed_group():
+    """The group when launched by mlx.launch on more than one process (the model then runs tensor-parallel over
+    it; only rank 0 prints), else None."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
+    group = distributed_group()
+    if group is not None and group.rank() != 0:  # every rank computes; rank 0 speaks for them all
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         result = run(args)
     except (LoadError, ValueError) as e:

@@ -148,7 +148,7 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
             for k, v in weights.items()}
 
 
-def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tuple[Model, dict]:
+def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group=None) -> tuple[Model, dict]:
     """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too, with fuse=False:
     the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
     fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
@@ -165,6 +165,11 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True) -> tu
                    f"{k[: -len('weight')]}scales" not in weights else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
+    if group is not None and group.size() > 1:  # tensor parallel (mlx.launch): this rank's slices, then fused
+        try:
+            model.shard(group)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
     if fuse:
         fuse_projections(model)
     mx.eval(model.parameters())
@@ -213,12 +218,13 @@ def load_tokenizer(path: Path, config: dict):
         raise LoadError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {e})") from None
 
 
-def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None):
-    """(model, tokenizer) from a local directory or a hub id; the embedded demo model when none is given."""
+def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None):
+    """(model, tokenizer) from a local directory or a hub id; the embedded demo model when none is given. With a
+    distributed `group` of several processes the model runs tensor-parallel over it (Model.shard)."""
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").exists():
             raise LoadError("no embedded demo model in this build: pass --model PATH")
         path_or_repo = DEMO_MODEL
     path = resolve_path(path_or_repo)
-    model, config = load_model(path, dtype=dtype)
+    model, config = load_model(path, dtype=dtype, group=group)
     return model, load_tokenizer(path, config)

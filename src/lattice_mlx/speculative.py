@@ -58,6 +58,8 @@ def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler) -> R
             mx.eval(probs, q, drafts)
             drafts = drafts.tolist()
         n, token = accept_sampled(probs, q, drafts)
+    if getattr(model, "sharding_group", None) is not None:  # tensor parallel: rank 0's verdict on every rank
+        n, token = model.agree(mx.array([n, token], dtype=mx.int32)).tolist()
     return Round(n, token, hidden[: n + 1], drafts)
 
 
@@ -122,14 +124,15 @@ def plain_steps(model, cache: list, y: int, sampler: Sampler, drafter, history: 
     each position's hidden handed to the drafter, so speculation can resume after them. Sets out["y"], the newest
     token (not yet fed), and out["step_s"], the mean time of a step."""
     tic = time.perf_counter()
+    agree = getattr(model, "agree", lambda x: x)
     logits, h = model(mx.array([[y]]), cache, return_hidden=True)
-    nxt = sampler(logits[0, -1])
+    nxt = agree(sampler(logits[0, -1]))
     mx.async_eval(nxt, h)
     for i in range(n):
         cur, h_cur = nxt, h
         if i + 1 < n:
             logits, h = model(cur.reshape(1, 1), cache, return_hidden=True)
-            nxt = sampler(logits[0, -1])
+            nxt = agree(sampler(logits[0, -1]))
             mx.async_eval(nxt, h)
         token = cur.item()
         drafter.observe([token], h_cur[0])
@@ -151,7 +154,8 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache = model.make_cache()
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
-    y = sampler(logits).item()
+    agree = getattr(model, "agree", lambda x: x)
+    y = agree(sampler(logits)).item()
     history = [*ids.tolist(), y]
     drafter.start(history[:-1], y, hidden, cache)  # the head's share of the prompt work, before the first token
     yield y
@@ -166,6 +170,7 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
         tic = time.perf_counter()
         drafts, q = drafter.propose(history, k)
         if isinstance(drafts, mx.array):
+            drafts = agree(drafts)  # tensor parallel: every rank verifies rank 0's (sampled) drafts
             mx.async_eval(drafts)  # the GPU drafts while the verify graph is built on top of it
         elif q is None and drafts and not sampler.greedy:
             q = one_hot_q(drafts, model.args.vocab_size)

@@ -177,6 +177,17 @@ def rms_pre(norm: nn.RMSNorm | None) -> Pre | None:
     return Pre("rms", norm.weight, norm.eps) if norm is not None else None
 
 
+def project_out(module: nn.Module, linear: nn.Module, x: mx.array, *, pre: Pre | None = None,
+                residual: mx.array | None = None) -> mx.array:
+    """A block's output projection: residual + linear(P(x)), with the partial sums of every rank added first when
+    the block is tensor-parallel (`sharding_group`; the residual then joins after the all_sum, once)."""
+    group = module.sharding_group
+    if group is None:
+        return project(linear, x, pre=pre, residual=residual)
+    y = mx.distributed.all_sum(project(linear, x, pre=pre), group=group)
+    return y if residual is None else residual + y
+
+
 class RMSNormGated(nn.Module):
     """rms(y) * w * silu(z), applied as the output projection's prologue; the weight is stored as is (no +1 shift)."""
 
@@ -187,6 +198,8 @@ class RMSNormGated(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    sharding_group = None  # Model.shard: this rank's heads, out_proj's partial sums added over the group
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.Hk, self.Hv = args.linear_num_key_heads, args.linear_num_value_heads
@@ -252,10 +265,12 @@ class GatedDeltaNet(nn.Module):
             if cache is not None:
                 cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
         gated = Pre("gated_rms", self.norm.weight, self.norm.eps, src=z_src, offset=z_offset)
-        return project(self.out_proj, y, pre=gated, residual=residual)
+        return project_out(self, self.out_proj, y, pre=gated, residual=residual)
 
 
 class Attention(nn.Module):
+    sharding_group = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv = args.num_attention_heads, args.num_key_value_heads
@@ -302,7 +317,7 @@ class Attention(nn.Module):
 
     def finish(self, out: mx.array, gate_src: mx.array, residual: mx.array | None = None) -> mx.array:
         """Attention output [B, heads, T, D] -> gated, projected [B, T, H] (+ residual)."""
-        return project(self.o_proj, out, pre=Pre("gate", src=gate_src), residual=residual)
+        return project_out(self, self.o_proj, out, pre=Pre("gate", src=gate_src), residual=residual)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None, mask: mx.array | str | None = None,
                  tree: Tree | None = None, *, norm: nn.RMSNorm | None = None,
@@ -321,6 +336,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    sharding_group = None
+
     def __init__(self, dims: int, hidden_dims: int):
         super().__init__()
         self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
@@ -331,9 +348,9 @@ class MLP(nn.Module):
         """residual + down(silu(gate(norm(x))) * up(norm(x))), the norm, SwiGLU and residual fused into the matmuls."""
         if "gate_up_proj" in self:  # fused (models/fuse.py): [gate | up]
             gu = project(self.gate_up_proj, x, pre=rms_pre(norm))
-            return project(self.down_proj, gu, pre=Pre("swiglu"), residual=residual)
+            return project_out(self, self.down_proj, gu, pre=Pre("swiglu"), residual=residual)
         x = prologue_ref(rms_pre(norm), x)
-        return project(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
+        return project_out(self, self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
 
 
 class SparseMoeBlock(nn.Module):
@@ -447,6 +464,94 @@ class Model(nn.Module):
 
     def make_cache(self) -> list:
         return [GDNCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    sharding_group = None  # set by shard(): the group this model runs tensor-parallel over
+
+    def shard(self, group=None) -> None:
+        """Tensor parallel over `group` (default: mx.distributed.init()), in place, mlx-lm's conventions
+        (mlx.nn.layers.distributed.shard_inplace): each rank keeps 1/N of the GDN heads (qkv, z, b, a rows and the
+        conv channels per q/k/v segment; A_log, dt_bias), of the attention heads (key/value heads repeated when N
+        exceeds them) and of the MLP's hidden units; the output projections take this rank's slice of their input
+        and their partial sums are added over the group (one all_sum per block). Embedding, lm_head, norms and the
+        MTP head are replicated. Call it on the checkpoint's layout, before fuse_projections (load() does)."""
+        group = group or mx.distributed.init()
+        N, rank = group.size(), group.rank()
+        if N == 1:
+            return
+        from mlx.nn.layers.distributed import shard_inplace
+
+        a = self.args
+        problems = []
+        if a.num_experts:
+            problems.append("tensor parallel for MoE checkpoints is not implemented yet")
+        for name, n in (("linear_num_key_heads", a.linear_num_key_heads), ("linear_num_value_heads",
+                        a.linear_num_value_heads), ("num_attention_heads", a.num_attention_heads),
+                        ("intermediate_size", a.intermediate_size)):
+            if n % N:
+                problems.append(f"{name} = {n} is not divisible by the group size {N}")
+        kv = a.num_key_value_heads
+        if (kv % N if N <= kv else N % kv):
+            problems.append(f"num_key_value_heads = {kv} and the group size {N}: one must divide the other")
+        if any(name in mod for layer in self.layers
+               for mod in (layer.linear_attn if layer.is_linear else layer.self_attn, layer.mlp)
+               for name in ("in_proj", "qkv_proj", "gate_up_proj")):
+            problems.append("shard() needs the checkpoint's unfused projections: call it before fuse_projections")
+        for m in (lin for layer in self.layers for lin in (
+                [layer.linear_attn.out_proj] if layer.is_linear else [layer.self_attn.o_proj]) + [layer.mlp.down_proj]):
+            gs = getattr(m, "group_size", None)
+            if gs and (m.weight.shape[-1] * 32 // m.bits // N) % gs:
+                problems.append(f"an output projection's input ({m.weight.shape[-1] * 32 // m.bits}) split {N} ways "
+                                f"is not a whole number of quantization groups ({gs})")
+                break
+        if problems:
+            raise ValueError(f"cannot shard over {N} ranks: {problems[0]}")
+
+        def repeat_heads(linear: nn.Module, heads: int) -> None:
+            if N <= heads:
+                return
+            linear.update({k: mx.repeat(v.reshape(heads, -1, *v.shape[1:]), N // heads, axis=0).reshape(-1, *v.shape[1:])
+                           for k, v in linear.parameters().items()})
+
+        for layer in self.layers:
+            if layer.is_linear:
+                g = layer.linear_attn
+                kd = g.key_dim
+                shard_inplace(g.conv1d, lambda p, w, kd=kd: (0, [kd, 2 * kd]), group=group)
+                shard_inplace(g.in_proj_qkv, "all-to-sharded", segments=[kd, 2 * kd], group=group)
+                for lin in (g.in_proj_z, g.in_proj_b, g.in_proj_a):
+                    shard_inplace(lin, "all-to-sharded", group=group)
+                g.dt_bias = mx.contiguous(mx.split(g.dt_bias, N)[rank])
+                g.A_log = mx.contiguous(mx.split(g.A_log, N)[rank])
+                shard_inplace(g.out_proj, "sharded-to-all", group=group)
+                g.Hk, g.Hv = g.Hk // N, g.Hv // N
+                g.key_dim, g.value_dim, g.conv_dim = g.key_dim // N, g.value_dim // N, g.conv_dim // N
+                g.sharding_group = group
+            else:
+                t = layer.self_attn
+                shard_inplace(t.q_proj, "all-to-sharded", group=group)
+                for lin in (t.k_proj, t.v_proj):
+                    repeat_heads(lin, t.n_kv)
+                    shard_inplace(lin, "all-to-sharded", group=group)
+                shard_inplace(t.o_proj, "sharded-to-all", group=group)
+                t.n_heads, t.n_kv = t.n_heads // N, max(1, t.n_kv // N)
+                t.sharding_group = group
+            m = layer.mlp
+            shard_inplace(m.gate_proj, "all-to-sharded", group=group)
+            shard_inplace(m.up_proj, "all-to-sharded", group=group)
+            shard_inplace(m.down_proj, "sharded-to-all", group=group)
+            m.sharding_group = group
+        self.sharding_group = group
+
+    def agree(self, x: mx.array) -> mx.array:
+        """x as rank 0 has it, on every rank of a sharded model (itself otherwise): the tokens every rank feeds
+        next and the accept/reject decisions come from one rank, so no rank can go its own way (a rank whose
+        sampler or random state differed would otherwise feed other tokens into the collective forward)."""
+        g = self.sharding_group
+        if g is None or g.size() == 1:
+            return x
+        # every rank's term depends on its own x, so the graph (and the order of its collectives) is the same on
+        # all ranks: a zeros_like(x) term could run this all_sum before the forward's own on ranks other than 0
+        return mx.distributed.all_sum(mx.where(mx.array(g.rank() == 0), x, mx.zeros_like(x)), group=g)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)
