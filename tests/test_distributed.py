@@ -25,10 +25,11 @@ def launch(*cmd, timeout=120):
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     dense = random_checkpoint(root / "dense", seed=0)
-    return {"fp32": dense, "q4": convert(str(dense), str(root / "q4"), quantize_bits=4, group_size=32)}
+    return {"fp32": dense, "q4": convert(str(dense), str(root / "q4"), quantize_bits=4, group_size=32),
+            "moe": random_checkpoint(root / "moe", seed=5, num_experts=4)}
 
 
-@pytest.mark.parametrize("kind", ["fp32", "q4"])
+@pytest.mark.parametrize("kind", ["fp32", "q4", "moe"])
 def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
     """Logits and every layer match the whole model up to summation order; greedy plain and greedy MTP (K=2, 3)
     give the same tokens; sampled plain and sampled MTP give the one-process run's tokens on both ranks, although

@@ -358,6 +358,8 @@ class SparseMoeBlock(nn.Module):
     (HF's Qwen3_5MoeTopKRouter math; on exact ties the experts picked may differ from HF's, as mlx-lm's do); the experts run through mlx-lm's SwitchGLU (gather_qmm when quantized);
     plus one shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
+    sharding_group = None  # Model.shard: this rank's slice of every expert's and the shared expert's hidden units
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         H = args.hidden_size
@@ -379,6 +381,8 @@ class SparseMoeBlock(nn.Module):
         y = self.switch_mlp(x.astype(experts_dtype), inds).astype(x.dtype)
         y = (y * scores[..., None]).sum(axis=-2)
         y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.sharding_group is not None:  # routed and shared partial sums added over the ranks at once
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y if residual is None else residual + y
 
 
@@ -473,7 +477,8 @@ class Model(nn.Module):
         conv channels per q/k/v segment; A_log, dt_bias), of the attention heads (key/value heads repeated when N
         exceeds them) and of the MLP's hidden units; the output projections take this rank's slice of their input
         and their partial sums are added over the group (one all_sum per block). Embedding, lm_head, norms and the
-        MTP head are replicated. Call it on the checkpoint's layout, before fuse_projections (load() does)."""
+        MTP head are replicated. MoE: every expert's and the shared expert's hidden units split likewise, the router
+        replicated. Call it on the checkpoint's layout, before fuse_projections (load() does)."""
         group = group or mx.distributed.init()
         N, rank = group.size(), group.rank()
         if N == 1:
@@ -482,11 +487,11 @@ class Model(nn.Module):
 
         a = self.args
         problems = []
-        if a.num_experts:
-            problems.append("tensor parallel for MoE checkpoints is not implemented yet")
-        for name, n in (("linear_num_key_heads", a.linear_num_key_heads), ("linear_num_value_heads",
-                        a.linear_num_value_heads), ("num_attention_heads", a.num_attention_heads),
-                        ("intermediate_size", a.intermediate_size)):
+        sizes = [("linear_num_key_heads", a.linear_num_key_heads), ("linear_num_value_heads",
+                 a.linear_num_value_heads), ("num_attention_heads", a.num_attention_heads)]
+        sizes += ([("moe_intermediate_size", a.moe_intermediate_size), ("shared_expert_intermediate_size",
+                   a.shared_expert_intermediate_size)] if a.num_experts else [("intermediate_size", a.intermediate_size)])
+        for name, n in sizes:
             if n % N:
                 problems.append(f"{name} = {n} is not divisible by the group size {N}")
         kv = a.num_key_value_heads
@@ -496,8 +501,11 @@ class Model(nn.Module):
                for mod in (layer.linear_attn if layer.is_linear else layer.self_attn, layer.mlp)
                for name in ("in_proj", "qkv_proj", "gate_up_proj")):
             problems.append("shard() needs the checkpoint's unfused projections: call it before fuse_projections")
+        def downs(mlp):
+            return [mlp.switch_mlp.down_proj, mlp.shared_expert.down_proj] if a.num_experts else [mlp.down_proj]
+
         for m in (lin for layer in self.layers for lin in (
-                [layer.linear_attn.out_proj] if layer.is_linear else [layer.self_attn.o_proj]) + [layer.mlp.down_proj]):
+                [layer.linear_attn.out_proj] if layer.is_linear else [layer.self_attn.o_proj]) + downs(layer.mlp)):
             gs = getattr(m, "group_size", None)
             if gs and (m.weight.shape[-1] * 32 // m.bits // N) % gs:
                 problems.append(f"an output projection's input ({m.weight.shape[-1] * 32 // m.bits}) split {N} ways "
@@ -536,9 +544,12 @@ class Model(nn.Module):
                 t.n_heads, t.n_kv = t.n_heads // N, max(1, t.n_kv // N)
                 t.sharding_group = group
             m = layer.mlp
-            shard_inplace(m.gate_proj, "all-to-sharded", group=group)
-            shard_inplace(m.up_proj, "all-to-sharded", group=group)
-            shard_inplace(m.down_proj, "sharded-to-all", group=group)
+            # MoE: the router and the shared expert's gate are replicated; the experts and the shared expert are
+            # split like an MLP, and the block adds its partial sums once (the shared MLP keeps no group of its own)
+            for mlp in ([m.switch_mlp, m.shared_expert] if a.num_experts else [m]):
+                shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
+                shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
+                shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
             m.sharding_group = group
         self.sharding_group = group
 
