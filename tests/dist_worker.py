@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py, run under `mlx.launch -n N --backend ring`: the checkpoint loaded whole and
 tensor-parallel in the same process, and what each computes written to OUT/rank{r}.json.
 
-Usage: python tests/dist_worker.py CHECKPOINT OUT
+Usage: python tests/dist_worker.py CHECKPOINT OUT [pipeline]
 """
 
 import json
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from lattice_mlx import SpecOptions, generate, load
 from lattice_mlx.load import LoadError
@@ -16,7 +17,7 @@ from lattice_mlx.load import LoadError
 PROMPT = [5, 9, 2, 7, 11, 3, 8, 1, 6, 4, 10, 12]
 
 
-def tokens(model, tok, *, k: int | None = None, temp: float = 0.0, seed: int = 0, n: int = 24) -> list[int]:
+def tokens(model, tok, *, k: int | None = None, temp: float = 0.0, seed: int = 0, n: int = 12) -> list[int]:
     mx.random.seed(seed)
     spec = SpecOptions(draft_tokens=k, adaptive=False) if k else None
     return generate(model, tok, PROMPT, max_tokens=n, temp=temp, speculation=spec).tokens
@@ -24,11 +25,12 @@ def tokens(model, tok, *, k: int | None = None, temp: float = 0.0, seed: int = 0
 
 def main() -> int:
     ckpt, out = sys.argv[1], Path(sys.argv[2])
+    pipeline = len(sys.argv) > 3 and sys.argv[3] == "pipeline"
     group = mx.distributed.init()
     rank = group.rank()
     res = {"rank": rank, "size": group.size()}
     try:
-        sharded, tok = load(ckpt, group=group)
+        sharded, tok = load(ckpt, group=group, pipeline=pipeline)
     except LoadError as e:
         res["load_error"] = str(e)
         (out / f"rank{rank}.json").write_text(json.dumps(res))
@@ -38,14 +40,19 @@ def main() -> int:
     a, b = whole(ids), sharded(ids)
     res["max_logit_diff"] = mx.abs(a - b).max().item()
     res["max_logit"] = mx.abs(a).max().item()
-    # each layer on the same input, whole vs sharded: only the order of the partial sums differs
-    h, worst = whole.model.embed_tokens(ids), 0.0
-    for lw, ls in zip(whole.layers, sharded.layers):
-        hw, hs = lw(h), ls(h)
-        worst = max(worst, mx.abs(hw - hs).max().item() / mx.abs(hw).max().item())
-        h = hw
-    res["worst_layer_rel_diff"] = worst
-    for k in (None, 2, 3):
+    if pipeline:
+        res["held_layers"] = sum(not type(layer).__name__ == "SkipLayer" for layer in sharded.layers)
+        res["held_params"] = sum(v.size for _, v in tree_flatten(sharded.parameters()))
+        res["whole_params"] = sum(v.size for _, v in tree_flatten(whole.parameters()))
+    else:
+        # each layer on the same input, whole vs sharded: only the order of the partial sums differs
+        h, worst = whole.model.embed_tokens(ids), 0.0
+        for lw, ls in zip(whole.layers, sharded.layers):
+            hw, hs = lw(h), ls(h)
+            worst = max(worst, mx.abs(hw - hs).max().item() / mx.abs(hw).max().item())
+            h = hw
+        res["worst_layer_rel_diff"] = worst
+    for k in (None, 3):
         name = f"greedy_k{k or 0}"
         res[name] = tokens(sharded, tok, k=k) == tokens(whole, tok, k=k)
     # sampled MTP: rank 0 seeded as the one-process run; the other ranks seeded differently on purpose, so only the

@@ -126,6 +126,43 @@ class GDNCache:
         return sum(a.nbytes for a in (self.conv, self.ssm) if a is not None)
 
 
+class NullCache:
+    """The cache of a layer another pipeline stage runs (Model.pipeline): nothing to hold, every operation a no-op."""
+
+    offset = 0
+    recording = False
+    state: list = []
+
+    def begin(self) -> None:
+        pass
+
+    def rollback(self, n: int) -> None:
+        pass
+
+    def keep(self, nodes: list[int]) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def snapshot(self) -> tuple:
+        return ()
+
+    def restore(self, snap: tuple) -> None:
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return n
+
+    def empty(self) -> bool:
+        return True
+
+    nbytes = 0
+
+
 def begin(cache: list) -> None:
     for c in cache:
         c.begin()

@@ -15,7 +15,7 @@ def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, retu
     hs = []
     for start in range(0, ids.size, step):
         h = model.model(ids[None, start : start + step], cache)
-        mx.eval([c.state for c in cache])
+        mx.eval(h, [c.state for c in cache])  # h too: a pipeline stage's send is in h's graph, not in its cache's
         if return_hidden:
             hs.append(model.head_input(h))
     logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[0, -1]  # as a decode step computes them

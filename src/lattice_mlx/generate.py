@@ -81,9 +81,11 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
         raise ValueError(f"{flag} needs MTP weights (mtp.*), and this checkpoint has none: drop {flag}")
-    if getattr(model, "sharding_group", None) is not None and (options.tree or options.verify != "batched"):
-        raise ValueError("a tensor-parallel model speculates with chains and the batched verifier only: drop "
-                         + ("--tree" if options.tree else "--verify sequential"))
+    if getattr(model, "sharding_group", None) is not None and (options.tree or options.verify != "batched"
+                                                               or options.draft.startswith("self")):
+        flag = "--tree" if options.tree else ("--verify sequential" if options.verify != "batched" else "--draft self")
+        raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
+                         f"verifier only: drop {flag}")
     stats = SpecStats.of(options)
     if options.tree:
         return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats
@@ -157,6 +159,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the layers into stages, one per process (default: tensor parallel)")
     add_speculation_args(p)
     return p
 
@@ -176,7 +180,9 @@ def run(args: argparse.Namespace) -> GenerationResult:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     group = distributed_group()
-    model, tokenizer = load(args.model, dtype=args.dtype, group=group)
+    if args.pipeline and group is None:
+        raise ValueError("--pipeline splits the model over several processes: launch with mlx.launch -n N")
+    model, tokenizer = load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         chat_template=not args.no_chat_template, speculation=speculation,

@@ -148,7 +148,8 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
             for k, v in weights.items()}
 
 
-def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group=None) -> tuple[Model, dict]:
+def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group=None,
+               pipeline: bool = False) -> tuple[Model, dict]:
     """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too, with fuse=False:
     the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
     fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
@@ -159,13 +160,19 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         raise LoadError(f"bad MoE experts in the checkpoint: {e}") from None
     model = build_model(config, weights)
     check_weights(model, weights)
+    if group is not None and group.size() > 1 and pipeline:  # this stage's layers only: the rest is never read
+        try:
+            dropped = model.pipeline(group)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        weights = {k: v for k, v in weights.items() if k not in dropped}
     weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
     if fuse and mx.default_device() == mx.cpu:  # CPU gather_mm is fp32-only: unquantized MoE experts stay fp32 there
         weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and k.endswith(".weight") and
                    f"{k[: -len('weight')]}scales" not in weights else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    if group is not None and group.size() > 1:  # tensor parallel (mlx.launch): this rank's slices, then fused
+    if group is not None and group.size() > 1 and not pipeline:  # tensor parallel: this rank's slices, then fused
         try:
             model.shard(group)
         except ValueError as e:
@@ -218,13 +225,14 @@ def load_tokenizer(path: Path, config: dict):
         raise LoadError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {e})") from None
 
 
-def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None):
+def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None, pipeline: bool = False):
     """(model, tokenizer) from a local directory or a hub id; the embedded demo model when none is given. With a
-    distributed `group` of several processes the model runs tensor-parallel over it (Model.shard)."""
+    distributed `group` of several processes the model runs tensor-parallel over it (Model.shard), or with
+    `pipeline` as a pipeline of layer ranges (Model.pipeline: each process reads and holds only its layers)."""
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").exists():
             raise LoadError("no embedded demo model in this build: pass --model PATH")
         path_or_repo = DEMO_MODEL
     path = resolve_path(path_or_repo)
-    model, config = load_model(path, dtype=dtype, group=group)
+    model, config = load_model(path, dtype=dtype, group=group, pipeline=pipeline)
     return model, load_tokenizer(path, config)

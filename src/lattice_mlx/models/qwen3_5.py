@@ -8,9 +8,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..cache import GDNCache, KVCache
+from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
@@ -408,7 +409,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
+class SkipLayer(nn.Module):
+    """Stands in for a decoder layer another pipeline stage runs (Model.pipeline): no weights, never called."""
+
+    def __init__(self, is_linear: bool):
+        super().__init__()
+        self.is_linear = is_linear
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """This process's stage: layers [start, end) of a pipeline over `group` (rank size-1 runs the first layers,
+    rank 0 the last, as mlx-lm's PipelineMixin orders them)."""
+
+    group: Any
+    rank: int
+    size: int
+    start: int
+    end: int
+
+
 class TextModel(nn.Module):
+    pipe: Pipe | None = None  # set by Model.pipeline
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -419,7 +442,18 @@ class TextModel(nn.Module):
                  mask: mx.array | str | None = None, tree: Tree | None = None) -> mx.array:
         """Returns the final hidden states before the last norm, [B, T, H]."""
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-        return run_layers(self, self.layers, h, cache, mask, tree, input_embeddings)
+        p = self.pipe
+        if p is None:
+            return run_layers(self, self.layers, h, cache, mask, tree, input_embeddings)
+        # Pipeline: the previous stage's hidden in, this stage's layers, the hidden out to the next stage; then
+        # every stage takes the last stage's (rank 0's) result, so logits, sampling and the MTP head run everywhere.
+        if p.rank < p.size - 1:
+            h = mx.distributed.recv_like(h, p.rank + 1, group=p.group)
+        own = cache[p.start : p.end] if cache is not None else None
+        h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
+        if p.rank != 0:
+            h = mx.distributed.send(h, p.rank - 1, group=p.group)
+        return mx.distributed.all_gather(h, group=p.group)[: h.shape[0]]
 
 
 class Model(nn.Module):
@@ -467,7 +501,33 @@ class Model(nn.Module):
         return "mtp" in self
 
     def make_cache(self) -> list:
-        return [GDNCache() if layer.is_linear else KVCache() for layer in self.layers]
+        return [NullCache() if isinstance(layer, SkipLayer) else GDNCache() if layer.is_linear else KVCache()
+                for layer in self.layers]
+
+    def pipeline(self, group=None, split: list[int] | None = None) -> set[str]:
+        """Pipeline parallel over `group`, in place: this process keeps only its stage's decoder layers (layers
+        [start, end): rank size-1 the first ones, rank 0 the last, an even split unless `split` gives the layer
+        count per rank); the others become weightless SkipLayers. Embedding, final norm, lm_head and the MTP head
+        stay on every rank. Returns the parameter names this rank no longer holds (load() skips reading them)."""
+        group = group or mx.distributed.init()
+        N, rank = group.size(), group.rank()
+        n = len(self.layers)
+        if split is None:
+            base, extra = divmod(n, N)
+            split = [base + (1 if r < extra else 0) for r in range(N)]
+        if len(split) != N or any(s <= 0 for s in split) or sum(split) != n:
+            raise ValueError(f"cannot split {n} layers over {N} pipeline ranks as {split}: every rank needs at least "
+                             f"one layer and the counts must add up to {n}")
+        if self.sharding_group is not None:
+            raise ValueError("a model is either tensor-parallel (shard) or pipelined, not both")
+        start = sum(split[rank + 1 :])
+        end = start + split[rank]
+        before = {k for k, _ in tree_flatten(self.parameters())}
+        for i in [*range(start), *range(end, n)]:
+            self.model.layers[i] = SkipLayer(self.model.layers[i].is_linear)
+        self.model.pipe = Pipe(group, rank, N, start, end)
+        self.sharding_group = group
+        return before - {k for k, _ in tree_flatten(self.parameters())}
 
     sharding_group = None  # set by shard(): the group this model runs tensor-parallel over
 
@@ -483,6 +543,8 @@ class Model(nn.Module):
         N, rank = group.size(), group.rank()
         if N == 1:
             return
+        if self.model.pipe is not None:
+            raise ValueError("a model is either tensor-parallel (shard) or pipelined, not both")
         from mlx.nn.layers.distributed import shard_inplace
 
         a = self.args
