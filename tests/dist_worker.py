@@ -63,6 +63,22 @@ def main() -> int:
     res["sampled_tokens"] = got
     res["plain_sampled_equal"] = tokens(sharded, tok, temp=1.0, seed=3 + 1000 * rank) == tokens(whole, tok, temp=1.0,
                                                                                                   seed=3)
+    # adaptive K (the default): the depth tuner reads each rank's own clock, jittered here on the ranks other than 0;
+    # rank 0's choices must rule, or the ranks run different rounds and their collectives never meet
+    import random
+    import types
+
+    from lattice_mlx import speculative
+
+    clock = speculative.time
+    if rank:
+        rng, real = random.Random(rank), clock.perf_counter
+        speculative.time = types.SimpleNamespace(perf_counter=lambda: real() + rng.random() * 0.01)
+    try:
+        got = generate(sharded, tok, PROMPT, max_tokens=48, speculation=SpecOptions(draft_tokens=3)).tokens
+    finally:
+        speculative.time = clock
+    res["adaptive_equal_plain"] = got == generate(whole, tok, PROMPT, max_tokens=48).tokens
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     return 0
 

@@ -66,6 +66,7 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
         assert r["max_logit_diff"] <= 1e-4 * r["max_logit"], r
         assert r["greedy_k0"] and r["greedy_k3"], r
         assert r["sampled_equal_one_process"] and r["plain_sampled_equal"], r
+        assert r["adaptive_equal_plain"], r  # adaptive K with rank 1's clock jittered: no deadlock, plain's tokens
     assert ranks[0]["sampled_tokens"] == ranks[1]["sampled_tokens"]
 
 
@@ -88,6 +89,19 @@ def test_pipeline_with_more_ranks_than_layers_is_one_line(tmp_path):
     errors = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "every rank needs at least one layer" in errors[0], res
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_split_models_refuse_what_would_let_ranks_diverge(ckpts):
+    """Trees, the sequential verifier and self-speculation take decisions on each rank: refused, in the API too
+    (a stand-in group: the checks happen before any collective)."""
+    from lattice_mlx import SpecOptions, generate, load
+
+    model, tok = load(ckpts["fp32"])
+    model.sharding_group = object()
+    for spec, words in ((SpecOptions(tree="2-1"), "--tree"), (SpecOptions(verify="sequential"), "--verify"),
+                        (SpecOptions(draft="self"), "--draft self")):
+        with pytest.raises(ValueError, match=words):
+            generate(model, tok, [1, 2, 3], max_tokens=4, speculation=spec)
 
 
 def test_group_size_not_dividing_the_heads_is_one_line(tmp_path):

@@ -191,3 +191,27 @@ def test_corrupt_draft_vocab_file_is_one_line(small_vocab_ckpt, tmp_path):
         res = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--model", str(bad), "--prompt", "hi",
                               "--max-tokens", "2"], capture_output=True, text=True)
         assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_unreadable_draft_vocab_and_converting_past_a_corrupt_one(small_vocab_ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(small_vocab_ckpt, bad)
+    (bad / DraftVocab.FILE).mkdir()  # unreadable as a file: OSError
+    with pytest.raises(LoadError, match="not a draft vocabulary"):
+        load(bad)
+    (bad / DraftVocab.FILE).rmdir()
+    (bad / DraftVocab.FILE).write_text("not json")
+    with pytest.raises(LoadError, match="not a draft vocabulary"):
+        convert(str(bad), str(tmp_path / "kept"))  # kept by default: named, not copied
+    assert not (tmp_path / "kept").exists()
+    out = convert(str(bad), str(tmp_path / "replaced"), draft_vocab=8)  # replaced: the old one is never read
+    assert load(out)[0].mtp.draft_vocab.size >= 8
+    assert not (convert(str(bad), str(tmp_path / "dropped"), draft_vocab=0) / DraftVocab.FILE).exists()
+
+
+def test_tree_wider_than_the_draft_vocab_is_refused(small_vocab_ckpt):
+    model, tok = _with_vocab(small_vocab_ckpt, [1, 2])
+    with pytest.raises(ValueError, match="more children than the head's draft vocabulary"):
+        generate(model, tok, [5, 6], max_tokens=4, speculation=SpecOptions(tree="3-1"))

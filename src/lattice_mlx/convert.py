@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .cli import ArgumentParser
-from .load import DTYPES, LoadError, check_tokenizer_files, load_model, load_tokenizer, quantize, resolve_path
+from .load import (DTYPES, LoadError, check_tokenizer_files, load_model, load_tokenizer, quantize,
+                   read_draft_vocab, resolve_path)
 from .models.mtp import DraftVocab
 from .rotate import rotate_model
 
@@ -108,13 +109,15 @@ def convert(hf_path: str, mlx_path: str, *, quantize_bits: int | None = None, gr
         raise LoadError(f"{dst} already exists: choose another --mlx-path or pass --force")
     src = resolve_path(hf_path)
     check_tokenizer_files(src)
-    model, config = load_model(src, dtype=dtype, fuse=False)
+    model, config = load_model(src, dtype=dtype, fuse=False, draft_vocab=False)  # the draft vocabulary: below
     vocab = model.args.vocab_size
     if draft_vocab and not model.has_mtp:
         raise LoadError("--draft-vocab: this checkpoint has no MTP head to draft with")
     if draft_vocab is not None and draft_vocab >= vocab:
         raise LoadError(f"--draft-vocab {draft_vocab}: must be below the vocabulary size ({vocab}); 0 turns it off")
     keep_source = draft_vocab is None and (src / DraftVocab.FILE).exists()
+    if keep_source:
+        read_draft_vocab(src, vocab)  # a corrupt one is named here (replace it with --draft-vocab N, or 0)
     if draft_corpus is not None and not draft_vocab:
         raise LoadError("--draft-corpus chooses the ids of a draft vocabulary: give its size with --draft-vocab N")
     draft = draft_vocab_ids(src, config, draft_vocab, vocab, draft_corpus) if draft_vocab else None

@@ -15,7 +15,7 @@ from .decode import generate_step
 from .load import LoadError, load
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats, parse_tree
-from .speculative import speculative_step
+from .speculative import check_split_model, speculative_step
 from .tree import tree_step
 
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -81,11 +81,7 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
         raise ValueError(f"{flag} needs MTP weights (mtp.*), and this checkpoint has none: drop {flag}")
-    if getattr(model, "sharding_group", None) is not None and (options.tree or options.verify != "batched"
-                                                               or options.draft.startswith("self")):
-        flag = "--tree" if options.tree else ("--verify sequential" if options.verify != "batched" else "--draft self")
-        raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
-                         f"verifier only: drop {flag}")
+    check_split_model(model, options)
     stats = SpecStats.of(options)
     if options.tree:
         return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats

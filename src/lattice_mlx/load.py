@@ -149,7 +149,7 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
 
 
 def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group=None,
-               pipeline: bool = False) -> tuple[Model, dict]:
+               pipeline: bool = False, draft_vocab: bool = True) -> tuple[Model, dict]:
     """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too, with fuse=False:
     the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
     fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
@@ -180,7 +180,7 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
     if fuse:
         fuse_projections(model)
     mx.eval(model.parameters())
-    if model.has_mtp:
+    if model.has_mtp and draft_vocab:
         model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
     return model, config
 
@@ -193,7 +193,7 @@ def read_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:
     try:
         ids = json.loads(f.read_text())["ids"]
         ok = isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OSError):
         ok = False
     if not ok:
         raise LoadError(f"{f} is not a draft vocabulary: it needs \"ids\", a non-empty list of token ids below "

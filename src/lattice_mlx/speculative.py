@@ -146,10 +146,23 @@ def one_hot_q(drafts: list[int], vocab: int) -> mx.array:
     return (mx.arange(vocab)[None, :] == mx.array(drafts)[:, None]).astype(mx.float32)
 
 
+def check_split_model(model, options: SpecOptions | None) -> None:
+    """A model split over processes (Model.shard / Model.pipeline) speculates with MTP or n-gram chains and the
+    batched verifier: those take every decision from rank 0 (Model.agree). Trees, the sequential verifier and
+    self-speculation would let ranks diverge and deadlock, so they are refused."""
+    if getattr(model, "sharding_group", None) is None or options is None:
+        return
+    if options.tree or options.verify != "batched" or options.draft.startswith("self"):
+        flag = "--tree" if options.tree else ("--verify sequential" if options.verify != "batched" else "--draft self")
+        raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
+                         f"verifier only: drop {flag}")
+
+
 def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
                      drafter=None) -> Iterator[int]:
     """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
     The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names."""
+    check_split_model(model, options)
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache = model.make_cache()
@@ -200,6 +213,10 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
         if stats.rounds < next_check:
             continue
         k, gain = tuner.best(stats.accepted_per_position())
+        if getattr(model, "sharding_group", None) is not None:
+            # the tuner reads this rank's clock: rank 0's choice on every rank, or ranks would run different rounds
+            k, on = model.agree(mx.array([k, int(gain >= 1.0)], dtype=mx.int32)).tolist()
+            gain = 1.0 if on else min(gain, 0.99)
         if gain >= 1.0:
             next_check = stats.rounds + 1
             continue

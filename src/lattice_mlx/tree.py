@@ -96,6 +96,12 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     `drafter`: e.g. a synthetic oracle for benchmarks; by default the MTP head's top-k tree."""
     if not model.has_mtp:
         raise ValueError("tree drafting needs MTP weights (mtp.*), and this checkpoint has none")
+    if getattr(model, "sharding_group", None) is not None:
+        raise ValueError("a model split over processes speculates with MTP or n-gram chains only: drop --tree")
+    vocab = model.mtp.draft_vocab
+    if vocab is not None and max(shape) > vocab.size:
+        raise ValueError(f"--tree {'-'.join(map(str, shape))}: a node has more children than the head's draft "
+                         f"vocabulary has ids ({vocab.size})")
     cache, drafter = model.make_cache(), drafter or TreeDrafter(model, shape)
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()

@@ -106,7 +106,8 @@ def supported(src: mx.array, q_norm, k_norm, *, heads: tuple[int, int, int], rop
     Hq, Hkv, D = heads
     return (src.ndim == 3 and src.shape[-1] == (2 * Hq + 2 * Hkv) * D and D % 32 == 0 and 32 <= D <= 512
             and rope_dims % 2 == 0 and 0 < rope_dims <= D and src.dtype in (mx.float32, mx.bfloat16, mx.float16)
-            and q_norm.weight.dtype == k_norm.weight.dtype == src.dtype and q_norm.eps == k_norm.eps)
+            and q_norm.weight.dtype == k_norm.weight.dtype == src.dtype and q_norm.eps == k_norm.eps
+            and src.shape[0] * src.shape[1] <= 65535)  # grid z = B * T (CUDA's limit)
 
 
 def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads: tuple[int, int, int],

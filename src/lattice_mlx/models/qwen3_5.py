@@ -556,6 +556,8 @@ class Model(nn.Module):
         for name, n in sizes:
             if n % N:
                 problems.append(f"{name} = {n} is not divisible by the group size {N}")
+        if a.attention_bias:
+            problems.append("attention_bias: the output projection's bias would be added once per rank")
         kv = a.num_key_value_heads
         if (kv % N if N <= kv else N % kv):
             problems.append(f"num_key_value_heads = {kv} and the group size {N}: one must divide the other")
