@@ -5,8 +5,8 @@
 # Modes, named by what they measure:
 #   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt;
 #                  TESTS="tests/metal/test_x.py ..." runs those files only
-#   invariance     whether verify rows are bitwise decode steps, op by op, and whole oracle generations
-#                  (scripts/batch_invariance.py), at a short and a long (key-split) context
+#   invariance     whether verify rows are bitwise decode steps: the first differing op over 40 positions, whole
+#                  oracle generations, and a long (key-split) context (scripts/batch_invariance.py)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (scripts/gpu_model_checks.py)
 #   kernels-per-forward  CUPTI kernels, GPU time, busy and span per forward, T = 1..8 (scripts/profile_kernels.py)
@@ -43,10 +43,13 @@ for mode in "$@"; do
     # shellcheck disable=SC2086
     step tests 480 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
     tail -n 30 "$RES/tests.out" > "$RES/tests.txt"; tail -n 5 "$RES/tests.txt" ;;
-  invariance)
-    step invariance 150 python3 scripts/batch_invariance.py --model "$BIG" --ts 2,4 --loop 3 --out "$RES/invariance"
-    step invariance_long 90 python3 scripts/batch_invariance.py --model "$BIG" --ts 4 --prompt 600 \
-      --out "$RES/invariance_long" ;;
+  invariance)  # ~65 s + ~50 s + ~60 s on the H200 (run 6)
+    step invariance_sweep 120 python3 scripts/batch_invariance.py --model "$BIG" --ts 3 --sweep 40 --prompt 64 \
+      --out "$RES/invariance_sweep"
+    step invariance_loop 100 python3 scripts/batch_invariance.py --model "$BIG" --ts "" --loop 3 --tokens 100 \
+      --paths compiled --out "$RES/invariance_loop"
+    step invariance_long 100 python3 scripts/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
+      --paths layers --out "$RES/invariance_long" ;;
   kernels) step kernels 240 python3 scripts/bench_kernels.py --out "$RES/kernels.json" ;;
   model-checks) step model_checks 240 python3 scripts/gpu_model_checks.py --out "$RES/model_checks" ;;
   kernels-per-forward) step kernels_per_forward 300 python3 scripts/profile_kernels.py --out "$RES/kernels_per_forward" ;;
