@@ -29,13 +29,16 @@ def main() -> int:
     group = mx.distributed.init()
     rank = group.rank()
     res = {"rank": rank, "size": group.size()}
+    mx.reset_peak_memory()
     try:
         sharded, tok = load(ckpt, group=group, pipeline=pipeline)
+        res["load_peak_bytes"] = mx.get_peak_memory()
     except LoadError as e:
         res["load_error"] = str(e)
         (out / f"rank{rank}.json").write_text(json.dumps(res))
         return 0
     whole, _ = load(ckpt)
+    res["whole_bytes"] = sum(v.nbytes for _, v in tree_flatten(whole.parameters()))
     ids = mx.array([PROMPT])
     a, b = whole(ids), sharded(ids)
     res["max_logit_diff"] = mx.abs(a - b).max().item()

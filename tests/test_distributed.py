@@ -47,14 +47,16 @@ def read_ranks(out, res) -> list[dict]:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    dense = random_checkpoint(root / "dense", seed=0)
+    # wide enough that the decoder layers, not the replicated embedding and MTP head, hold most of the weights
+    dense = random_checkpoint(root / "dense", seed=0, hidden_size=256, intermediate_size=1024)
     return {"fp32": dense, "q4": convert(str(dense), str(root / "q4"), quantize_bits=4, group_size=32),
             "moe": random_checkpoint(root / "moe", seed=5, num_experts=4)}
 
 
 @pytest.mark.parametrize("kind", ["fp32", "q4", "moe"])
 def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
-    """Logits and every layer match the whole model up to summation order; greedy plain and greedy MTP
+    """A rank's load peaks below the whole model's size; logits and every layer match the whole model up to
+    summation order; greedy plain and greedy MTP
     give the same tokens (K=3); sampled plain and sampled MTP give the one-process run's tokens on both ranks, although
     rank 1 is seeded differently: tokens and accept/reject verdicts come from rank 0, so no rank can drift."""
     res = launch(WORKER, ckpts[kind], tmp_path)
@@ -67,6 +69,8 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
         assert r["greedy_k0"] and r["greedy_k3"], r
         assert r["sampled_equal_one_process"] and r["plain_sampled_equal"], r
         assert r["adaptive_equal_plain"], r  # adaptive K with rank 1's clock jittered: no deadlock, plain's tokens
+        if kind == "fp32":  # a rank's loading peak stays below what the whole model holds once loaded
+            assert r["load_peak_bytes"] < r["whole_bytes"], r
     assert ranks[0]["sampled_tokens"] == ranks[1]["sampled_tokens"]
 
 
@@ -78,6 +82,7 @@ def test_pipeline_stages_hold_their_layers_and_match_one_process(ckpts, tmp_path
     for r in ranks:
         assert "load_error" not in r, (r, res.stderr[-2000:])
         assert r["held_layers"] == 2 and r["held_params"] < r["whole_params"], r
+        assert r["load_peak_bytes"] < r["whole_bytes"], r  # the other stage's layers are never read
         assert r["max_logit_diff"] == 0.0, r
         assert r["greedy_k0"] and r["greedy_k3"], r
         assert r["sampled_equal_one_process"] and r["plain_sampled_equal"], r

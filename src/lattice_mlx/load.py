@@ -171,6 +171,7 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and k.endswith(".weight") and
                    f"{k[: -len('weight')]}scales" not in weights else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+    del weights  # the model holds the (lazy) tensors now; a tensor-parallel rank's full tensors are freed once sliced
     model.eval()
     if group is not None and group.size() > 1 and not pipeline:  # tensor parallel: this rank's slices, then fused
         try:
@@ -179,7 +180,8 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
             raise LoadError(str(e)) from None
     if fuse:
         fuse_projections(model)
-    mx.eval(model.parameters())
+    for part in (*model.layers, model):  # a layer at a time: the peak stays near one layer's full tensors
+        mx.eval(part.parameters())
     if model.has_mtp and draft_vocab:
         model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
     return model, config

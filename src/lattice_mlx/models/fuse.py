@@ -59,6 +59,9 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             for n in names:
                 del module[n]
             module[fused_name] = fused
+            # evaluated group by group: the parts (lazy checkpoint tensors, or a tensor-parallel rank's slices of
+            # them) are freed as each group is built, so loading peaks near the model's size, not near twice it
+            mx.eval(fused.parameters())
     mx.eval(model.parameters())
     return model
 
