@@ -37,18 +37,30 @@ class KVCache(_MlxLmKVCache):
         self.keys, self.values, self.offset = _own(snap[0]), _own(snap[1]), snap[2]
 
 
+# mlx-lm's speculative loop trims after verify forwards of K+1 tokens and after its draft model's one-token steps;
+# on a trimmable cache forwards up to this long record their per-step states (prompt chunks are longer: never trimmed).
+TRIM_RECORD_MAX_T = 16
+TRIM_WINDOW = 8  # steps a trimmable cache can undo (its last forwards', newest first); each keeps a state alive
+
+
 class GDNCache:
     """Conv window [B, K-1, C] and recurrent state [B, Hv, Dv, Dk] (fp32) of one Gated DeltaNet layer.
 
     Inside a speculative region the layer records its conv inputs and the state after every step, so rollback(n) is
     a pick of already-computed arrays: no replay of any forward.
+
+    Trimmable in mlx-lm's sense when made with `trimmable=True` (what `Model.make_cache()` gives mlx-lm; this
+    package's own loops use begin/rollback instead and make lean caches): every forward of up to TRIM_RECORD_MAX_T
+    tokens records its steps, the latest TRIM_WINDOW stay, and `trim(n)` undoes up to that many exactly; trimming
+    further back raises (the states are gone). The price: up to TRIM_WINDOW extra recurrent states per layer.
     """
 
-    def __init__(self):
+    def __init__(self, *, trimmable: bool = False):
         self.conv: mx.array | None = None
         self.ssm: mx.array | None = None
         self.offset = 0
         self.recording = False
+        self.trimmable = trimmable  # record short forwards so that trim() can undo them
         self._base_state: mx.array | None = None
         self._conv_in: list[mx.array] = []  # each recorded call's conv input [B, W + T, C] (its window first)
         self._states: list[mx.array] = []
@@ -61,6 +73,11 @@ class GDNCache:
     def state(self, v: list) -> None:
         self.conv, self.ssm = v
 
+    def records(self, T: int) -> bool:
+        """Whether a forward of T tokens records its per-step states: inside a speculative region (begin), or on a
+        trimmable cache for verify-sized forwards."""
+        return self.recording or (self.trimmable and T <= TRIM_RECORD_MAX_T)
+
     def update(self, conv_in: mx.array, new_state: mx.array, *, window: int, stepwise: bool) -> None:
         """Called by the layer: conv_in [B, window+T, C]; new_state final [B, Hv, Dv, Dk] or per-step [B, T, ...]."""
         if stepwise:
@@ -68,7 +85,15 @@ class GDNCache:
                 self._base_state = self.ssm
             self._conv_in.append(conv_in)
             self._states.append(new_state)
+            # trimmable, outside a speculative region: the latest TRIM_WINDOW steps stay undoable, older ones go
+            # (mlx-lm trims its draft model's cache across several one-token forwards)
+            while not self.recording and len(self._conv_in) > 1 and \
+                    sum(c.shape[1] for c in self._conv_in) - window * len(self._conv_in) > TRIM_WINDOW:
+                self._base_state = self._states.pop(0)[:, -1]
+                self._conv_in.pop(0)
             new_state = new_state[:, -1]
+        elif not self.recording:  # an unrecorded forward (a prompt chunk): nothing before it can be undone
+            self._base_state, self._conv_in, self._states = None, [], []
         self.conv = conv_in[:, -window:]
         self.ssm = new_state
         self.offset += conv_in.shape[1] - window
@@ -116,7 +141,19 @@ class GDNCache:
         self.conv, self.ssm, self.offset = snap
 
     def is_trimmable(self) -> bool:
-        return False
+        return self.trimmable
+
+    def trim(self, n: int) -> int:
+        """Undo the last n tokens of the last recorded forward (mlx-lm's trim_prompt_cache)."""
+        if n <= 0:
+            return 0
+        recorded = sum(c.shape[1] - self.conv.shape[1] for c in self._conv_in)
+        if n > recorded:
+            raise ValueError(f"cannot trim {n} tokens from a GDN cache: only its {recorded} latest recorded steps can "
+                             f"be undone (a trimmable cache records forwards of up to {TRIM_RECORD_MAX_T} tokens, at "
+                             f"most {TRIM_WINDOW} steps back)")
+        self.rollback(n)
+        return n
 
     def empty(self) -> bool:
         return self.ssm is None

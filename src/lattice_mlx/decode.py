@@ -24,7 +24,7 @@ def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, retu
 
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None) -> Iterator[int]:
     """Plain decoding: one target forward per token; the next step is queued before the current token is yielded."""
-    cache = cache if cache is not None else model.make_cache()
+    cache = cache if cache is not None else model.make_cache(trimmable=False)
     agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
     logits, _ = prefill(model, ids, cache)
     y = agree(sampler(logits))

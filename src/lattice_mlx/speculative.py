@@ -165,7 +165,7 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     check_split_model(model, options)
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
-    cache = model.make_cache()
+    cache = model.make_cache(trimmable=False)
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     agree = getattr(model, "agree", lambda x: x)
     y = agree(sampler(logits)).item()

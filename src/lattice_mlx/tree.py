@@ -102,7 +102,7 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
     if vocab is not None and max(shape) > vocab.size:
         raise ValueError(f"--tree {'-'.join(map(str, shape))}: a node has more children than the head's draft "
                          f"vocabulary has ids ({vocab.size})")
-    cache, drafter = model.make_cache(), drafter or TreeDrafter(model, shape)
+    cache, drafter = model.make_cache(trimmable=False), drafter or TreeDrafter(model, shape)
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()
     drafter.observe(*mtp_prefill(model, [*ids.tolist()[1:], y], hidden, drafter.cache))

@@ -66,6 +66,9 @@ class _GDNState:
         self.conv, self.ssm, self.recording = conv, ssm, recording
         self.out = None
 
+    def records(self, T: int) -> bool:
+        return self.recording
+
     def update(self, conv_in: mx.array, new_state: mx.array, *, window: int, stepwise: bool) -> None:
         self.out = (conv_in, new_state)
 
@@ -106,8 +109,9 @@ class CompiledLayers:
         kernels = use_kernels()
         for layer, c, fn in zip(self.layers, cache, self.fns):
             if layer.is_linear:
-                h, conv_in, new_state = fn(h, c.conv, c.ssm, c.recording, kernels)
-                c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=c.recording)
+                record = c.records(T)
+                h, conv_in, new_state = fn(h, c.conv, c.ssm, record, kernels)
+                c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=record)
             else:
                 attn_in, attn_out = fn
                 q, k, v, gate_src = attn_in(h, mx.array(c.offset, dtype=mx.int32), kernels)

@@ -258,7 +258,7 @@ class GatedDeltaNet(nn.Module):
                 cache.record_tree(windows[:, :, 1:], node_states)
         else:
             # conv + SiLU + recurrence in one kernel at decode/verify sizes (metal/gated_delta.py)
-            record = cache is not None and cache.recording
+            record = cache is not None and cache.records(T)
             y, new_state, conv_in = gated_delta_conv_update(
                 qkv, conv_state, self.conv1d.weight.reshape(self.conv_dim, self.kernel_size), a, b, self.A_log,
                 self.dt_bias, cache.ssm if cache is not None else None, heads=(self.Hk, self.Dk, self.Hv, self.Dv),
@@ -500,9 +500,12 @@ class Model(nn.Module):
     def has_mtp(self) -> bool:
         return "mtp" in self
 
-    def make_cache(self) -> list:
-        return [NullCache() if isinstance(layer, SkipLayer) else GDNCache() if layer.is_linear else KVCache()
-                for layer in self.layers]
+    def make_cache(self, *, trimmable: bool = True) -> list:
+        """One cache per layer. `trimmable` (the default, what mlx-lm's make_prompt_cache gets): GDN caches record
+        short forwards so that mlx-lm's speculative loop can trim them (cache.GDNCache); this package's own loops
+        pass False and roll back through begin/rollback instead."""
+        return [NullCache() if isinstance(layer, SkipLayer) else GDNCache(trimmable=trimmable) if layer.is_linear
+                else KVCache() for layer in self.layers]
 
     def pipeline(self, group=None, split: list[int] | None = None) -> set[str]:
         """Pipeline parallel over `group`, in place: this process keeps only its stage's decoder layers (layers
