@@ -17,8 +17,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .cli import ArgumentParser
-from .load import (DTYPES, LoadError, check_tokenizer_files, load_model, load_tokenizer, quantize,
-                   read_draft_vocab, resolve_path)
+from .load import (
+    DTYPES,
+    LoadError,
+    check_tokenizer_files,
+    load_model,
+    load_tokenizer,
+    quantize,
+    read_draft_vocab,
+    resolve_path,
+)
 from .models.mtp import DraftVocab
 from .rotate import rotate_model
 

@@ -564,10 +564,12 @@ class Model(nn.Module):
         kv = a.num_key_value_heads
         if (kv % N if N <= kv else N % kv):
             problems.append(f"num_key_value_heads = {kv} and the group size {N}: one must divide the other")
-        if any(name in mod for layer in self.layers
-               for mod in (layer.linear_attn if layer.is_linear else layer.self_attn, layer.mlp)
+        mlps = [layer.mlp.shared_expert if a.num_experts else layer.mlp for layer in self.layers]
+        if any(name in mod for layer, mlp in zip(self.layers, mlps)
+               for mod in (layer.linear_attn if layer.is_linear else layer.self_attn, mlp)
                for name in ("in_proj", "qkv_proj", "gate_up_proj")):
             problems.append("shard() needs the checkpoint's unfused projections: call it before fuse_projections")
+
         def downs(mlp):
             return [mlp.switch_mlp.down_proj, mlp.shared_expert.down_proj] if a.num_experts else [mlp.down_proj]
 
