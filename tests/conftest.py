@@ -73,6 +73,19 @@ def tiny_vocab_model(tmp_path_factory):
     return load(path)[0]
 
 
+def mlx_lm_logit_error(path, ids: list[int]) -> float:
+    """Max |logits| difference between this package's model and mlx-lm's own load of the same checkpoint."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from lattice_mlx.load import load
+
+    ref_model, _ = mlx_lm.load(str(path))
+    model, _ = load(path)
+    x = mx.array([ids])
+    return mx.abs(model(x) - ref_model(x)).max().item()
+
+
 def hf_reference_logits(path, ids: list[int]):
     """Logits of HF transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (by the checkpoint's config) on the
     checkpoint's weights, mtp.* left out: (float64, float32)."""

@@ -5,7 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import hf_reference_logits
+from conftest import hf_reference_logits, mlx_lm_logit_error
 
 from lattice_mlx.load import load
 
@@ -24,12 +24,7 @@ def test_logits_match_transformers(checkpoint):
 
 @pytest.mark.parametrize("name", ["tied", "untied"])  # mlx-lm reads full_attention_interval, not layer_types
 def test_logits_match_mlx_lm(checkpoints, name):
-    import mlx_lm
-
-    ref_model, _ = mlx_lm.load(str(checkpoints[name]))
-    model, _ = load(checkpoints[name])
-    ids = mx.array([IDS])
-    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    err = mlx_lm_logit_error(checkpoints[name], IDS)
     assert err <= 1e-5, f"max |lattice - mlx-lm| = {err:.2e}"
 
 

@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import hf_reference_logits
+from conftest import hf_reference_logits, mlx_lm_logit_error
 
 from lattice_mlx import generate, load
 from lattice_mlx.spec import SpecOptions
@@ -37,12 +37,7 @@ def test_moe_logits_match_transformers(moe_checkpoints, name):
 
 @pytest.mark.parametrize("name", ["e6k2", "e7k3-untied"])  # mlx-lm reads full_attention_interval, not layer_types
 def test_moe_logits_match_mlx_lm(moe_checkpoints, name):
-    import mlx_lm
-
-    ref_model, _ = mlx_lm.load(str(moe_checkpoints[name]))
-    model, _ = load(moe_checkpoints[name])
-    ids = mx.array([IDS])
-    err = mx.abs(model(ids) - ref_model(ids)).max().item()
+    err = mlx_lm_logit_error(moe_checkpoints[name], IDS)
     assert err <= 1e-5, f"max |lattice - mlx-lm| = {err:.2e}"
 
 

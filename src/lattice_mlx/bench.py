@@ -170,10 +170,10 @@ def with_draft_vocab_ab(legs: list[Leg], n: int | None) -> list[Leg]:
                                               else [leg])]
 
 
-def _draft_vocab_during(model, n: int, stream):
-    """Runs `stream` with the head drafting from ids 0..n-1, restoring the head's own setting after."""
+def _draft_vocab_during(model, vocab: DraftVocab, stream):
+    """Runs `stream` with the head drafting from `vocab`, restoring the head's own setting after."""
     before = model.mtp.draft_vocab
-    model.mtp.draft_vocab = DraftVocab(range(n))
+    model.mtp.draft_vocab = vocab
     try:
         yield from stream
     finally:
@@ -190,6 +190,7 @@ class Target:
     stock: object | None = None
     stock_note: str = ""
     stock_max_logit_diff: float | None = None
+    draft_vocabs: dict = field(default_factory=dict)  # --draft-vocab-ab: one DraftVocab per size, rows gathered once
 
     @property
     def vocab(self) -> int:
@@ -300,7 +301,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
     stream = speculative_step(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
                               drafter=drafter)
     if leg.draft_vocab:
-        stream = _draft_vocab_during(target.model, leg.draft_vocab, stream)
+        vocab = target.draft_vocabs.setdefault(leg.draft_vocab, DraftVocab(range(leg.draft_vocab)))
+        stream = _draft_vocab_during(target.model, vocab, stream)
     return stream, stats
 
 

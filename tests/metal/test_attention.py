@@ -3,13 +3,12 @@ backends); on a GPU the kernel against the fp32 reference over T x L x D x heads
 
 import itertools
 import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_dialect import assert_render_is_syntax_shaped, cuda_translation_unit
+from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
 from lattice_mlx.metal import attention, use_kernels
 from lattice_mlx.metal.attention import _BODY, _COMBINE, kernel_wins, sdpa, sdpa_kernel, sdpa_ref, supported
@@ -148,11 +147,7 @@ def test_cuda_render_compiles(op, tmp_path):
         unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256)])
     else:
         unit = cuda_translation_unit(_COMBINE, [("o_part", "float"), ("ml_part", "float")], [("out", bf)], [("OT", bf)])
-    src = tmp_path / f"{op}.cu"
-    src.write_text(unit)
-    cmd = ["nvcc", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / f"{op}.o")]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert_nvcc_compiles(unit, tmp_path, op)
 
 
 # --- the GPU kernel against the reference ---

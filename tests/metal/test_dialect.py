@@ -62,6 +62,15 @@ struct Strides { int64_t d[8]; __device__ int64_t operator[](int i) const { retu
 """
 
 
+def assert_nvcc_compiles(unit: str, tmp_path, name: str) -> None:
+    """The CUDA translation unit compiles for sm_90 (the H200); nvcc's error tail otherwise."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(unit)
+    cmd = ["nvcc", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / f"{name}.o")]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def cuda_translation_unit(body, inputs, outputs, template):
     """The kernel as MLX's cuda_kernel assembles it: header, a __global__ signature, template constants, body."""
     args = []
@@ -119,12 +128,4 @@ def test_cuda_render_compiles(op, tmp_path):
         consts = [("OT", bf), ("M", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
                   ("ZSTR", 8224), ("ZOFF", 6144)]
         unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
-    src = tmp_path / f"{op}.cu"
-    src.write_text(unit)
-    res = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / f"{op}.o")],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert_nvcc_compiles(unit, tmp_path, op)

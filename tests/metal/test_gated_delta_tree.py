@@ -2,13 +2,12 @@
 equals `gated_delta_tree_ref` over tree shapes x heads x head dims x dtypes, with NaN-poisoned outputs."""
 
 import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_dialect import assert_render_is_syntax_shaped, cuda_translation_unit
+from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 from test_gated_delta import make_inputs
 
 from lattice_mlx.metal import use_kernels
@@ -129,11 +128,7 @@ def test_tree_cuda_render_compiles(tmp_path):
         [("y", bf), ("state_out", "float")],
         [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64)],
     )
-    src = tmp_path / "gated_delta_tree.cu"
-    src.write_text(unit)
-    cmd = ["nvcc", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "gated_delta_tree.o")]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert_nvcc_compiles(unit, tmp_path, "gated_delta_tree")
 
 
 # --- the GPU kernel against the reference ---

@@ -2,14 +2,13 @@
 kernel against the reference over dtypes, head dims, rotary widths, T and offsets, and its batch invariance."""
 
 import shutil
-import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_dialect import assert_render_is_syntax_shaped, cuda_translation_unit
+from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
 from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.qk_norm_rope import _BODY, qk_norm_rope, qk_norm_rope_kernel, qk_norm_rope_ref, supported
@@ -87,11 +86,7 @@ def test_cuda_render_compiles(tmp_path):
         _BODY, [("src", bf), ("qw", bf), ("kw", bf), ("params", "float"), ("offset", "int")],
         [("q_out", bf), ("k_out", bf), ("v_out", bf)],
         [("OT", bf), ("D", 256), ("Hq", 8), ("Hkv", 2), ("ROPE", 64)])
-    src = tmp_path / "qk.cu"
-    src.write_text(unit)
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "qk.o")], check=False,
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert_nvcc_compiles(unit, tmp_path, "qk_norm_rope")
 
 
 DTYPES = {"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}
