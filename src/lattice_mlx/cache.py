@@ -37,6 +37,63 @@ class KVCache(_MlxLmKVCache):
         self.keys, self.values, self.offset = _own(snap[0]), _own(snap[1]), snap[2]
 
 
+class FixedKVCache:
+    """A KV cache whose length lives on the device (pipelined rounds, rounds.py): keys and values are buffers of a
+    fixed capacity, `offset` an int32 scalar array. A forward writes its T rows at `offset` without moving it; the
+    loop then advances it by the accepted count, itself a device array, so no round waits for the host. Attention
+    reads the first `bound` + T rows (`bound`: a host-side upper bound of the offset, kept by the loop) and masks to
+    `length` (offset + T) on the device; rows past the length are stale drafts, never read. Start indices are clamped
+    on the device (MLX does not bounds-check a dynamic slice_update), and the buffers grow in blocks of GROW rows
+    as `bound` nears their capacity."""
+
+    GROW = 1024
+
+    def __init__(self, keys: mx.array | None, values: mx.array | None, offset: int):
+        self.keys, self.values = keys, values  # [B, Hkv, capacity, D]
+        self.offset = mx.array(offset, dtype=mx.int32)
+        self.bound = offset
+        self.length: mx.array | None = None
+
+    @classmethod
+    def from_kv(cls, kv: KVCache) -> "FixedKVCache":
+        n = kv.offset
+        if kv.keys is None:
+            return cls(None, None, 0)
+        return cls(kv.keys[..., :n, :], kv.values[..., :n, :], n)
+
+    def _reserve(self, k: mx.array) -> None:
+        """Room for k's rows past `bound`: a bigger buffer (old rows copied) only when the capacity is short."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        need = self.bound + k.shape[2] - have
+        if need <= 0:
+            return
+        shape = (*k.shape[:2], -(-need // self.GROW) * self.GROW, k.shape[3])
+        grow = lambda a: mx.zeros(shape, k.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
+        self.keys, self.values = grow(self.keys), grow(self.values)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        T = k.shape[2]
+        self._reserve(k)
+        start = mx.clip(self.offset, 0, self.keys.shape[2] - T).reshape(1)
+        self.keys = mx.slice_update(self.keys, k, start, axes=(2,))
+        self.values = mx.slice_update(self.values, v, start, axes=(2,))
+        self.length = self.offset + T
+        view = self.bound + T
+        return self.keys[..., :view, :], self.values[..., :view, :]
+
+    def advance(self, n: mx.array) -> None:
+        """Keep n (a device scalar) of the rows the last forward wrote at the offset."""
+        self.offset = self.offset + n.astype(mx.int32)
+
+    @property
+    def state(self) -> list:
+        return [a for a in (self.keys, self.values, self.offset) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+
+
 # mlx-lm's speculative loop trims after verify forwards of K+1 tokens and after its draft model's one-token steps;
 # on a trimmable cache forwards up to this long record their per-step states (prompt chunks are longer: never trimmed).
 TRIM_RECORD_MAX_T = 16
@@ -132,6 +189,16 @@ class GDNCache:
 
     def commit(self) -> None:
         self.recording = False
+        self._base_state, self._conv_in, self._states = None, [], []
+
+    def pick(self, keep: mx.array) -> None:
+        """Pipelined rounds (rounds.py): of the one recorded forward's steps keep the first `keep` (a device scalar
+        >= 1), chosen on the device; the region stays open for the next forward. `offset` then counts every row
+        written, kept or not (nothing computes with it)."""
+        (conv_in,), (states,) = self._conv_in, self._states
+        W = self.conv.shape[1]
+        self.conv = mx.take(conv_in, keep + mx.arange(W), axis=1)
+        self.ssm = mx.take(states, keep - 1, axis=1)
         self._base_state, self._conv_in, self._states = None, [], []
 
     def snapshot(self) -> tuple:

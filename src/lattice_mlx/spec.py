@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 DRAFT_SOURCES = ("mtp", "self", "ngram", "mtp+ngram")
-VERIFIERS = ("batched", "sequential")
+VERIFIERS = ("batched", "sequential", "pipelined")
 MAX_DRAFT_TOKENS = 8
 
 
@@ -24,7 +24,8 @@ def parse_tree(spec: str) -> tuple[int, ...]:
 class SpecOptions:
     """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
     lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
-    tokens) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured acceptance and cost
+    tokens), 'pipelined' (batched, every decision on the device and the next round dispatched before this one is
+    read; MTP chains of fixed K: rounds.py) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured acceptance and cost
     and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per depth ('2-2-1')."""
 
     draft: str = "mtp"
@@ -41,7 +42,13 @@ class SpecOptions:
             raise ValueError(f"draft_tokens (--draft-tokens) must be an integer in 1..{MAX_DRAFT_TOKENS}, "
                              f"got {self.draft_tokens!r}")
         if self.verify not in VERIFIERS:
-            raise ValueError(f"unknown verifier (--verify) {self.verify!r}: use batched or sequential")
+            raise ValueError(f"unknown verifier (--verify) {self.verify!r}: use batched, pipelined or sequential")
+        if self.verify == "pipelined":
+            if self.draft != "mtp" or self.tree is not None:
+                raise ValueError("--verify pipelined drafts with the MTP head in chains: drop "
+                                 + ("--tree" if self.tree is not None else f"--draft {self.draft}"))
+            if self.adaptive:
+                raise ValueError("--verify pipelined runs a fixed K (no adaptive tuning yet): add --no-adaptive")
         if self.tree is not None:
             parse_tree(self.tree)
             if self.draft != "mtp":

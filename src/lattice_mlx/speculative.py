@@ -16,6 +16,7 @@ import mlx.core as mx
 from . import cache as caches
 from .decode import prefill
 from .drafters import make_drafter
+from .rounds import speculative_pipelined
 from .sample import Sampler, accept_greedy, accept_sampled
 from .spec import SpecOptions, SpecStats
 
@@ -153,7 +154,8 @@ def check_split_model(model, options: SpecOptions | None) -> None:
     if getattr(model, "sharding_group", None) is None or options is None:
         return
     if options.tree or options.verify != "batched" or options.draft.startswith("self"):
-        flag = "--tree" if options.tree else ("--verify sequential" if options.verify != "batched" else "--draft self")
+        flag = "--tree" if options.tree else (f"--verify {options.verify}" if options.verify != "batched" else
+                                              "--draft self")
         raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
                          f"verifier only: drop {flag}")
 
@@ -163,6 +165,9 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
     The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names."""
     check_split_model(model, options)
+    if options.verify == "pipelined":  # every decision on the device (rounds.py); `drafter` is a DraftOverride
+        return (yield from speculative_pipelined(model, ids, sampler=sampler, options=options, stats=stats,
+                                                 override=drafter))
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache = model.make_cache(trimmable=False)

@@ -12,8 +12,15 @@ import mlx.core as mx
 from lattice_mlx.metal import _dialect, use_kernels
 
 
-def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
-    """The specification: MLX's fused attention (mask None, "causal" or an additive/boolean array)."""
+def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
+             length: mx.array | None = None) -> mx.array:
+    """The specification: MLX's fused attention (mask None, "causal" or an additive/boolean array). `length` (an int
+    scalar array, mask None or "causal"): only the first `length` keys are valid (a fixed-capacity cache holding
+    rows past them); causal rows then end at key length - T + t."""
+    if length is not None:
+        T, L = q.shape[2], k.shape[2]
+        last = length - 1 - ((T - 1 - mx.arange(T)) if mask == "causal" else 0)  # [T] or scalar
+        mask = mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -39,7 +46,8 @@ _BODY = """
   const int Hq = q_shape[1];
   const int T = q_shape[2];
   const int Hkv = k_shape[1];
-  const int L = k_shape[2];
+  // kv_len[0] >= 0: the valid keys of a fixed-capacity cache (a device scalar); k, v may hold rows past them
+  const int L = kv_len[0] < 0 ? k_shape[2] : (kv_len[0] < k_shape[2] ? kv_len[0] : k_shape[2]);
   const int G = Hq / Hkv;
   const int rows = G * T;
   const int bi = LX_BID_Z / Hkv;
@@ -205,7 +213,7 @@ THREADS = 256  # 8 warps (the body's NW)
 # same sums). The split size is fixed for that reason, not tuned per length: an earlier rule (splits from L and the
 # block count) made a verify row differ from the decode step in bf16 past 512 keys.
 SPLIT_KEYS = 256
-_INPUTS = ("q", "k", "v", "scale", "chunk_keys")
+_INPUTS = ("q", "k", "v", "scale", "chunk_keys", "kv_len")
 _OUTPUTS = ("out", "o_part", "ml_part")
 
 
@@ -223,6 +231,9 @@ def _scale_array(scale: float) -> mx.array:
 @functools.cache
 def _int_pair(a: int, b: int) -> mx.array:
     return mx.array([a, b], dtype=mx.int32)
+
+
+_ALL_KEYS = mx.array([-1], dtype=mx.int32)  # kv_len: every key of k, v is valid
 
 
 def supported(q: mx.array, k: mx.array, v: mx.array, *, causal: bool) -> bool:
@@ -253,8 +264,9 @@ def sdpa_kernel(
     causal: bool,
     init_value: float | None = None,
     splits: int | None = None,
+    length: mx.array | None = None,
 ) -> mx.array:
-    """The GPU kernel (Metal or CUDA); same result as `sdpa_ref` with mask None or "causal".
+    """The GPU kernel (Metal or CUDA); same result as `sdpa_ref` with mask None or "causal" (and `length`).
 
     `splits` forces the number of key splits (tests; default `num_splits`, keys split into blocks of SPLIT_KEYS);
     `init_value` poisons outputs (tests).
@@ -270,7 +282,8 @@ def sdpa_kernel(
     part = (B * Hq * T, ns, D) if ns > 1 else (1,)
     kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False)
     out, o_part, ml_part = kernel(
-        inputs=[q, k, v, _scale_array(float(scale)), _int_pair(chunk, int(causal))],
+        inputs=[q, k, v, _scale_array(float(scale)), _int_pair(chunk, int(causal)),
+                 _ALL_KEYS if length is None else length.astype(mx.int32).reshape(1)],
         template=[("OT", q.dtype), ("D", D)],
         grid=(THREADS * ns, row_blocks, B * Hkv),
         threadgroup=(THREADS, 1, 1),
@@ -305,9 +318,10 @@ def kernel_wins(q: mx.array, k: mx.array) -> bool:
     return k.shape[2] <= KERNEL_MAX_KEYS
 
 
-def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
+def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
+         length: mx.array | None = None) -> mx.array:
     """The one entry point the model calls; same contract as `sdpa_ref`. Array masks go to the reference."""
     causal = isinstance(mask, str) and mask == "causal"
     if use_kernels() and (mask is None or causal) and supported(q, k, v, causal=causal) and kernel_wins(q, k):
-        return sdpa_kernel(q, k, v, scale=scale, causal=causal)
-    return sdpa_ref(q, k, v, scale=scale, mask=mask)
+        return sdpa_kernel(q, k, v, scale=scale, causal=causal, length=length)
+    return sdpa_ref(q, k, v, scale=scale, mask=mask, length=length)

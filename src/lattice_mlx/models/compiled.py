@@ -114,9 +114,11 @@ class CompiledLayers:
                 c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=record)
             else:
                 attn_in, attn_out = fn
-                q, k, v, gate_src = attn_in(h, mx.array(c.offset, dtype=mx.int32), kernels)
+                offset = c.offset if isinstance(c.offset, mx.array) else mx.array(c.offset, dtype=mx.int32)
+                q, k, v, gate_src = attn_in(h, offset, kernels)
                 k, v = c.update_and_fetch(k, v)
-                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask="causal" if T > 1 else None)
+                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask="causal" if T > 1 else None,
+                           length=getattr(c, "length", None))
                 h = attn_out(h, out, gate_src, kernels)
         return h
 

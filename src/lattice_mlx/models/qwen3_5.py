@@ -332,7 +332,8 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:
             mask = "causal"
-        out = sdpa(q, k, v, scale=self.scale, mask=mask)  # a kernel at decode/verify sizes (metal/attention.py)
+        # a kernel at decode/verify sizes (metal/attention.py); a fixed-capacity cache says how many keys are valid
+        out = sdpa(q, k, v, scale=self.scale, mask=mask, length=getattr(cache, "length", None))
         return self.finish(out, gate_src, residual)
 
 

@@ -1,0 +1,189 @@
+"""Pipelined MTP rounds (`--verify pipelined`): every decision of a round on the device, and round r + 1 dispatched
+before round r is read, so the host builds the next round while the GPU runs this one.
+
+A round of fixed shape K: the MTP head drafts K tokens; the target verifies [y, d1..dK] (always K + 1 rows);
+acceptance picks n (leading matches when greedy; min(1, p/q) with the residual and bonus draws when sampling) and
+the next token with array ops; the caches keep n + 1 rows: attention caches hold their length as a device scalar
+(cache.FixedKVCache), GDN layers take the state and conv window of step n from the verify's recorded steps
+(GDNCache.pick). The MTP head's next round feeds all K + 1 verified rows (rows past n are stale and are
+overwritten) and reads its first draft at row n. No `.item()` inside a round: the host reads a round's tokens
+one round late, so a stop (end of sequence, max tokens) inside a round discards the overshoot and the tokens are
+exactly the synchronous loop's.
+
+Indexing as in speculative.py: y is the newest token (position p, not yet fed); MTP slot j pairs embed(t_{j+1})
+with the target hidden h_j at RoPE position j.
+"""
+
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from . import cache as caches
+from .decode import prefill
+from .drafters import _pick, mtp_prefill
+from .sample import Sampler
+from .spec import SpecOptions, SpecStats
+
+# A device-side draft override for benchmarks (synthetic.DeviceOracle): (head drafts [K], generated index of y
+# [scalar], round number) -> drafts [K]
+DraftOverride = Callable[[mx.array, mx.array, int], mx.array]
+
+
+def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Sampler):
+    """On the device: logits [K+1, V] of the verify, drafts [K] -> (n accepted [scalar int32], the next token
+    [scalar int32], tokens [K+1] whose first n + 1 are the round's output). Greedy: leading drafts equal to the
+    argmax. Sampled (Leviathan et al. 2023): draft i kept with probability min(1, p_i(d_i) / q_i(d_i)); at the
+    first rejection n the token is drawn from norm(max(0, p_n - q_n)), after K acceptances from p_K."""
+    K = drafts.shape[0]
+    if sampler.greedy:
+        targets = mx.argmax(logits, axis=-1).astype(mx.int32)
+        n = mx.cumprod((targets[:K] == drafts).astype(mx.int32)).sum()
+        return n, targets[n], targets  # accepted drafts equal the targets at their rows
+    p = sampler.probs(logits)  # [K+1, V]
+    rows = mx.arange(K)
+    ratio = p[rows, drafts] / mx.maximum(q[rows, drafts], 1e-30)
+    n = mx.cumprod((mx.random.uniform(shape=(K,)) < ratio).astype(mx.int32)).sum()
+    residual = mx.maximum(p[:K] - q, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    # p == q leaves no residual mass (and then a draft is never rejected); guard the division all the same
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
+    table = mx.concatenate([residual, p[K:]], axis=0)  # row n: the distribution of the token after n acceptances
+    token = mx.random.categorical(mx.log(table[n]), axis=-1).astype(mx.int32)
+    tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts, mx.zeros((1,), mx.int32)]))
+    return n, token, tokens
+
+
+class PipelinedRounds:
+    """The device state between rounds and the graph of one round; `speculative_pipelined` drives it."""
+
+    def __init__(self, model, sampler: Sampler, k: int, prompt: list[int], first: int, hidden: mx.array,
+                 cache: list, override: DraftOverride | None = None):
+        self.model, self.sampler, self.k, self.override = model, sampler, k, override
+        mcache = model.mtp.make_cache()
+        tail, tail_hidden = mtp_prefill(model, [*prompt[1:], first], hidden, mcache)
+        self.m0 = mcache[0].offset  # the head's rows before the first round
+        self.mcache = [caches.FixedKVCache.from_kv(c) for c in mcache]
+        self.cache = [caches.FixedKVCache.from_kv(c) if isinstance(c, caches.KVCache) else c for c in cache]
+        for c in self.cache:
+            if isinstance(c, caches.GDNCache):
+                c.begin()  # every verify records its steps; pick() keeps the accepted ones
+        self.p = len(prompt)
+        self.tail = len(tail)
+        # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
+        # the generated index of y
+        self.y = mx.array([first], dtype=mx.int32)
+        self.ptok, self.phid = mx.array(tail, dtype=mx.int32), tail_hidden
+        self.pn = mx.array(len(tail) - 1, dtype=mx.int32)
+        self.gen = mx.array(0, dtype=mx.int32)
+
+    def bounds(self, r: int, verified: int) -> None:
+        """Host-side upper bounds of the caches' offsets before round r, `verified` = rows kept by rounds 0..r-2
+        (read). The head's start offset is exact; the target's misses only round r-1's unread count."""
+        head = self.m0 + (self.tail + verified if r else 0)
+        for c in self.mcache:
+            c.bound = head
+        for c in self.cache:
+            if isinstance(c, caches.FixedKVCache):
+                c.bound = self.p + verified + (self.k + 1 if r else 0)
+
+    def draft(self, r: int) -> tuple[mx.array, mx.array | None]:
+        """K drafts [K] (and q [K, V] when sampling) from the pending slots; the head's cache keeps the true rows."""
+        model, head, embed = self.model, self.model.mtp, self.model.model.embed_tokens
+        vocab, V = head.draft_vocab, model.args.vocab_size
+        R = self.ptok.shape[0]
+        x = head(embed(self.ptok)[None], head.from_target(self.phid)[None], self.mcache)  # [1, R, H]
+        x = mx.take(x, self.pn.reshape(1), axis=1)  # the slot of the newest token
+        base = []
+        for c in self.mcache:
+            c.advance(self.pn + 1)
+            base.append((c.offset, c.bound))
+        drafts, qs = [], []
+        for i in range(self.k):
+            post = head.norm(x)
+            u = head.to_target(post)
+            logits = (vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u))[0, -1]
+            d, q = _pick(self.sampler, logits)
+            if vocab is not None:
+                d, q = vocab.to_full(d, q, V)
+            drafts.append(d.astype(mx.int32))
+            qs += [q] if q is not None else []
+            if i + 1 < self.k:  # a scratch row past the true ones (overwritten by the next round)
+                for c, (off, bound) in zip(self.mcache, base):
+                    c.offset, c.bound = off + i, bound + R + i
+                x = head(embed(d.reshape(1, 1)), post if head.input_hidden == "post" else x, self.mcache)
+        for c, (off, bound) in zip(self.mcache, base):
+            c.offset, c.bound = off, bound
+        drafts = mx.stack(drafts)
+        if self.override is not None:
+            drafts = self.override(drafts, self.gen, r)
+        return drafts, (mx.stack(qs) if qs else None)
+
+    def verify(self, drafts: mx.array, q: mx.array | None) -> tuple[mx.array, mx.array]:
+        """The target over [y, d1..dK]; acceptance, cache advance and the next round's inputs on the device.
+        Returns (tokens [K+1], n): the round's output is tokens[: n + 1]."""
+        logits, hidden = self.model(mx.concatenate([self.y, drafts])[None], self.cache, return_hidden=True)
+        n, token, tokens = accept(logits[0], drafts, q, self.sampler)
+        for c in self.cache:
+            if isinstance(c, caches.FixedKVCache):
+                c.advance(n + 1)
+            elif isinstance(c, caches.GDNCache):
+                c.pick(n + 1)
+        self.y = token.reshape(1)
+        self.ptok, self.phid, self.pn = tokens, hidden[0], n
+        if self.override is not None:  # (else never read: an ever longer chain of lazy adds)
+            self.gen = self.gen + n + 1
+        return tokens, n
+
+
+def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
+                          override: DraftOverride | None = None) -> Iterator[int]:
+    """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
+    of fixed K pipelined one deep. Fills `stats` (draft_time_s: building the drafts' graph; verify_time_s: building
+    the verify's graph and waiting for the previous round)."""
+    if not model.has_mtp:
+        raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
+    k = options.draft_tokens
+    cache = model.make_cache(trimmable=False)
+    logits, hidden = prefill(model, ids, cache, return_hidden=True)
+    first = sampler(logits).item()
+    yield first
+    rounds = PipelinedRounds(model, sampler, k, ids.tolist(), first, hidden, cache, override)
+    verified, pending, r = 0, None, 0
+    while True:
+        tic = time.perf_counter()
+        rounds.bounds(r, verified)
+        drafts, q = rounds.draft(r)
+        mid = time.perf_counter()
+        out = rounds.verify(drafts, q)
+        mx.async_eval(*out)
+        if pending is not None:
+            tokens, n = pending
+            n = n.item()
+            tokens = tokens[: n + 1].tolist()
+        stats.draft_time_s += mid - tic
+        stats.verify_time_s += time.perf_counter() - mid
+        if pending is not None:
+            stats.record(k, n)
+            verified += n + 1
+            yield from tokens
+        pending, r = out, r + 1
+
+
+class DeviceOracle:
+    """SYNTHETIC drafts for benchmarks (greedy only), the device twin of synthetic.OracleDrafter: the head's drafts
+    are computed (their cost is paid) and replaced by the recorded greedy continuation `reference` with probability
+    `p` per position, else by a token that is surely wrong; the same random sequence as OracleDrafter's for a seed."""
+
+    def __init__(self, reference: list[int], p: float, vocab: int, k: int, *, seed: int = 0):
+        self.ref = mx.array([*reference, *[0] * (k + 1)], dtype=mx.int32)
+        self.last = len(reference) + k
+        self.p, self.vocab, self.k = p, vocab, k
+        self.rng = random.Random(seed)
+
+    def __call__(self, drafts: mx.array, gen: mx.array, r: int) -> mx.array:
+        idx = mx.minimum(gen + 1 + mx.arange(self.k), self.last)
+        truth = self.ref[idx]
+        right = mx.array([self.rng.random() < self.p for _ in range(self.k)])
+        return mx.where(right, truth, (truth + 1) % self.vocab) + 0 * drafts  # the head's drafts stay in the graph
