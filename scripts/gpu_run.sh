@@ -13,6 +13,8 @@
 #   profile        where a decode step's time goes, op by op, by wall time (scripts/profile_step.py)
 #   decode         0.8B shape, bf16: stock vs plain vs A/A plain vs MTP at oracle acceptance 0.8, with CUPTI kernels
 #                  per token; the demo with its real head
+#   rounds         0.8B shape, bf16: pipelined rounds vs the synchronous batched loop vs plain, oracle 0.8, CUPTI
+#   rounds-more    pipelined rounds at oracle 1.0, at the 4B shape (with stock), and on the demo's real head
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -59,6 +61,17 @@ for mode in "$@"; do
       --legs stock,plain,plain-aa,batched --k 2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_0.8b"
     step decode_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,96 --workloads code --temps 0,0.7 \
       --legs stock,plain,plain-aa,batched --k 2,adaptive --out "$RES/decode_demo" ;;
+  rounds)  # pipelined rounds (rounds.py) against the synchronous batched loop, 0.8B shape
+    step rounds_0.8b 230 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,batched,pipelined --k 2,3 --oracle-p 0.8 --no-stock --profile .device-tools \
+      --out "$RES/rounds_0.8b" ;;
+  rounds-more)  # pipelined rounds at acceptance 1.0, at the 4B shape, and on the demo with its real head
+    step rounds_p1 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 1.0 --no-stock --out "$RES/rounds_p1"
+    step rounds_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs stock,plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --out "$RES/rounds_4b"
+    step rounds_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0,0.7 \
+      --legs plain,plain-aa,batched,pipelined --k 2 --no-stock --out "$RES/rounds_demo" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;

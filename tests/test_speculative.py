@@ -7,6 +7,7 @@ import pytest
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
 from lattice_mlx.decode import generate_step, prefill
+from lattice_mlx.rounds import DeviceOracle
 from lattice_mlx.sample import Sampler
 from lattice_mlx.spec import SpecOptions, SpecStats
 from lattice_mlx.speculative import speculative_step
@@ -24,7 +25,7 @@ def run_spec(model, prompt, n, *, sampler=None, drafter=None, **options):
     return [next(gen) for _ in range(n)], stats.to_dict()
 
 
-@pytest.mark.parametrize("verify", ["batched", "sequential"])
+@pytest.mark.parametrize("verify", ["batched", "sequential", "pipelined"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_mtp_equals_plain_greedy(checkpoints, k, verify, compile_mode):
     for name, path in checkpoints.items():
@@ -56,12 +57,13 @@ def test_adaptive_probes_speculation_again_after_a_plain_stretch(checkpoints):
         "speculation off for 128 tokens after 16 rounds"]  # each stretch followed by 4 probe rounds
 
 
-@pytest.mark.parametrize("verify", ["batched", "sequential"])
+@pytest.mark.parametrize("verify", ["batched", "sequential", "pipelined"])
 @pytest.mark.parametrize("p_correct, expected", [(1.0, 1.0), (0.0, 0.0)])
 def test_oracle_and_always_wrong_drafts(checkpoints, verify, p_correct, expected):
     model, tok = load(checkpoints["untied"])
     plain = generate(model, tok, PROMPTS[0], max_tokens=60).tokens  # longer than used: the last round drafts ahead
-    drafter = OracleDrafter(model, Sampler(), plain, p_correct)
+    drafter = DeviceOracle(plain, p_correct, model.args.vocab_size, 3) if verify == "pipelined" else \
+        OracleDrafter(model, Sampler(), plain, p_correct)
     spec, stats = run_spec(model, PROMPTS[0], 50, draft_tokens=3, verify=verify, drafter=drafter)
     assert spec == plain[:50]
     assert stats["acceptance_rate"] == expected

@@ -48,6 +48,7 @@ from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, res
 from .models import compiled
 from .models.fuse import hf_parameters
 from .models.mtp import DraftVocab
+from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
 from .speculative import speculative_step
@@ -297,7 +298,10 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         return generate_step(target.model, mx.array(ids), sampler=sampler), None
     options = SpecOptions(draft_tokens=leg.k, verify=leg.verify, adaptive=leg.adaptive)
     stats = SpecStats.of(options)
-    drafter = OracleDrafter(target.model, sampler, reference, leg.p, seed=seed) if leg.p is not None else None
+    drafter = None
+    if leg.p is not None:  # the pipelined loop takes its synthetic drafts on the device
+        drafter = DeviceOracle(reference, leg.p, target.model.args.vocab_size, leg.k, seed=seed) \
+            if leg.verify == "pipelined" else OracleDrafter(target.model, sampler, reference, leg.p, seed=seed)
     stream = speculative_step(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
                               drafter=drafter)
     if leg.draft_vocab:
@@ -310,10 +314,11 @@ def timed_run(stream, lengths: tuple[int, int], *, compiled_path: bool | None = 
     """Consumes tokens up to the second length; stamps the first token and both lengths. `compiled_path` forces the
     compiled decode path on / off for the run (None: as LATTICE_COMPILE says)."""
     n1, n2 = lengths
-    stamps, tic = {}, time.perf_counter()
+    stamps, tokens, tic = {}, [], time.perf_counter()
     try:
         with compiled.forced(compiled_path):
-            for n, _ in enumerate(stream, start=1):
+            for n, token in enumerate(stream, start=1):
+                tokens.append(token)
                 if n in (1, n1, n2):
                     stamps[n] = time.perf_counter() - tic
                 if n >= n2:
@@ -324,7 +329,7 @@ def timed_run(stream, lengths: tuple[int, int], *, compiled_path: bool | None = 
     return {"ttft_s": stamps[1], "t1_s": stamps[n1], "t2_s": stamps[n2],
             "tok_s": bs.slope_rate(n1, stamps[n1], n2, stamps[n2]),
             # from the first token on: an adaptive leg's warm-up, decisions and plain stretches all count
-            "tok_s_whole": bs.slope_rate(1, stamps[1], n2, stamps[n2])}
+            "tok_s_whole": bs.slope_rate(1, stamps[1], n2, stamps[n2]), "_tokens": tokens}
 
 
 @dataclass
@@ -334,6 +339,8 @@ class LegRecord:
     peak_memory: int = 0
     spec: SpecStats | None = None  # summed over runs
     profile: dict | None = None  # GPU kernels per token (--profile)
+    tokens: dict = field(default_factory=dict)  # greedy runs: prompt -> the tokens of its last run
+    identical: list[bool] = field(default_factory=list)  # greedy MTP runs: tokens equal to plain's on that prompt
 
     def add(self, run: dict, stats: SpecStats | None, peak: int) -> None:
         self.runs.append(run)
@@ -390,10 +397,20 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
                 run = timed_run(stream, lengths, compiled_path=leg.compiled)
             lock["waited_s"] += waited
             run["prompt"] = i
+            tokens = run.pop("_tokens")
+            if temp == 0:
+                records[leg.name].tokens[i] = tokens
             records[leg.name].add(run, stats, mx.get_peak_memory())
             acc = f" alpha {bs.acceptance_estimates(stats.accepted_at, stats.rounds, leg.k)['alpha']:.2f}" \
                 if stats is not None and stats.rounds and not leg.adaptive else ""
             log(f"[{label}] rep {rep + 1}/{reps} {leg.name:<24} {run['tok_s']:8.1f} tok/s{acc}")
+    plain = records.get("plain")
+    for rec in records.values():  # greedy MTP must give plain's tokens exactly (checked on every prompt run)
+        if temp == 0 and rec.leg.kind == "mtp" and plain is not None:
+            rec.identical = [plain.tokens.get(i) == t for i, t in rec.tokens.items()]
+            if not all(rec.identical):
+                log(f"[{label}] {rec.leg.name}: tokens DIFFER from plain's on {rec.identical.count(False)} of "
+                    f"{len(rec.identical)} prompts")
     if profiler is not None:
         for leg in legs:
             records[leg.name].profile = profile_leg(profiler, target, leg, prompts[0], temp, n=lengths[1],
@@ -423,6 +440,8 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
            "effective_gb_s": target.bytes_per_token * bs.summarize(rates)["median"] / 1e9}
     if rec.profile is not None:
         out["gpu_profile"] = rec.profile
+    if rec.identical:
+        out["identical_to_plain"] = f"{sum(rec.identical)}/{len(rec.identical)} prompts"
     plain_name = plain_baseline(rec, records)
     for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:

@@ -94,6 +94,12 @@ def aa_line(group: dict) -> str:
             f"range {aa['min']:.3f}-{aa['max']:.3f}: a ratio inside that range is noise.")
 
 
+def identity_line(group: dict) -> str:
+    """Greedy MTP legs against plain decoding, token for token, on every prompt run."""
+    cells = [f"{s['leg']} {s['identical_to_plain']}" for s in group["legs"] if "identical_to_plain" in s]
+    return f"\n\nGreedy tokens identical to plain's: {', '.join(cells)}." if cells else ""
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -115,7 +121,7 @@ def group_tables(name: str, result: dict, render) -> list[str]:
         title = f"{name}: workload {g['workload']}, temp {g['temp']:g}"
         if name == "oracle" or g.get("oracle_p") is not None:
             title += f" -- {SYNTHETIC}"
-        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)) + aa_line(g))
+        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)) + aa_line(g) + identity_line(g))
     return out
 
 

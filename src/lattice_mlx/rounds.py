@@ -26,9 +26,15 @@ from .drafters import _pick, mtp_prefill
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
 
-# A device-side draft override for benchmarks (synthetic.DeviceOracle): (head drafts [K], generated index of y
-# [scalar], round number) -> drafts [K]
-DraftOverride = Callable[[mx.array, mx.array, int], mx.array]
+# A device-side draft override for benchmarks and tests (DeviceOracle): (the head's drafts [K], their q [K, V] or
+# None, the PipelinedRounds (its y [1], the newest token, and gen, y's generated index, are device arrays), the round
+# number) -> (drafts [K], q)
+DraftOverride = Callable[[mx.array, "mx.array | None", "PipelinedRounds", int], tuple[mx.array, "mx.array | None"]]
+
+
+def bonus_row(p: mx.array, K: int) -> mx.array:
+    """The distribution the token after K acceptances is drawn from: the target's row K, [1, V]."""
+    return p[K:]
 
 
 def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Sampler):
@@ -49,7 +55,7 @@ def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Samp
     total = residual.sum(axis=-1, keepdims=True)
     # p == q leaves no residual mass (and then a draft is never rejected); guard the division all the same
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
-    table = mx.concatenate([residual, p[K:]], axis=0)  # row n: the distribution of the token after n acceptances
+    table = mx.concatenate([residual, bonus_row(p, K)], axis=0)  # row n: the distribution of the token after n acceptances
     token = mx.random.categorical(mx.log(table[n]), axis=-1).astype(mx.int32)
     tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts, mx.zeros((1,), mx.int32)]))
     return n, token, tokens
@@ -115,10 +121,10 @@ class PipelinedRounds:
                 x = head(embed(d.reshape(1, 1)), post if head.input_hidden == "post" else x, self.mcache)
         for c, (off, bound) in zip(self.mcache, base):
             c.offset, c.bound = off, bound
-        drafts = mx.stack(drafts)
+        drafts, q = mx.stack(drafts), (mx.stack(qs) if qs else None)
         if self.override is not None:
-            drafts = self.override(drafts, self.gen, r)
-        return drafts, (mx.stack(qs) if qs else None)
+            drafts, q = self.override(drafts, q, self, r)
+        return drafts, q
 
     def verify(self, drafts: mx.array, q: mx.array | None) -> tuple[mx.array, mx.array]:
         """The target over [y, d1..dK]; acceptance, cache advance and the next round's inputs on the device.
@@ -182,8 +188,9 @@ class DeviceOracle:
         self.p, self.vocab, self.k = p, vocab, k
         self.rng = random.Random(seed)
 
-    def __call__(self, drafts: mx.array, gen: mx.array, r: int) -> mx.array:
-        idx = mx.minimum(gen + 1 + mx.arange(self.k), self.last)
+    def __call__(self, drafts: mx.array, q, rounds: PipelinedRounds, r: int) -> tuple[mx.array, None]:
+        idx = mx.minimum(rounds.gen + 1 + mx.arange(self.k), self.last)
         truth = self.ref[idx]
         right = mx.array([self.rng.random() < self.p for _ in range(self.k)])
-        return mx.where(right, truth, (truth + 1) % self.vocab) + 0 * drafts  # the head's drafts stay in the graph
+        # + 0 * drafts: the head's drafts stay in the graph, so their cost is paid
+        return mx.where(right, truth, (truth + 1) % self.vocab) + 0 * drafts, None

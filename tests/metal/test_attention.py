@@ -11,7 +11,7 @@ from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
 from lattice_mlx.metal import attention, use_kernels
-from lattice_mlx.metal.attention import _BODY, _COMBINE, kernel_wins, sdpa, sdpa_kernel, sdpa_ref, supported
+from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_kernel, sdpa_ref, supported
 
 needs_gpu = pytest.mark.skipif(
     not use_kernels(),
@@ -95,13 +95,17 @@ def test_dispatch_uses_reference_when_forced(monkeypatch):
     assert mx.array_equal(got, sdpa_ref(q, k, v, scale=0.0625, mask="causal"))
 
 
-def test_kernel_serves_every_row_count_up_to_its_key_limit():
-    """Decode and verify take the same kernel at a given length (batch invariance), MLX's SDPA past the limit."""
-    def wins(T, L):
-        return kernel_wins(mx.zeros((1, 8, T, 256)), mx.zeros((1, 2, L, 256)))
-
-    assert all(wins(T, L) for T in (1, 4, 9, 16) for L in (1, 4096, attention.KERNEL_MAX_KEYS))
-    assert not any(wins(T, attention.KERNEL_MAX_KEYS + 1) for T in (1, 4, 16))
+def test_kernel_serves_every_row_count_at_every_length(monkeypatch):
+    """Decode and verify take the same kernel at any length (batch invariance): the dispatcher never hands a
+    supported shape to MLX's SDPA."""
+    called = []
+    monkeypatch.setattr(attention, "use_kernels", lambda: True)
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda *a, **kw: called.append(a[1].shape[2]))
+    for T in (1, 4, 9, 16):
+        for L in (16, 4096, 16384, 20000, 100_000):
+            sdpa(mx.zeros((1, 8, T, 256)), mx.zeros((1, 2, L, 256)), mx.zeros((1, 2, L, 256)), scale=1.0,
+                 mask="causal" if T > 1 else None)
+    assert len(called) == 20
 
 
 def test_supported_shapes():
@@ -142,7 +146,7 @@ def test_body_renders(op, dialect):
 def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
     if op == "attention":
-        ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float"), ("chunk_keys", "int")]
+        ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float"), ("chunk_keys", "int"), ("kv_len", "int")]
         outs = [("out", bf), ("o_part", "float"), ("ml_part", "float")]
         unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256)])
     else:
@@ -198,9 +202,7 @@ def test_kernel_qwen_shapes(T, L):
     assert_close(got, fp32_reference(q, k, v, 256**-0.5, T > 1), "bfloat16", "dispatch vs ref")
     kernel = sdpa_kernel(q, k, v, scale=256**-0.5, causal=T > 1, init_value=float("nan"))
     assert_close(kernel, fp32_reference(q, k, v, 256**-0.5, T > 1), "bfloat16", "kernel vs ref")
-    # the dispatcher runs the kernel where it won on the H200 (verify-20k goes to MLX's SDPA)
-    same = kernel if kernel_wins(q, k) else sdpa_ref(q, k, v, scale=256**-0.5, mask=mask)
-    assert_close(got, same, "same", "dispatch vs its choice")
+    assert_close(got, kernel, "same", "dispatch runs the kernel")
 
 
 @needs_gpu
@@ -215,3 +217,32 @@ def test_kernel_is_batch_invariant(L0, dtype):
     for t in range(T):
         one = sdpa(q[:, :, t : t + 1], k[:, :, : L0 + t + 1], v[:, :, : L0 + t + 1], scale=0.0625)
         assert mx.array_equal(rows[:, :, t : t + 1], one), f"row {t}"
+
+
+@pytest.mark.parametrize("T,L,causal", [(1, 37, False), (4, 37, True), (3, 300, True)])
+def test_ref_length_equals_the_sliced_keys(T, L, causal):
+    """A device key count over a bigger buffer gives what the first `length` keys give (rows past it hold big
+    finite values, as stale drafts would: masked out, not multiplied in)."""
+    q, k, v = make_inputs(1, 8, 2, T, L + 50, 64, mx.float32, seed=L)
+    k = mx.concatenate([k[:, :, :L], mx.full((1, 2, 50, 64), 1e3)], axis=2)
+    v = mx.concatenate([v[:, :, :L], mx.full((1, 2, 50, 64), 1e3)], axis=2)
+    mask = "causal" if causal else None
+    got = sdpa_ref(q, k, v, scale=0.125, mask=mask, length=mx.array(L, dtype=mx.int32))
+    want = sdpa_ref(q, k[:, :, :L], v[:, :, :L], scale=0.125, mask=mask)
+    assert mx.allclose(got, want, atol=1e-6).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("T,L", [(1, 37), (4, 37), (4, attention.SPLIT_KEYS - 2), (3, 700)])
+def test_kernel_length_is_bitwise_the_sliced_keys(T, L, dtype):
+    """The kernel over a fixed-capacity buffer with a device key count (pipelined rounds) is bitwise the kernel over
+    exactly those keys: extra (empty) splits merge as exact zeros; rows past the count, poisoned, are never read."""
+    cap = L + attention.SPLIT_KEYS + 9
+    q, k, v = make_inputs(1, 8, 2, T, cap, 256, DTYPES[dtype], seed=T + L)
+    k = mx.concatenate([k[:, :, :L], mx.full((1, 2, cap - L, 256), float("nan"), dtype=k.dtype)], axis=2)
+    v = mx.concatenate([v[:, :, :L], mx.full((1, 2, cap - L, 256), float("nan"), dtype=v.dtype)], axis=2)
+    causal = T > 1
+    got = sdpa_kernel(q, k, v, scale=0.0625, causal=causal, length=mx.array(L, dtype=mx.int32))
+    want = sdpa_kernel(q, k[:, :, :L], v[:, :, :L], scale=0.0625, causal=causal)
+    assert mx.array_equal(got, want).item()

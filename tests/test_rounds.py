@@ -1,0 +1,195 @@
+"""Pipelined MTP rounds (rounds.py): device-side acceptance and cache advance give the synchronous loop's results.
+Greedy identity with plain decoding for K = 1..4 and the oracle extremes are in test_speculative.py."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import load, rounds
+from lattice_mlx.decode import generate_step, prefill
+from lattice_mlx.sample import Sampler
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import check_split_model, speculative_step
+from lattice_mlx.synthetic import OracleDrafter
+
+PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
+
+
+def spec_tokens(model, prompt, n, *, verify, k=3, sampler=None, drafter=None):
+    options = SpecOptions(draft_tokens=k, verify=verify, adaptive=False)
+    stats = SpecStats.of(options)
+    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+                           drafter=drafter)
+    return [next(gen) for _ in range(n)], stats
+
+
+def test_partial_acceptance_matches_the_synchronous_loop_round_for_round(checkpoints):
+    """Oracle drafts at p = 0.7 with one seed: both loops accept the same drafts in every round they read (the
+    pipelined loop has read one round fewer when the consumer stops)."""
+    model, tok = load(checkpoints["pattern"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(130))]
+    sync, s1 = spec_tokens(model, PROMPT, 110, verify="batched", drafter=OracleDrafter(model, Sampler(), plain, 0.7,
+                                                                                       seed=3))
+    pipe, s2 = spec_tokens(model, PROMPT, 110, verify="pipelined",
+                           drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=3))
+    assert sync == pipe == plain[:110]
+    assert s2.rounds >= s1.rounds - 1 and s2.rounds > 20
+    h1, h2 = s1.accepted_hist, s2.accepted_hist
+    assert sum(abs(a - b) for a, b in zip(h1 + [0] * 4, h2 + [0] * 4)) <= 1, (h1, h2)
+    rates = s2.accepted_per_position()
+    assert 0.5 < rates[0] < 0.9 and rates[0] >= rates[1] >= rates[2] > 0
+
+
+def test_long_prompt_and_cache_growth_stay_exact(checkpoints):
+    """A prompt longer than a prefill chunk (the head's prefill runs in chunks too) and a generation that crosses the
+    KV buffers' growth step (FixedKVCache.GROW rows)."""
+    model, tok = load(checkpoints["tied"])
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, model.args.vocab_size, size=600).tolist()
+    old = caches.FixedKVCache.GROW
+    try:
+        caches.FixedKVCache.GROW = 16  # grows every few rounds
+        plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(70))]
+        pipe, _ = spec_tokens(model, prompt, 70, verify="pipelined", k=2,
+                              drafter=rounds.DeviceOracle(plain + [0] * 8, 0.8, model.args.vocab_size, 2, seed=1))
+    finally:
+        caches.FixedKVCache.GROW = old
+    assert pipe == plain
+
+
+def test_fixed_kv_cache_writes_at_its_device_offset_and_grows():
+    c = caches.FixedKVCache.from_kv(caches.KVCache())
+    assert c.keys is None and c.offset.item() == 0
+    rows = lambda n, base: mx.arange(base, base + n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 2, n, 4))  # noqa: E731
+    k, v = c.update_and_fetch(rows(3, 0), rows(3, 0))
+    assert k.shape == (1, 2, 3, 4) and c.length.item() == 3 and c.keys.shape[2] == caches.FixedKVCache.GROW
+    c.advance(mx.array(2))  # the third row is rejected
+    c.bound = 3
+    k, _ = c.update_and_fetch(rows(3, 10), rows(3, 10))  # written from row 2, over the rejected one
+    assert c.length.item() == 5 and k.shape[2] == 6
+    assert k[0, 0, :5, 0].tolist() == [0, 1, 10, 11, 12]
+    c.advance(mx.array(3))
+    c.bound = caches.FixedKVCache.GROW - 1  # near the capacity: the next write grows the buffers, rows kept
+    c.update_and_fetch(rows(3, 20), rows(3, 20))
+    assert c.keys.shape[2] == 2 * caches.FixedKVCache.GROW
+    assert c.keys[0, 0, :8, 0].tolist() == [0, 1, 10, 11, 12, 20, 21, 22]
+
+
+def test_fixed_kv_cache_clamps_an_out_of_range_offset():
+    """MLX does not bounds-check a dynamic slice_update: the start is clamped on the device, never written past."""
+    c = caches.FixedKVCache(mx.zeros((1, 1, 8, 2)), mx.zeros((1, 1, 8, 2)), 0)
+    c.offset = mx.array(100, dtype=mx.int32)  # a broken loop's offset
+    c.update_and_fetch(mx.ones((1, 1, 2, 2)), mx.ones((1, 1, 2, 2)))
+    assert c.keys.shape[2] == 8 and c.keys[0, 0, :, 0].tolist() == [0] * 6 + [1, 1]
+
+
+def test_gdn_pick_equals_rollback(checkpoints):
+    """Keeping n of a recorded forward's steps by device index gives what rollback's host-side slices give."""
+    model, _ = load(checkpoints["untied"])
+    for keep in range(1, 5):
+        a, b = model.make_cache(trimmable=False), model.make_cache(trimmable=False)
+        for c in (a, b):
+            prefill(model, mx.array(PROMPT), c)
+            caches.begin(c)
+            model(mx.array([[40, 41, 42, 43]]), c)
+        for ca, cb in zip(a, b):
+            if isinstance(ca, caches.GDNCache):
+                ca.pick(mx.array(keep))
+                cb.rollback(4 - keep)
+                assert mx.array_equal(ca.conv, cb.conv).item() and mx.array_equal(ca.ssm, cb.ssm).item()
+
+
+def _self_drafts(model, temp: float = 0.3):
+    """A draft source (a DraftOverride) that drafts with the target itself at a lower temperature, on scratch copies
+    of the round's caches, on the device: q is sharper than p, so drafts are accepted often but with p/q < 1, where
+    each position's own uniform matters."""
+    sampler = Sampler(temp=temp)
+
+    def override(drafts, q, state, r):
+        scratch = []
+        for c in state.cache:  # the caches' arrays are immutable: a scratch cache never changes the round's
+            if isinstance(c, caches.FixedKVCache):
+                s = caches.FixedKVCache(c.keys, c.values, 0)
+                s.offset, s.bound = c.offset, c.bound
+            else:
+                s = caches.GDNCache()
+                s.conv, s.ssm = c.conv, c.ssm
+            scratch.append(s)
+        tok, out, qs = state.y, [], []
+        for _ in range(drafts.shape[0]):
+            row = sampler.probs(model(tok.reshape(1, 1), scratch)[0, -1])
+            tok = mx.random.categorical(mx.log(row)).astype(mx.int32)
+            out.append(tok)
+            qs.append(row)
+            for s in scratch:
+                if isinstance(s, caches.FixedKVCache):
+                    s.advance(mx.array(1))
+                    s.bound += 1
+        return mx.stack(out) + 0 * drafts, mx.stack(qs)
+    return override
+
+
+def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
+    """The first 5 tokens (the first from the prefill): with spec, one K=3 round and its bonus when all drafts are
+    kept, then the next round's first."""
+    sampler, out = Sampler(temp=1.0), []
+    for seed in seeds:
+        mx.random.seed(seed)
+        if spec:
+            gen = iter(spec_tokens(model, [1, 2, 1, 2, 1], 5, verify="pipelined", sampler=sampler,
+                                   drafter=_self_drafts(model))[0])
+        else:
+            gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
+        out.append(tuple(next(gen) for _ in range(5)))
+    return out
+
+
+def _pvalues(plain, spec) -> dict:
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    out = {}
+    for idx in ((1, 2), (2, 3), (3, 4), (4,)):  # token 0 comes from the prefill in both
+        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
+        keys = sorted(set(a) | set(b))
+        out[idx] = chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1]
+    return out
+
+
+def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
+    """Device-side sampled acceptance: every position of a K=3 round and its bonus, in adjacent pairs, against plain
+    sampling; the same check catches a bonus drawn from the last draft's row and one uniform shared by all drafts."""
+    trials = 800
+    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
+    seeds = range(700_000, 700_000 + trials)
+    spec = _round_tokens(tiny_vocab_model, seeds, spec=True)
+    right = _pvalues(plain, spec)
+    assert min(right.values()) > 1e-3, right
+    uniform = mx.random.uniform
+    planted = {
+        "bonus_from_wrong_row": lambda m: m.setattr(rounds, "bonus_row", lambda p, K: p[K - 1 : K]),
+        "one_shared_uniform": lambda m: m.setattr(
+            mx.random, "uniform", lambda shape: mx.broadcast_to(uniform(shape=(1,)), shape)),
+    }
+    for name, plant in planted.items():
+        with monkeypatch.context() as m:
+            plant(m)
+            wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+        assert min(wrong.values()) < 1e-4, (name, wrong)
+
+
+@pytest.mark.parametrize("kw, flag", [({"adaptive": True}, "--no-adaptive"), ({"tree": "2-1"}, "--tree"),
+                                      ({"draft": "ngram"}, "--draft ngram")])
+def test_pipelined_refuses_what_it_cannot_run(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        SpecOptions(**{"verify": "pipelined", "adaptive": False, **kw})
+
+
+def test_split_model_refuses_pipelined_rounds():
+    class Split:
+        sharding_group = object()
+
+    with pytest.raises(ValueError, match="--verify pipelined"):
+        check_split_model(Split(), SpecOptions(verify="pipelined", adaptive=False))
