@@ -71,13 +71,24 @@ class FixedKVCache:
         grow = lambda a: mx.zeros(shape, k.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
         self.keys, self.values = grow(self.keys), grow(self.values)
 
+    # (offset, capacity, T, start, length) of the last write: the target's attention layers share one offset array
+    # and capacity, so a forward computes its clamped start and length once, not once per layer (kernels per round)
+    _memo: tuple | None = None
+
+    def _positions(self, T: int) -> tuple[mx.array, mx.array]:
+        cap, m = self.keys.shape[2], FixedKVCache._memo
+        if m is not None and m[0] is self.offset and m[1:3] == (cap, T):
+            return m[3], m[4]
+        start, length = mx.clip(self.offset, 0, cap - T).reshape(1), self.offset + T
+        FixedKVCache._memo = (self.offset, cap, T, start, length)
+        return start, length
+
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         T = k.shape[2]
         self._reserve(k)
-        start = mx.clip(self.offset, 0, self.keys.shape[2] - T).reshape(1)
+        start, self.length = self._positions(T)
         self.keys = mx.slice_update(self.keys, k, start, axes=(2,))
         self.values = mx.slice_update(self.values, v, start, axes=(2,))
-        self.length = self.offset + T
         view = self.bound + T
         return self.keys[..., :view, :], self.values[..., :view, :]
 
@@ -191,14 +202,14 @@ class GDNCache:
         self.recording = False
         self._base_state, self._conv_in, self._states = None, [], []
 
-    def pick(self, keep: mx.array) -> None:
-        """Pipelined rounds (rounds.py): of the one recorded forward's steps keep the first `keep` (a device scalar
-        >= 1), chosen on the device; the region stays open for the next forward. `offset` then counts every row
-        written, kept or not (nothing computes with it)."""
+    def pick(self, last: mx.array, window: mx.array) -> None:
+        """Pipelined rounds (rounds.py): continue from step `last` (a device scalar) of the one recorded forward, the
+        conv window being rows `window` [K-1] of its conv input (last + 1 .. last + K - 1; computed once per round
+        for every layer); the region stays open for the next forward. `offset` then counts every row written, kept
+        or not (nothing computes with it)."""
         (conv_in,), (states,) = self._conv_in, self._states
-        W = self.conv.shape[1]
-        self.conv = mx.take(conv_in, keep + mx.arange(W), axis=1)
-        self.ssm = mx.take(states, keep - 1, axis=1)
+        self.conv = mx.take(conv_in, window, axis=1)
+        self.ssm = mx.take(states, last, axis=1)
         self._base_state, self._conv_in, self._states = None, [], []
 
     def snapshot(self) -> tuple:

@@ -72,9 +72,13 @@ class PipelinedRounds:
         self.m0 = mcache[0].offset  # the head's rows before the first round
         self.mcache = [caches.FixedKVCache.from_kv(c) for c in mcache]
         self.cache = [caches.FixedKVCache.from_kv(c) if isinstance(c, caches.KVCache) else c for c in cache]
-        for c in self.cache:
-            if isinstance(c, caches.GDNCache):
-                c.begin()  # every verify records its steps; pick() keeps the accepted ones
+        self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
+        self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        for c in self.kv:  # one offset array for every attention layer (they advance together)
+            c.offset = self.kv[0].offset
+        for c in self.gdn:
+            c.begin()  # every verify records its steps; pick() keeps the accepted ones
+        self.window = mx.arange(1, model.args.linear_conv_kernel_dim) if self.gdn else None
         self.p = len(prompt)
         self.tail = len(tail)
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
@@ -90,9 +94,8 @@ class PipelinedRounds:
         head = self.m0 + (self.tail + verified if r else 0)
         for c in self.mcache:
             c.bound = head
-        for c in self.cache:
-            if isinstance(c, caches.FixedKVCache):
-                c.bound = self.p + verified + (self.k + 1 if r else 0)
+        for c in self.kv:
+            c.bound = self.p + verified + (self.k + 1 if r else 0)
 
     def draft(self, r: int) -> tuple[mx.array, mx.array | None]:
         """K drafts [K] (and q [K, V] when sampling) from the pending slots; the head's cache keeps the true rows."""
@@ -131,11 +134,14 @@ class PipelinedRounds:
         Returns (tokens [K+1], n): the round's output is tokens[: n + 1]."""
         logits, hidden = self.model(mx.concatenate([self.y, drafts])[None], self.cache, return_hidden=True)
         n, token, tokens = accept(logits[0], drafts, q, self.sampler)
-        for c in self.cache:
-            if isinstance(c, caches.FixedKVCache):
-                c.advance(n + 1)
-            elif isinstance(c, caches.GDNCache):
-                c.pick(n + 1)
+        if self.kv:
+            offset = self.kv[0].offset + n + 1
+            for c in self.kv:
+                c.offset = offset
+        if self.gdn:
+            window = self.window + n  # the conv window after step n: conv input rows n + 1 .. n + K - 1
+            for c in self.gdn:
+                c.pick(n, window)
         self.y = token.reshape(1)
         self.ptok, self.phid, self.pn = tokens, hidden[0], n
         if self.override is not None:  # (else never read: an ever longer chain of lazy adds)
