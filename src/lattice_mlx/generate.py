@@ -90,13 +90,13 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
 
 def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
-    top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, chat_template: bool = True,
+    top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = True,
     speculation: SpecOptions | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
     `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics."""
     check_max_tokens(max_tokens)
-    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k)
+    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -151,6 +151,7 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--temp", type=float, default=DEFAULT_TEMP)
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p x the top token's (0: off)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -172,7 +173,7 @@ def speculation_line(s: dict) -> str:
 def run(args: argparse.Namespace) -> GenerationResult:
     speculation = speculation_from_args(args)
     check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
-    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k)
+    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     group = distributed_group()
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> GenerationResult:
     model, tokenizer = load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p,
         chat_template=not args.no_chat_template, speculation=speculation,
         on_text=lambda t: print(t, end="", flush=True),
     )

@@ -14,6 +14,7 @@ class Sampler:
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the most likely one's (0: off), as mlx-lm does
 
     def __post_init__(self):
         """The one check of the sampling options, for the API and the CLI alike (ValueError, one line)."""
@@ -24,13 +25,16 @@ class Sampler:
             raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:
             raise ValueError(f"top_k (--top-k) must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, Real) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p (--min-p) must be in [0, 1] (0: off), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0
 
     def probs(self, logits: mx.array) -> mx.array:
-        """The distribution actually sampled from (fp32): temperature, then top-k, then top-p, renormalised."""
+        """The distribution actually sampled from (fp32): temperature, then top-k, then top-p, then min-p,
+        renormalised."""
         logits = logits.astype(mx.float32) / self.temp
         V = logits.shape[-1]
         if 0 < self.top_k < V:
@@ -44,6 +48,9 @@ class Sampler:
             keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < self.top_p
             keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
             p = mx.where(keep, p, 0.0)
+            p = p / p.sum(axis=-1, keepdims=True)
+        if self.min_p > 0:
+            p = mx.where(p >= self.min_p * p.max(axis=-1, keepdims=True), p, 0.0)
             p = p / p.sum(axis=-1, keepdims=True)
         return p
 

@@ -1,0 +1,368 @@
+"""An OpenAI-compatible HTTP server: `python -m lattice_mlx.server [--model PATH] [--port 8080]`.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streamed over server-sent events with "stream": true),
+GET /v1/models and /health. Requests are served one at a time in arrival order (one generation worker, a queue);
+a client that disconnects from a stream cancels its generation. MTP speculation is on (adaptive) when the
+checkpoint has a head, and its statistics come back in `usage.speculation`. The standard library's HTTP server is
+enough for one model and one generation at a time (docs/adr/0005-server.md).
+"""
+
+import json
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import mlx.core as mx
+
+from .cli import ArgumentParser
+from .generate import stream_generate
+from .load import LoadError, load
+from .sample import Sampler
+from .spec import SpecOptions
+
+log = logging.getLogger("lattice_mlx.server")
+DEFAULT_MAX_TOKENS = 512
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with HTTP 400 (its message goes back to the client)."""
+
+
+@dataclass
+class Job:
+    """One request's generation: what to generate, and the events the worker sends back."""
+
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: list[str]
+    seed: int | None
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("text", str) ..., then ("done", dict) or ("error", str)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def _number(body: dict, name: str, default, kind=float):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise BadRequest(f"'{name}' must be a number, got {v!r}")
+    return kind(v)
+
+
+def parse_sampling(body: dict, default_max_tokens: int) -> tuple[int, Sampler, list[str], int | None]:
+    """max_tokens, sampler, stop strings and seed from an OpenAI request body (BadRequest for bad values)."""
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n = 1 is supported")
+    max_tokens = _number(body, "max_completion_tokens", None, int) or _number(body, "max_tokens", default_max_tokens,
+                                                                              int)
+    if max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be >= 1, got {max_tokens}")
+    try:
+        sampler = Sampler(temp=_number(body, "temperature", 0.0), top_p=_number(body, "top_p", 1.0),
+                          top_k=_number(body, "top_k", 0, int), min_p=_number(body, "min_p", 0.0))
+    except ValueError as e:
+        raise BadRequest(str(e).replace(" (--temp)", "").replace("temp ", "temperature ")) from None
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of them")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+    return max_tokens, sampler, stop, seed
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """The chat template applied to OpenAI messages (text content; a list of text parts is joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise BadRequest(f"each message needs a role (system, user, assistant): got {m!r}"[:200])
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise BadRequest("each message needs text content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(out, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer.encode("\n".join(m["content"] for m in out)))
+
+
+def completion_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
+
+
+class StopScanner:
+    """Cuts generated text at the first stop string; holds back a tail that could still become one."""
+
+    def __init__(self, stop: list[str]):
+        self.stop, self.text, self.sent = stop, "", 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        """The text that may be sent now, and whether a stop string was found."""
+        self.text += piece
+        hits = [i for i in (self.text.find(s, max(0, self.sent - self.hold)) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.sent = self.text[self.sent : min(hits)], min(hits)
+            return out, True
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent : upto], upto
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class Engine:
+    """The model and its one generation worker: jobs run in arrival order."""
+
+    def __init__(self, model, tokenizer, model_id: str, speculation: SpecOptions | None, max_tokens: int):
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.speculation, self.max_tokens = speculation, max_tokens
+        self.jobs: queue.Queue = queue.Queue()
+        self.worker = threading.Thread(target=self._run, name="generation", daemon=True)
+        self.worker.start()
+
+    def submit(self, job: Job) -> Job:
+        self.jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._generate(job)
+            except Exception as e:  # one request's failure is reported to it; the server goes on
+                log.exception("generation failed")
+                job.events.put(("error", f"generation failed: {e}"))
+
+    def _generate(self, job: Job) -> None:
+        if job.seed is not None:
+            mx.random.seed(job.seed)
+        s = job.sampler
+        scan, n, finish, last, cut = StopScanner(job.stop), 0, "length", None, False
+        stream = stream_generate(self.model, self.tokenizer, job.ids, max_tokens=job.max_tokens, temp=s.temp,
+                                 top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, chat_template=False,
+                                 speculation=self.speculation)
+        tic = time.perf_counter()
+        try:
+            for last in stream:
+                n += 1
+                if job.cancelled.is_set():
+                    log.info("request cancelled by its client after %d tokens", n)
+                    return
+                text, hit = scan.add(last.text)
+                if text:
+                    job.events.put(("text", text))
+                if hit:
+                    finish, cut = "stop", True
+                    break
+                if last.finish_reason:
+                    finish = last.finish_reason
+                    break
+        finally:
+            stream.close()
+        tail = "" if cut else scan.flush()  # text after a stop string is dropped; a held-back tail is not
+        if tail:
+            job.events.put(("text", tail))
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        if last is not None and last.speculation is not None:
+            usage["speculation"] = last.speculation
+        log.info("request done: %d prompt + %d generated tokens in %.2f s (%s)", len(job.ids), n,
+                 time.perf_counter() - tic, finish)
+        job.events.put(("done", {"finish_reason": finish, "usage": usage}))
+
+
+def make_handler(engine: Engine):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):
+            log.debug("%s %s", self.address_string(), fmt % args)
+
+        def _json(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
+            self._json(code, {"error": {"message": message, "type": kind, "code": code}})
+
+        def do_GET(self):
+            if self.path in ("/v1/models", "/models"):
+                self._json(200, {"object": "list", "data": [
+                    {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "lattice_mlx"}]})
+            elif self.path == "/health":
+                self._json(200, {"status": "ok"})
+            else:
+                self._error(404, f"no such endpoint: GET {self.path}", "not_found_error")
+
+        def do_POST(self):
+            chat = self.path in ("/v1/chat/completions", "/chat/completions")
+            if not chat and self.path not in ("/v1/completions", "/completions"):
+                self._error(404, f"no such endpoint: POST {self.path}", "not_found_error")
+                return
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(size) or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise BadRequest(f"the body is not valid JSON: {e}") from None
+                if not isinstance(body, dict):
+                    raise BadRequest("the body must be a JSON object")
+                ids = chat_ids(engine.tokenizer, body.get("messages")) if chat else \
+                    completion_ids(engine.tokenizer, body.get("prompt"))
+                max_tokens, sampler, stop, seed = parse_sampling(body, engine.max_tokens)
+                stream = body.get("stream", False)
+                if not isinstance(stream, bool):
+                    raise BadRequest("'stream' must be true or false")
+                usage_chunk = bool((body.get("stream_options") or {}).get("include_usage"))
+            except BadRequest as e:
+                self._error(400, str(e))
+                return
+            job = engine.submit(Job(ids, max_tokens, sampler, stop, seed))
+            ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            if stream:
+                self._stream(job, chat, ident, usage_chunk)
+            else:
+                self._whole(job, chat, ident)
+
+        def _whole(self, job: Job, chat: bool, ident: str) -> None:
+            parts = []
+            while True:
+                kind, value = job.events.get()
+                if kind == "text":
+                    parts.append(value)
+                elif kind == "error":
+                    self._error(500, value, "server_error")
+                    return
+                else:
+                    break
+            text = "".join(parts)
+            choice = {"index": 0, "finish_reason": value["finish_reason"], "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            self._json(200, {"id": ident, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": engine.model_id, "choices": [choice],
+                             "usage": value["usage"]})
+
+        def _stream(self, job: Job, chat: bool, ident: str, usage_chunk: bool) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            obj, created = ("chat.completion.chunk" if chat else "text_completion"), int(time.time())
+
+            def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+                if chat:
+                    d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+                    choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                return {"id": ident, "object": obj, "created": created, "model": engine.model_id, "choices": [choice]}
+
+            def send(payload) -> None:
+                data = payload if isinstance(payload, str) else json.dumps(payload)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+
+            try:
+                if chat:
+                    send(chunk(None, None, role=True))
+                while True:
+                    kind, value = job.events.get()
+                    if kind == "text":
+                        send(chunk(value, None))
+                    elif kind == "error":
+                        send({"error": {"message": value, "type": "server_error"}})
+                        break
+                    else:
+                        send(chunk(None, value["finish_reason"]))
+                        if usage_chunk:
+                            send({"id": ident, "object": obj, "created": created, "model": engine.model_id,
+                                  "choices": [], "usage": value["usage"]})
+                        break
+                send("[DONE]")
+            except (BrokenPipeError, ConnectionResetError):
+                job.cancelled.set()  # the client left: its generation stops at the next token
+
+    return Handler
+
+
+def setup_arg_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m lattice_mlx.server", description="Serve a Qwen3.5 model over an "
+                       "OpenAI-compatible HTTP API.")
+    p.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="when a request gives none")
+    p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
+    p.add_argument("--draft-tokens", type=int, default=SpecOptions().draft_tokens,
+                   help="MTP draft depth K (the largest, adaptive)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        model, tokenizer = load(args.model, dtype=args.dtype)
+        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
+        httpd = ThreadingHTTPServer((args.host, args.port), None)
+    except (LoadError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    engine = Engine(model, tokenizer, args.model or "lattice-demo", speculation, args.max_tokens)
+    httpd.RequestHandlerClass = make_handler(engine)
+    httpd.daemon_threads = True
+
+    def stop(signum, frame):  # graceful: stop accepting, let the worker finish its job, exit 0
+        threading.Thread(target=httpd.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host, port = httpd.server_address[:2]
+    log.info("serving %s on http://%s:%d/v1 (MTP %s)", engine.model_id, host, port,
+             f"on, K up to {args.draft_tokens}, adaptive" if speculation else "off")
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
+        engine.close()
+        log.info("shut down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

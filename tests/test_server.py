@@ -1,0 +1,165 @@
+"""The OpenAI-compatible server (server.py), started as a real process and spoken to with the official `openai`
+client and raw HTTP: greedy output equals `generate`'s, streaming equals the whole response, stop sequences,
+sampling with a seed, usage with speculation statistics, bad requests, a cancelled stream, graceful shutdown."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+
+from lattice_mlx import generate, load  # noqa: E402
+
+PROMPT = "def add(a, b):"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    port, log = _free_port(), tmp / f"server-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "lattice_mlx.server", "--port", str(port), *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env={**os.environ})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, port, log
+        except OSError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()}")
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, port, log = _start(tmp_path_factory.mktemp("server"))
+    yield port, log
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none", max_retries=0)
+
+
+def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["lattice-demo"]
+
+
+def test_greedy_completion_equals_generate(client):
+    """MTP speculation on (the demo has a head): the text is plain greedy decoding's, usage counts its tokens."""
+    model, tok = load()
+    want = generate(model, tok, PROMPT, max_tokens=24, chat_template=False)
+    got = client.completions.create(model="lattice-demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == 24
+    spec = got.usage.model_extra["speculation"]
+    assert spec["draft"] == "mtp" and spec["rounds"] > 0
+
+
+def test_chat_stream_equals_the_whole_response(client):
+    messages = [{"role": "user", "content": "import os\n"}]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=20)
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=20, stream=True):
+        parts.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 20
+
+
+def test_stop_sequence_cuts_the_text(client):
+    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=24).choices[0].text
+    stop = full[8:11]
+    assert stop and full.find(stop) >= 0
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=24, stop=[stop],
+                                                    stream=True))
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, stop=stop)
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert text == full[: full.find(stop)] and finish == "stop", stream
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    c = client.completions.create(**{**kw, "seed": 8}).choices[0].text
+    assert a == b and a != c
+
+
+def test_bad_requests_are_http_400_with_a_message(client, server):
+    port = server[0]
+    with pytest.raises(openai.BadRequestError, match="temperature must be a finite number >= 0"):
+        client.completions.create(model="m", prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="only n = 1"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+    for path, body, message in [
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be >= 1"),
+        ("/v1/completions", b'{"prompt": 5}', "'prompt' must be"),
+        ("/v1/completions", b'{"prompt": "x", "stop": [""]}', "'stop' must be"),
+    ]:
+        status, obj = _raw(port, "POST", path, body)
+        assert status == 400 and message in obj["error"]["message"], (body, obj)
+    status, obj = _raw(port, "GET", "/v1/nothing")
+    assert status == 404 and "no such endpoint" in obj["error"]["message"]
+
+
+def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
+    port, log = server
+    sock = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += sock.recv(4096)
+    sock.close()
+    # served after the cancelled job: the worker has moved on
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+    lines = [line for line in log.read_text().splitlines() if "cancelled by its client" in line]
+    assert lines and int(lines[-1].split("after ")[1].split()[0]) < 4000
+
+
+def test_sigterm_shuts_down_gracefully(tmp_path):
+    proc, port, log = _start(tmp_path, "--no-mtp")
+    status, obj = _raw(port, "POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode())
+    assert status == 200 and "speculation" not in obj["usage"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0 and "shut down" in log.read_text()
+
+
+def test_bad_flags_and_checkpoints_end_in_one_line(tmp_path):
+    for args, message in [(["--max-tokens", "0"], "--max-tokens must be >= 1"),
+                          (["--model", str(tmp_path / "missing")], "error:")]:
+        r = subprocess.run([sys.executable, "-m", "lattice_mlx.server", "--port", str(_free_port()), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
