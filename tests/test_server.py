@@ -163,3 +163,18 @@ def test_bad_flags_and_checkpoints_end_in_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "lattice_mlx.server", "--port", str(_free_port()), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_prompt_extending_the_last_one_prefills_only_its_new_tokens(client):
+    """The next turn of a conversation: the server keeps the state after the previous prompt (all but its last
+    token) and prefills only the rest; the text is what a fresh generation gives."""
+    model, tok = load()
+    turn1 = tok.encode("class Stack:\n    def __init__(self):\n")
+    client.completions.create(model="m", prompt=turn1, max_tokens=8)
+    turn2 = turn1 + tok.encode("        self.items = []\n\n    def push(self, item):\n")
+    r2 = client.completions.create(model="m", prompt=turn2, max_tokens=12)
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
+    assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=12, chat_template=False).text
+    again = client.completions.create(model="m", prompt=turn2, max_tokens=12)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(turn2) - 1 and again.choices[0].text == \
+        r2.choices[0].text

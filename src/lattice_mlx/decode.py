@@ -22,11 +22,31 @@ def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, retu
     return logits, (mx.concatenate(hs, axis=1)[0] if return_hidden else None)
 
 
-def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None) -> Iterator[int]:
-    """Plain decoding: one target forward per token; the next step is queued before the current token is yielded."""
-    cache = cache if cache is not None else model.make_cache(trimmable=False)
+def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):
+    """(target caches, MTP head caches or None, logits [V], hiddens [T, H] or None, tokens covered): the prefill of
+    `ids` on copies of `prompt_cache` when it holds a proper prefix of them, else from scratch. With a prompt cache
+    the hiddens start at its last position (the head pairs it with the first new token)."""
+    n = prompt_cache.covers(ids.tolist()) if prompt_cache is not None else 0
+    if n:
+        prompt_cache.check(model)
+        cache, mtp = prompt_cache.fork()
+    else:
+        cache, mtp = model.make_cache(trimmable=False), None
+    logits, hidden = prefill(model, ids[n:], cache, return_hidden=return_hidden)
+    if n and return_hidden and prompt_cache.hidden is not None:
+        hidden = mx.concatenate([prompt_cache.hidden, hidden])
+    return cache, mtp, logits, hidden, n
+
+
+def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None,
+                  prompt_cache=None) -> Iterator[int]:
+    """Plain decoding: one target forward per token; the next step is queued before the current token is yielded.
+    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again."""
     agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
-    logits, _ = prefill(model, ids, cache)
+    if cache is None:
+        cache, _, logits, _, _ = resume(model, ids, prompt_cache)
+    else:
+        logits, _ = prefill(model, ids, cache)
     y = agree(sampler(logits))
     mx.async_eval(y)
     while True:

@@ -72,11 +72,11 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
     return list(tokenizer.encode(prompt))
 
 
-def token_stream(model, ids: mx.array, sampler: Sampler,
-                 options: SpecOptions | None) -> tuple[Iterator[int], SpecStats | None]:
+def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | None,
+                 prompt_cache=None) -> tuple[Iterator[int], SpecStats | None]:
     """The token iterator for the chosen decoding (plain, chain speculation, or tree) and the stats it fills."""
     if options is None:
-        return generate_step(model, ids, sampler=sampler), None
+        return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache), None
     if options.needs_mtp and not model.has_mtp:
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
@@ -84,23 +84,32 @@ def token_stream(model, ids: mx.array, sampler: Sampler,
     check_split_model(model, options)
     stats = SpecStats.of(options)
     if options.tree:
+        if prompt_cache is not None:
+            raise ValueError("--tree does not take a prompt cache yet: use a chain (--draft-tokens)")
         return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats
-    return speculative_step(model, ids, sampler=sampler, options=options, stats=stats), stats
+    return speculative_step(model, ids, sampler=sampler, options=options, stats=stats,
+                            prompt_cache=prompt_cache), stats
 
 
 def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = True,
-    speculation: SpecOptions | None = None,
+    speculation: SpecOptions | None = None, prompt_cache=None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
-    `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics."""
+    `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics.
+    `prompt_cache` (prompt_cache.PromptCache, or its saved file's path): the state after a prefix of the prompt,
+    which is then not prefilled again (`prompt_tokens` still counts the whole prompt)."""
     check_max_tokens(max_tokens)
     sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
-    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation)
+    if isinstance(prompt_cache, (str, os.PathLike)):
+        from .prompt_cache import PromptCache
+
+        prompt_cache = PromptCache.load(prompt_cache, model)
+    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed over server-sent events with "stream": true),
 GET /v1/models and /health. Requests are served one at a time in arrival order (one generation worker, a queue);
 a client that disconnects from a stream cancels its generation. MTP speculation is on (adaptive) when the
-checkpoint has a head, and its statistics come back in `usage.speculation`. The standard library's HTTP server is
+checkpoint has a head, and its statistics come back in `usage.speculation`. A prompt that extends the previous
+request's (the next turn of a chat) prefills only its new tokens (`usage.prompt_tokens_details.cached_tokens`). The standard library's HTTP server is
 enough for one model and one generation at a time (docs/adr/0005-server.md).
 """
 
@@ -23,6 +24,7 @@ import mlx.core as mx
 from .cli import ArgumentParser
 from .generate import stream_generate
 from .load import LoadError, load
+from .prompt_cache import PromptCache
 from .sample import Sampler
 from .spec import SpecOptions
 
@@ -137,6 +139,7 @@ class Engine:
     def __init__(self, model, tokenizer, model_id: str, speculation: SpecOptions | None, max_tokens: int):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.speculation, self.max_tokens = speculation, max_tokens
+        self.prompt_cache: PromptCache | None = None  # the state after the last request's prompt (all but its last token)
         self.jobs: queue.Queue = queue.Queue()
         self.worker = threading.Thread(target=self._run, name="generation", daemon=True)
         self.worker.start()
@@ -164,9 +167,20 @@ class Engine:
             mx.random.seed(job.seed)
         s = job.sampler
         scan, n, finish, last, cut = StopScanner(job.stop), 0, "length", None, False
+        # A prompt that extends the previous one (the next turn of a chat) prefills only its new tokens: the state
+        # after all but its last token is built from the previous request's, and kept for the next request.
+        cached, pc = 0, None
+        if len(job.ids) > 1:
+            prev = self.prompt_cache
+            if prev is not None and prev.tokens == job.ids[:-1]:
+                pc, cached = prev, len(prev.tokens)
+            else:
+                cached = prev.covers(job.ids[:-1]) if prev is not None else 0
+                pc = PromptCache.build(self.model, job.ids[:-1], base=prev)
+            self.prompt_cache = pc
         stream = stream_generate(self.model, self.tokenizer, job.ids, max_tokens=job.max_tokens, temp=s.temp,
                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, chat_template=False,
-                                 speculation=self.speculation)
+                                 speculation=self.speculation, prompt_cache=pc)
         tic = time.perf_counter()
         try:
             for last in stream:
@@ -188,11 +202,12 @@ class Engine:
         tail = "" if cut else scan.flush()  # text after a stop string is dropped; a held-back tail is not
         if tail:
             job.events.put(("text", tail))
-        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         if last is not None and last.speculation is not None:
             usage["speculation"] = last.speculation
-        log.info("request done: %d prompt + %d generated tokens in %.2f s (%s)", len(job.ids), n,
-                 time.perf_counter() - tic, finish)
+        log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s)",
+                 len(job.ids), cached, n, time.perf_counter() - tic, finish)
         job.events.put(("done", {"finish_reason": finish, "usage": usage}))
 
 

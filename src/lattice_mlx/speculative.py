@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import cache as caches
-from .decode import prefill
-from .drafters import make_drafter
+from .decode import resume
+from .drafters import HybridDrafter, MTPDrafter, make_drafter
 from .rounds import speculative_pipelined
 from .sample import Sampler, accept_greedy, accept_sampled
 from .spec import SpecOptions, SpecStats
@@ -161,21 +161,27 @@ def check_split_model(model, options: SpecOptions | None) -> None:
 
 
 def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
-                     drafter=None) -> Iterator[int]:
+                     drafter=None, prompt_cache=None) -> Iterator[int]:
     """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
-    The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names."""
+    The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names.
+    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
     check_split_model(model, options)
     if options.verify == "pipelined":  # every decision on the device (rounds.py); `drafter` is a DraftOverride
+        if prompt_cache is not None:
+            raise ValueError("--verify pipelined does not take a prompt cache yet: use the batched verifier")
         return (yield from speculative_pipelined(model, ids, sampler=sampler, options=options, stats=stats,
                                                  override=drafter))
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
-    cache = model.make_cache(trimmable=False)
-    logits, hidden = prefill(model, ids, cache, return_hidden=True)
+    cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
     agree = getattr(model, "agree", lambda x: x)
     y = agree(sampler(logits)).item()
     history = [*ids.tolist(), y]
-    drafter.start(history[:-1], y, hidden, cache)  # the head's share of the prompt work, before the first token
+    head = drafter.mtp if isinstance(drafter, HybridDrafter) else drafter
+    if n and isinstance(head, MTPDrafter) and head_cache is not None:
+        head.cache = head_cache  # the head's rows of the cached prefix; the rest pairs ids[n:] with hiddens
+    # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
+    drafter.start(history[max(n - 1, 0) : -1], y, hidden, cache)  # the head's share of the prompt work
     yield y
     tuner, seen_k, next_check, off_tokens = None, set(), ADAPTIVE_WARMUP_ROUNDS, FIRST_OFF_TOKENS
     if options.adaptive:
