@@ -104,3 +104,25 @@ def test_loops_without_prompt_cache_support_say_so(checkpoints, kw, flag):
     model, tok = load(checkpoints["untied"])
     with pytest.raises(ValueError, match=f"{flag} does not take a prompt cache"):
         _run(model, tok, IDS, speculation=SpecOptions(**kw), prompt_cache=PromptCache.build(model, IDS[:4]))
+
+
+def test_cli_cache_prompt_then_generate_continues_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "fib.safetensors"
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.cache_prompt", "--prompt", "def fibonacci(n):\n",
+                        "--prompt-cache-file", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--prompt-cache-file", str(path), "--prompt",
+                        "    if n < 2:\n", "--max-tokens", "16", "--mtp", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    model, tok = load()
+    ids = tok.encode("def fibonacci(n):\n") + tok.encode("    if n < 2:\n")
+    assert got["tokens"] == generate(model, tok, ids, max_tokens=16, chat_template=False).tokens
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--prompt-cache-file", str(tmp_path / "no")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot read prompt cache") and "Traceback" not in r.stderr

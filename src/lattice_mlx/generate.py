@@ -165,6 +165,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
+    p.add_argument("--prompt-cache-file", help="a prompt cache saved by `python -m lattice_mlx.cache_prompt`: "
+                   "--prompt continues its prompt (raw text) and only the new tokens are prefilled")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers into stages, one per process (default: tensor parallel)")
     add_speculation_args(p)
@@ -189,10 +191,15 @@ def run(args: argparse.Namespace) -> GenerationResult:
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the model over several processes: launch with mlx.launch -n N")
     model, tokenizer = load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
+    prompt_cache, chat_template = None, not args.no_chat_template
+    if args.prompt_cache_file:  # the prompt continues the cached one (raw text, no chat template)
+        from .prompt_cache import PromptCache
+
+        prompt_cache = PromptCache.load(args.prompt_cache_file, model)
+        prompt, chat_template = prompt_cache.tokens + list(tokenizer.encode(prompt)), False
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p,
-        chat_template=not args.no_chat_template, speculation=speculation,
+        min_p=args.min_p, chat_template=chat_template, speculation=speculation, prompt_cache=prompt_cache,
         on_text=lambda t: print(t, end="", flush=True),
     )
     print()
