@@ -178,3 +178,12 @@ def test_a_prompt_extending_the_last_one_prefills_only_its_new_tokens(client):
     again = client.completions.create(model="m", prompt=turn2, max_tokens=12)
     assert again.usage.prompt_tokens_details.cached_tokens == len(turn2) - 1 and again.choices[0].text == \
         r2.choices[0].text
+
+
+def test_chat_repl_reuses_the_conversation_state():
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.chat", "--max-tokens", "8"], input="def add(a, b):\n"
+                       "class Stack:\n/reset\nimport os\n/quit\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    turns = [line for line in r.stderr.splitlines() if line.startswith("[")]
+    cached = [int(t.split(", ")[1].split()[0]) for t in turns]
+    assert len(turns) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] == 0, turns  # /reset forgets
