@@ -173,3 +173,59 @@ def test_api_speculation_options_are_checked(kwargs):
 
     with pytest.raises(ValueError, match="--draft-tokens|--verify"):
         SpecOptions(**kwargs)
+
+
+# --- mlx-lm's API arguments and CLI flags ---
+
+
+def test_api_takes_a_text_prompt_as_it_is_like_mlx_lm(checkpoints):
+    """mlx-lm's API encodes a text prompt as it is; chat_template=True wraps it as a user message."""
+    model, tok = load(checkpoints["tied"])
+    raw = generate(model, tok, "def f(x):", max_tokens=4)
+    assert raw.prompt_tokens == len(tok.encode("def f(x):"))
+    wrapped = generate(model, tok, "def f(x):", max_tokens=4, chat_template=True)
+    assert wrapped.prompt_tokens > raw.prompt_tokens  # the test checkpoints carry a Qwen-style template
+
+
+def test_api_seed_sampler_and_logits_processors(checkpoints):
+    import mlx.core as mx
+
+    from lattice_mlx import Sampler
+    from lattice_mlx.spec import SpecOptions
+
+    model, tok = load(checkpoints["untied"])
+    prompt = [5, 9, 33, 21, 7, 100]
+    a = generate(model, tok, prompt, max_tokens=12, temp=1.0, seed=3).tokens
+    assert a == generate(model, tok, prompt, max_tokens=12, sampler=Sampler(temp=1.0), seed=3).tokens
+    assert a != generate(model, tok, prompt, max_tokens=12, temp=1.0, seed=4).tokens
+    greedy = generate(model, tok, prompt, max_tokens=12).tokens
+    seen = []
+
+    def ban_first_choice(tokens, logits):  # mlx-lm's processor signature: (tokens so far, logits [1, V])
+        seen.append(tokens.size)
+        return logits + mx.where(mx.arange(logits.shape[-1]) == greedy[0], -mx.inf, 0.0)
+
+    banned = generate(model, tok, prompt, max_tokens=12, logits_processors=[ban_first_choice]).tokens
+    assert greedy[0] not in banned and seen[:3] == [6, 7, 8]
+    with pytest.raises(ValueError, match="logits_processors work with plain decoding only"):
+        generate(model, tok, prompt, max_tokens=4, logits_processors=[ban_first_choice], speculation=SpecOptions())
+    with pytest.raises(ValueError, match="sampler must be a lattice_mlx.Sampler"):
+        generate(model, tok, prompt, max_tokens=4, sampler=lambda logits: mx.argmax(logits))
+
+
+def test_cli_mlx_lm_flags(checkpoints):
+    path = str(checkpoints["tied"])
+    plain = run_cli("-m", path, "-p", "def f(x):", "--max-tokens", "6", "--json")
+    system = run_cli("-m", path, "-p", "def f(x):", "--max-tokens", "6", "--json", "--system-prompt", "be brief")
+    raw = run_cli("-m", path, "-p", "def f(x):", "--max-tokens", "6", "--json", "--ignore-chat-template")
+    n = [json.loads(r.stdout.strip().splitlines()[-1])["prompt_tokens"] for r in (plain, system, raw)]
+    assert n[1] > n[0] > n[2], n
+    quiet = run_cli("-m", path, "-p", "def f(x):", "--max-tokens", "6", "--verbose", "false")
+    assert quiet.returncode == 0 and "tok/s" not in quiet.stderr and quiet.stdout.strip()
+    tokens = json.loads(plain.stdout.strip().splitlines()[-1])["tokens"]
+    model, tok = load(path)
+    stop = tok.convert_ids_to_tokens(tokens[2])
+    cut = run_cli("-m", path, "-p", "def f(x):", "--max-tokens", "6", "--json", "--extra-eos-token", stop)
+    assert json.loads(cut.stdout.strip().splitlines()[-1])["tokens"] == tokens[: tokens.index(tokens[2]) + 1]
+    bad = run_cli("-m", path, "--extra-eos-token", "no-such-token-xyz")
+    assert bad.returncode == 1 and "is not a token of this tokenizer" in bad.stderr

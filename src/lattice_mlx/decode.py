@@ -39,18 +39,33 @@ def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):
 
 
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None,
-                  prompt_cache=None) -> Iterator[int]:
+                  prompt_cache=None, logits_processors: list | None = None) -> Iterator[int]:
     """Plain decoding: one target forward per token; the next step is queued before the current token is yielded.
-    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again."""
+    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again. `logits_processors`:
+    mlx-lm's callables (tokens so far [N], logits [1, V]) -> logits, applied in order before sampling."""
     agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
     if cache is None:
         cache, _, logits, _, _ = resume(model, ids, prompt_cache)
     else:
         logits, _ = prefill(model, ids, cache)
-    y = agree(sampler(logits))
+    history = ids
+
+    def pick(logits: mx.array) -> mx.array:
+        nonlocal history
+        if logits_processors:
+            logits = logits[None]
+            for proc in logits_processors:
+                logits = proc(history, logits)
+            logits = logits[0]
+        y = agree(sampler(logits))
+        if logits_processors:
+            history = mx.concatenate([history, y.reshape(1).astype(history.dtype)])
+        return y
+
+    y = pick(logits)
     mx.async_eval(y)
     while True:
-        next_y = agree(sampler(model(y.reshape(1, 1), cache)[0, -1]))
+        next_y = pick(model(y.reshape(1, 1), cache)[0, -1])
         mx.async_eval(next_y)
         yield y.item()
         y = next_y

@@ -63,20 +63,23 @@ def check_max_tokens(max_tokens: int) -> None:
         raise ValueError(f"max_tokens (--max-tokens) must be an integer >= 1, got {max_tokens!r}")
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = True) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = True,
+                  system_prompt: str | None = None) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
     if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     return list(tokenizer.encode(prompt))
 
 
 def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | None,
-                 prompt_cache=None) -> tuple[Iterator[int], SpecStats | None]:
+                 prompt_cache=None, logits_processors=None) -> tuple[Iterator[int], SpecStats | None]:
     """The token iterator for the chosen decoding (plain, chain speculation, or tree) and the stats it fills."""
     if options is None:
-        return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache), None
+        return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache,
+                             logits_processors=logits_processors), None
     if options.needs_mtp and not model.has_mtp:
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
@@ -93,15 +96,29 @@ def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | 
 
 def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
-    top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = True,
-    speculation: SpecOptions | None = None, prompt_cache=None,
+    top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = False,
+    speculation: SpecOptions | None = None, prompt_cache=None, seed: int | None = None,
+    sampler: Sampler | None = None, logits_processors: list | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
     `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics.
+
+    As in mlx-lm's API, a text prompt is encoded as it is; `chat_template=True` wraps it as one user message.
     `prompt_cache` (prompt_cache.PromptCache, or its saved file's path): the state after a prefix of the prompt,
-    which is then not prefilled again (`prompt_tokens` still counts the whole prompt)."""
+    which is then not prefilled again (`prompt_tokens` still counts the whole prompt). `seed` seeds MLX's random
+    state first. `sampler` (a sample.Sampler) replaces temp/top_p/top_k/min_p. `logits_processors`: mlx-lm's
+    callables (tokens so far, logits [1, V]) -> logits, applied before sampling; plain decoding only (speculation
+    would have to apply them to every verify row with its own history, which is not done)."""
     check_max_tokens(max_tokens)
-    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    if sampler is None:
+        sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    elif not isinstance(sampler, Sampler):
+        raise ValueError("sampler must be a lattice_mlx.Sampler (speculation needs its probabilities), got "
+                         f"{type(sampler).__name__}")
+    if logits_processors and speculation is not None:
+        raise ValueError("logits_processors work with plain decoding only: drop them or the speculation")
+    if seed is not None:
+        mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -109,7 +126,7 @@ def stream_generate(
         from .prompt_cache import PromptCache
 
         prompt_cache = PromptCache.load(prompt_cache, model)
-    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache)
+    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache, logits_processors)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
@@ -151,10 +168,20 @@ def generate(model, tokenizer, prompt: str | list[int], *, on_text=None, **kwarg
     )
 
 
+def _bool(v: str) -> bool:
+    if v.lower() in ("true", "t", "1", "yes"):
+        return True
+    if v.lower() in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
 def setup_arg_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m lattice_mlx.generate", description="Generate text with a Qwen3.5 model.")
-    p.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: the embedded demo model)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads standard input")
+    p.add_argument("--model", "-m", help="checkpoint directory or Hugging Face repo id (default: the embedded demo "
+                   "model)")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text; '-' reads standard input")
+    p.add_argument("--system-prompt", help="a system message before the prompt (with the chat template)")
     # ranges are checked once, by the API (check_max_tokens, Sampler, SpecOptions), for both
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temp", type=float, default=DEFAULT_TEMP)
@@ -163,7 +190,12 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p x the top token's (0: off)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
-    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
+                   help="feed the prompt as raw text (the CLI applies the chat template by default, as mlx-lm's does)")
+    p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN",
+                   help="more tokens (as text) that end the generation")
+    p.add_argument("--verbose", type=_bool, default=True, metavar="{true,false}",
+                   help="false: print only the generated text (no statistics)")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
     p.add_argument("--prompt-cache-file", help="a prompt cache saved by `python -m lattice_mlx.cache_prompt`: "
                    "--prompt continues its prompt (raw text) and only the new tokens are prefilled")
@@ -191,18 +223,27 @@ def run(args: argparse.Namespace) -> GenerationResult:
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the model over several processes: launch with mlx.launch -n N")
     model, tokenizer = load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
+    for token in args.extra_eos_token:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tokenizer.convert_ids_to_tokens(tid) != token:  # (an unknown token maps to <unk>)
+            raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
+        tokenizer.add_eos_token(token)
     prompt_cache, chat_template = None, not args.no_chat_template
     if args.prompt_cache_file:  # the prompt continues the cached one (raw text, no chat template)
         from .prompt_cache import PromptCache
 
         prompt_cache = PromptCache.load(args.prompt_cache_file, model)
         prompt, chat_template = prompt_cache.tokens + list(tokenizer.encode(prompt)), False
+    else:
+        prompt = encode_prompt(tokenizer, prompt, chat_template=chat_template, system_prompt=args.system_prompt)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, chat_template=chat_template, speculation=speculation, prompt_cache=prompt_cache,
         on_text=lambda t: print(t, end="", flush=True),
     )
     print()
+    if not args.verbose:
+        return result
     print(
         f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s | generation: "
         f"{result.generation_tokens} tokens, {result.generation_tps:.1f} tok/s | peak memory: "
