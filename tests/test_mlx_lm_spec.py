@@ -108,7 +108,7 @@ def test_trim_is_exact_and_bounded(pair):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_mtp_draft_model_in_mlx_lm_is_greedy_exact(checkpoints, k, compile_mode):
+def test_mtp_draft_model_in_mlx_lm_is_greedy_exact(checkpoints, k):
     """fp32 random checkpoints (tied, untied, the rest): mlx-lm's loop with the MTP head drafting gives plain's tokens."""
     for name, path in checkpoints.items():
         target, tok = load(path)

@@ -8,6 +8,7 @@ import pytest
 from lattice_mlx import cache as caches
 from lattice_mlx import load, rounds
 from lattice_mlx.decode import generate_step, prefill
+from lattice_mlx.metal.gated_delta import picked
 from lattice_mlx.sample import Sampler
 from lattice_mlx.spec import SpecOptions, SpecStats
 from lattice_mlx.speculative import check_split_model, speculative_step
@@ -85,7 +86,8 @@ def test_fixed_kv_cache_clamps_an_out_of_range_offset():
 
 
 def test_gdn_pick_equals_rollback(checkpoints):
-    """Keeping n of a recorded forward's steps by device index gives what rollback's host-side slices give."""
+    """Keeping n of a recorded forward's steps by device index (read in place by the next forward: `picked` is what
+    its kernel reads) gives what rollback's host-side slices give."""
     model, _ = load(checkpoints["untied"])
     for keep in range(1, 5):
         a, b = model.make_cache(trimmable=False), model.make_cache(trimmable=False)
@@ -95,9 +97,10 @@ def test_gdn_pick_equals_rollback(checkpoints):
             model(mx.array([[40, 41, 42, 43]]), c)
         for ca, cb in zip(a, b):
             if isinstance(ca, caches.GDNCache):
-                ca.pick(mx.array(keep - 1), mx.arange(keep, keep + ca.conv.shape[1]))
+                ca.pick(mx.array([keep, keep - 1], dtype=mx.int32))
                 cb.rollback(4 - keep)
-                assert mx.array_equal(ca.conv, cb.conv).item() and mx.array_equal(ca.ssm, cb.ssm).item()
+                conv, ssm = picked(ca.conv, ca.ssm, ca.window_pick, cb.conv.shape[1])
+                assert mx.array_equal(conv, cb.conv).item() and mx.array_equal(ssm, cb.ssm).item()
 
 
 def _self_drafts(model, temp: float = 0.3):
@@ -114,7 +117,7 @@ def _self_drafts(model, temp: float = 0.3):
                 s.offset, s.bound = c.offset, c.bound
             else:
                 s = caches.GDNCache()
-                s.conv, s.ssm = c.conv, c.ssm
+                s.conv, s.ssm, s.window_pick = c.conv, c.ssm, c.window_pick
             scratch.append(s)
         tok, out, qs = state.y, [], []
         for _ in range(drafts.shape[0]):

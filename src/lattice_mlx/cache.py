@@ -132,6 +132,7 @@ class GDNCache:
         self._base_state: mx.array | None = None
         self._conv_in: list[mx.array] = []  # each recorded call's conv input [B, W + T, C] (its window first)
         self._states: list[mx.array] = []
+        self.window_pick: mx.array | None = None  # pick(): conv/ssm hold a whole verify's arrays, read at this index
 
     @property
     def state(self) -> list:
@@ -164,6 +165,7 @@ class GDNCache:
             self._base_state, self._conv_in, self._states = None, [], []
         self.conv = conv_in[:, -window:]
         self.ssm = new_state
+        self.window_pick = None
         self.offset += conv_in.shape[1] - window
 
     def record_tree(self, windows: mx.array, states: mx.array) -> None:
@@ -202,14 +204,14 @@ class GDNCache:
         self.recording = False
         self._base_state, self._conv_in, self._states = None, [], []
 
-    def pick(self, last: mx.array, window: mx.array) -> None:
-        """Pipelined rounds (rounds.py): continue from step `last` (a device scalar) of the one recorded forward, the
-        conv window being rows `window` [K-1] of its conv input (last + 1 .. last + K - 1; computed once per round
-        for every layer); the region stays open for the next forward. `offset` then counts every row written, kept
-        or not (nothing computes with it)."""
+    def pick(self, index: mx.array) -> None:
+        """Pipelined rounds (rounds.py): continue from step n of the one recorded forward, index = [n + 1, n] (a
+        device array, one per round for every layer). Nothing is gathered: `conv` and `ssm` become the forward's
+        whole conv input and per-step states and `window_pick` = index, and the next forward's GDN kernel reads
+        the window (rows n + 1 ..) and state (step n) in place (metal/gated_delta.py `picked`). The region stays
+        open for the next forward. `offset` then counts every row written, kept or not (nothing computes with it)."""
         (conv_in,), (states,) = self._conv_in, self._states
-        self.conv = mx.take(conv_in, window, axis=1)
-        self.ssm = mx.take(states, last, axis=1)
+        self.conv, self.ssm, self.window_pick = conv_in, states, index
         self._base_state, self._conv_in, self._states = None, [], []
 
     def snapshot(self) -> tuple:

@@ -78,7 +78,6 @@ class PipelinedRounds:
             c.offset = self.kv[0].offset
         for c in self.gdn:
             c.begin()  # every verify records its steps; pick() keeps the accepted ones
-        self.window = mx.arange(1, model.args.linear_conv_kernel_dim) if self.gdn else None
         self.p = len(prompt)
         self.tail = len(tail)
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
@@ -139,9 +138,9 @@ class PipelinedRounds:
             for c in self.kv:
                 c.offset = offset
         if self.gdn:
-            window = self.window + n  # the conv window after step n: conv input rows n + 1 .. n + K - 1
+            index = mx.stack([n + 1, n]).astype(mx.int32)  # the conv window from row n + 1, the state of step n
             for c in self.gdn:
-                c.pick(n, window)
+                c.pick(index)
         self.y = token.reshape(1)
         self.ptok, self.phid, self.pn = tokens, hidden[0], n
         if self.override is not None:  # (else never read: an ever longer chain of lazy adds)

@@ -141,19 +141,20 @@ class Engine:
         self.speculation, self.max_tokens = speculation, max_tokens
         self.prompt_cache: PromptCache | None = None  # the state after the last request's prompt (all but its last token)
         self.jobs: queue.Queue = queue.Queue()
-        self.worker = threading.Thread(target=self._run, name="generation", daemon=True)
-        self.worker.start()
+        self.stopping = threading.Event()
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
         return job
 
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.worker.join(timeout=30)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+    def run(self) -> None:
+        """The generation loop, on the thread that loaded the model (MLX is used from that thread only), until
+        `stopping` is set; the job in progress finishes first."""
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
             if job.cancelled.is_set():
                 continue
             try:
@@ -161,6 +162,8 @@ class Engine:
             except Exception as e:  # one request's failure is reported to it; the server goes on
                 log.exception("generation failed")
                 job.events.put(("error", f"generation failed: {e}"))
+        while not self.jobs.empty():  # requests still waiting get an answer, not a hang
+            self.jobs.get().events.put(("error", "the server is shutting down"))
 
     def _generate(self, job: Job) -> None:
         if job.seed is not None:
@@ -362,19 +365,22 @@ def main(argv: list[str] | None = None) -> int:
     httpd.RequestHandlerClass = make_handler(engine)
     httpd.daemon_threads = True
 
-    def stop(signum, frame):  # graceful: stop accepting, let the worker finish its job, exit 0
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
+    def stop(signum, frame):  # graceful: the job in progress finishes, then no more are taken; exit 0
+        engine.stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = httpd.server_address[:2]
     log.info("serving %s on http://%s:%d/v1 (MTP %s)", engine.model_id, host, port,
              f"on, K up to {args.draft_tokens}, adaptive" if speculation else "off")
+    # HTTP on a thread of its own; generation on this one, where the model was loaded
+    http_thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+    http_thread.start()
     try:
-        httpd.serve_forever()
+        engine.run()
     finally:
+        httpd.shutdown()
         httpd.server_close()
-        engine.close()
         log.info("shut down")
     return 0
 

@@ -105,7 +105,7 @@ def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
     if op == "gated_delta_conv":
         ins = [("qkv", bf), ("conv_state", bf), ("conv_w", bf), ("a", bf), ("b", bf), ("A_log", "float"),
-               ("dt_bias", bf), ("state_in", "float"), ("cols", "int")]
+               ("dt_bias", bf), ("state_in", "float"), ("cols", "int"), ("pick", "int")]
         unit = cuda_translation_unit(
             BODIES[op],
             ins,

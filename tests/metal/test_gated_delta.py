@@ -352,3 +352,40 @@ def test_conv_kernel_reads_packed_projection_in_place(dtype, T, step):
     ref = gated_delta_conv_kernel(qkv, cs, cw, a, b, A_log, dt_bias, state, heads=heads, step_states=step)
     for name, g, r in zip(("y", "state", "conv_in"), got, ref):
         assert mx.array_equal(g, r), name
+
+
+def _picked_inputs(dtype, step):
+    """A previous verify's whole conv input [B, 3 + 5, C] and per-step states [B, 5, Hv, Dv, Dk], and a pick."""
+    B, T, Hk, Hv, Dk, Dv = 2, 4, 2, 4, 64, 32
+    qkv, _, cw, a, b, A_log, dt_bias, _ = make_conv_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=11)
+    rng = np.random.default_rng(12)
+    prev = mx.array(rng.standard_normal((B, 3 + 5, qkv.shape[-1])).astype(np.float32)).astype(dtype)
+    states = mx.array(rng.standard_normal((B, 5, Hv, Dv, Dk)).astype(np.float32) * 0.1)
+    return (qkv, prev, cw, a, b, A_log, dt_bias, states), mx.array([step + 1, step], dtype=mx.int32), (Hk, Dk, Hv, Dv)
+
+
+@pytest.mark.parametrize("step", [0, 2, 4])
+def test_conv_ref_reads_a_picked_window_and_state(step):
+    """`pick` = [n + 1, n]: the window is rows n + 1 .. n + 3 of the previous conv input, the state its step n."""
+    inputs, pick, heads = _picked_inputs(mx.float32, step)
+    qkv, prev, cw, a, b, A_log, dt_bias, states = inputs
+    got = gated_delta_conv_ref(*inputs, heads=heads, step_states=True, pick=pick)
+    want = gated_delta_conv_ref(qkv, prev[:, step + 1 : step + 4], cw, a, b, A_log, dt_bias, states[:, step],
+                                heads=heads, step_states=True)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("step", [0, 2, 4])
+def test_conv_kernel_reads_the_picked_window_and_state_in_place(step, dtype):
+    """Pipelined rounds: the kernel reading the window and state at a device index from the previous verify's
+    arrays is bitwise the kernel given those rows as separate arrays (no gathers)."""
+    inputs, pick, heads = _picked_inputs(dtype, step)
+    qkv, prev, cw, a, b, A_log, dt_bias, states = inputs
+    got = gated_delta_conv_kernel(*inputs, heads=heads, step_states=True, pick=pick, init_value=float("nan"))
+    want = gated_delta_conv_kernel(qkv, prev[:, step + 1 : step + 4], cw, a, b, A_log, dt_bias, states[:, step],
+                                   heads=heads, step_states=True, init_value=float("nan"))
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()

@@ -402,7 +402,11 @@ def gated_delta_update(
 # three contiguous copies: ~7 ops of ~6 us each on the H200, against ~9 us for the recurrence itself. This form
 # reads the raw projection and the conv state, keeps each channel's window in registers, and writes the
 # concatenated conv input [B, KC-1+T, C] that the cache slices (new conv state) or keeps (rollback).
-_BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
+_BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
+    "S[i] = state_in[srow + lane + 32 * i];",
+    # state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
+    "S[i] = state_in[(((int64_t(bi) * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv) * Dk + lane + 32 * i];",
+) + """
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
   constexpr int W = KC - 1;
   const bool qk_writer = (dv == 0) && (hv % (Hv / Hk) == 0);
@@ -417,9 +421,10 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
     }
     wv[j] = LX_F32(conv_w[cv * KC + j]);
   }
-  // Window rows 0..W-1 come from the conv state; they are also the first rows of conv_in.
+  // Window rows 0..W-1 come from the conv state (rows pick[0] .. pick[0] + W - 1 of conv_state [B, R, C]: a plain
+  // window, or a previous verify's whole conv input); they are also the first rows of conv_in.
   for (int r = 0; r < W; ++r) {
-    const int src = (bi * W + r) * C;
+    const int64_t src = (int64_t(bi) * conv_state_shape[1] + pick[0] + r) * C;
     const int dst = (bi * (W + T) + r) * C;
     for (int i = 0; i < NK; ++i) {
       xq[i][r] = LX_F32(conv_state[src + cq[i]]);
@@ -487,7 +492,7 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]") + """
     for (int i = 0; i < NK; ++i) state_out[srow + lane + 32 * i] = S[i];
   }
 """
-_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "cols")
+_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "cols", "pick")
 _CONV_OUTPUTS = ("y", "state_out", "conv_in")
 # The fused form serves decode and verify (T below this); longer prompts take conv1d + the batched form.
 CONV_FUSED_MAX_T = BATCHED_FROM_T - 1
@@ -508,12 +513,23 @@ def conv_silu_ref(conv_in: mx.array, conv_w: mx.array) -> mx.array:
     return nn.silu(acc.astype(conv_in.dtype))
 
 
+def picked(conv_state: mx.array, state: mx.array | None, pick: mx.array | None, window: int):
+    """With `pick` = [row, step] (device int32): the window rows row .. row + window - 1 of conv_state [B, R, C] and
+    step `step` of state [B, ST, Hv, Dv, Dk] (a previous verify's conv input and per-step states); else as given."""
+    if pick is None:
+        return conv_state, state
+    return mx.take(conv_state, pick[0] + mx.arange(window), axis=1), mx.take(state, pick[1], axis=1)
+
+
 def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *, heads: tuple[int, int, int, int],
-                         step_states: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+                         step_states: bool = False, pick: mx.array | None = None
+                         ) -> tuple[mx.array, mx.array, mx.array]:
     """Reference of the fused form: conv_in = [conv_state; qkv], conv + SiLU, split into q/k/v, the recurrence.
-    heads = (Hk, Dk, Hv, Dv). Returns y [B, T, Hv, Dv], the state (final or per step) and conv_in."""
+    heads = (Hk, Dk, Hv, Dv). Returns y [B, T, Hv, Dv], the state (final or per step) and conv_in. `pick`: see
+    `picked`."""
     Hk, Dk, Hv, Dv = heads
     B, T, _ = qkv.shape
+    conv_state, state = picked(conv_state, state, pick, conv_w.shape[-1] - 1)
     conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)
     q, k, v = mx.split(conv_silu_ref(conv_in, conv_w), [Hk * Dk, 2 * Hk * Dk], axis=-1)
     y, s = gated_delta_update(q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv), a, b,
@@ -532,13 +548,18 @@ def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array
     return src[..., :C], src[..., a_col : a_col + Hv], src[..., b_col : b_col + Hv]
 
 
+_NO_PICK = mx.array([0, 0], dtype=mx.int32)
+
+
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
                             heads: tuple[int, int, int, int], step_states: bool = False,
-                            packed: tuple[mx.array, int, int] | None = None,
+                            packed: tuple[mx.array, int, int] | None = None, pick: mx.array | None = None,
                             init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """The GPU kernel of the fused form; same contract as `gated_delta_conv_ref`. With `packed` = (src, b_col,
     a_col), qkv, b and a are read in place as columns [0, C), [b_col, b_col + Hv), [a_col, a_col + Hv) of src
-    [B, T, S] (the fused in_proj's output), and the qkv, a, b arguments are ignored: no copies of the slices."""
+    [B, T, S] (the fused in_proj's output), and the qkv, a, b arguments are ignored: no copies of the slices.
+    With `pick` the window and the state are read in place from a previous verify's conv input and per-step
+    states (`picked`): no gathers (pipelined rounds)."""
     Hk, Dk, Hv, Dv = heads
     C = 2 * Hk * Dk + Hv * Dv
     KC = conv_w.shape[-1]
@@ -551,14 +572,19 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         assert qkv.shape[-1] == C and a.shape[-1] == b.shape[-1] == Hv
         cols = _cols(C, 0, Hv, 0, Hv, 0)
     B, T, _ = qkv.shape
-    assert conv_state.shape[1:] == (KC - 1, C)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if pick is None:
+        assert conv_state.shape[1:] == (KC - 1, C)
+        state, pick = state.reshape(B, 1, Hv, Dv, Dk), _NO_PICK
+    else:
+        assert conv_state.shape[1] >= KC - 1 and conv_state.shape[2] == C and state.ndim == 5
+        pick = pick.astype(mx.int32)
     kernel = _dialect.build("lattice_gated_delta_conv", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS)
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
     y, s, conv_in = kernel(
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,
-                state if state.dtype == mx.float32 else state.astype(mx.float32), cols],
+                state if state.dtype == mx.float32 else state.astype(mx.float32), cols, pick],
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
                   ("STEP", step_states)],
         grid=(32, Dv, B * Hv),
@@ -572,17 +598,18 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
 
 def gated_delta_conv_update(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
                             heads: tuple[int, int, int, int], step_states: bool = False,
-                            packed: tuple[mx.array, int, int] | None = None
+                            packed: tuple[mx.array, int, int] | None = None, pick: mx.array | None = None
                             ) -> tuple[mx.array, mx.array, mx.array]:
     """The model's entry point for a GDN mixer step after its input projection: conv + SiLU + recurrence.
     conv_state [B, KC-1, C] (zeros when starting), conv_w [C, KC]. qkv, a, b may be None when `packed` (see
-    `gated_delta_conv_kernel`) holds them."""
+    `gated_delta_conv_kernel`) holds them. `pick`: the window and state chosen from a previous verify's arrays
+    on the device (`picked`; pipelined rounds)."""
     Hk, Dk, Hv, Dv = heads
     T = (packed[0] if packed is not None else qkv).shape[1]
     if use_kernels() and T <= CONV_FUSED_MAX_T and Dk % 32 == 0 and Dk <= 256 and Dv % 4 == 0 and Hv % Hk == 0:
         return gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
-                                       step_states=step_states, packed=packed)
+                                       step_states=step_states, packed=packed, pick=pick)
     if packed is not None:
         qkv, a, b = unpack(packed, 2 * Hk * Dk + Hv * Dv, Hv)
     return gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
-                                step_states=step_states)
+                                step_states=step_states, pick=pick)

@@ -60,10 +60,11 @@ def forced(on: bool | None):
 
 
 class _GDNState:
-    """Stands in for a GDNCache inside a trace: the layer reads conv/ssm/recording and hands back its update."""
+    """Stands in for a GDNCache inside a trace: the layer reads conv/ssm/window_pick/recording and hands back its
+    update."""
 
-    def __init__(self, conv, ssm, recording: bool):
-        self.conv, self.ssm, self.recording = conv, ssm, recording
+    def __init__(self, conv, ssm, recording: bool, window_pick=None):
+        self.conv, self.ssm, self.recording, self.window_pick = conv, ssm, recording, window_pick
         self.out = None
 
     def records(self, T: int) -> bool:
@@ -76,8 +77,8 @@ class _GDNState:
 # Each compiled function also takes `kernels` (use_kernels() at the call), a plain bool that MLX keys its trace cache
 # on: the kernel dispatch inside a layer is decided while tracing, so LATTICE_KERNELS changed later picks (or
 # traces) the matching trace instead of replaying the other one.
-def _gdn_layer(layer, x: mx.array, conv, ssm, recording: bool, kernels: bool):
-    state = _GDNState(conv, ssm, recording)
+def _gdn_layer(layer, x: mx.array, conv, ssm, window_pick, recording: bool, kernels: bool):
+    state = _GDNState(conv, ssm, recording, window_pick)
     y = layer(x, state)
     return (y, *state.out)
 
@@ -110,7 +111,7 @@ class CompiledLayers:
         for layer, c, fn in zip(self.layers, cache, self.fns):
             if layer.is_linear:
                 record = c.records(T)
-                h, conv_in, new_state = fn(h, c.conv, c.ssm, record, kernels)
+                h, conv_in, new_state = fn(h, c.conv, c.ssm, getattr(c, "window_pick", None), record, kernels)
                 c.update(conv_in, new_state, window=layer.linear_attn.kernel_size - 1, stepwise=record)
             else:
                 attn_in, attn_out = fn

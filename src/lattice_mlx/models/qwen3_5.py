@@ -262,7 +262,7 @@ class GatedDeltaNet(nn.Module):
             y, new_state, conv_in = gated_delta_conv_update(
                 qkv, conv_state, self.conv1d.weight.reshape(self.conv_dim, self.kernel_size), a, b, self.A_log,
                 self.dt_bias, cache.ssm if cache is not None else None, heads=(self.Hk, self.Dk, self.Hv, self.Dv),
-                step_states=record, packed=packed)
+                step_states=record, packed=packed, pick=getattr(cache, "window_pick", None))
             if cache is not None:
                 cache.update(conv_in, new_state, window=self.kernel_size - 1, stepwise=record)
         gated = Pre("gated_rms", self.norm.weight, self.norm.eps, src=z_src, offset=z_offset)
