@@ -229,3 +229,36 @@ def test_cli_mlx_lm_flags(checkpoints):
     assert json.loads(cut.stdout.strip().splitlines()[-1])["tokens"] == tokens[: tokens.index(tokens[2]) + 1]
     bad = run_cli("-m", path, "--extra-eos-token", "no-such-token-xyz")
     assert bad.returncode == 1 and "is not a token of this tokenizer" in bad.stderr
+
+
+def test_max_kv_size_bounds_the_attention_caches(checkpoints, monkeypatch):
+    """Plain decoding with a rotating KV cache: the same tokens as unbounded decoding while everything fits, then it
+    goes on past the window with the attention caches' buffers held to max_kv_size rows, on both decode paths."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from lattice_mlx.spec import SpecOptions
+
+    model, tok = load(checkpoints["untied"])
+    prompt = list(range(3, 23))  # 20 tokens
+    made = []
+    real = model.make_cache
+
+    def spy(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(model, "make_cache", spy)
+    import mlx.core as mx
+
+    no_eos = [lambda tokens, logits: logits + mx.where(mx.arange(logits.shape[-1]) == 0, -mx.inf, 0.0)]
+    for compiled in ("1", "0"):
+        monkeypatch.setenv("LATTICE_COMPILE", compiled)
+        full = generate(model, tok, prompt, max_tokens=60, logits_processors=no_eos).tokens
+        bounded = generate(model, tok, prompt, max_tokens=60, max_kv_size=48, logits_processors=no_eos).tokens
+        assert bounded[:27] == full[:27] and len(bounded) == 60  # (20 + 27 < 48: nothing rotated out yet)
+        rot = [c for c in made[-1] if isinstance(c, RotatingKVCache)]
+        assert rot and all(c.keys.shape[2] <= 48 for c in rot)
+    with pytest.raises(ValueError, match="works with plain decoding only"):
+        generate(model, tok, prompt, max_tokens=4, max_kv_size=48, speculation=SpecOptions())
+    with pytest.raises(ValueError, match="must be an integer > 4"):
+        generate(model, tok, prompt, max_tokens=4, max_kv_size=3)

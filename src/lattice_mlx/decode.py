@@ -39,11 +39,17 @@ def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):
 
 
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None,
-                  prompt_cache=None, logits_processors: list | None = None) -> Iterator[int]:
+                  prompt_cache=None, logits_processors: list | None = None,
+                  max_kv_size: int | None = None) -> Iterator[int]:
     """Plain decoding: one target forward per token; the next step is queued before the current token is yielded.
     `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again. `logits_processors`:
-    mlx-lm's callables (tokens so far [N], logits [1, V]) -> logits, applied in order before sampling."""
+    mlx-lm's callables (tokens so far [N], logits [1, V]) -> logits, applied in order before sampling.
+    `max_kv_size`: attention layers keep at most that many keys (a sliding window past it)."""
     agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
+    if cache is None and max_kv_size:
+        if prompt_cache is not None:
+            raise ValueError("--max-kv-size does not take a prompt cache: drop one of them")
+        cache = model.make_cache(trimmable=False, max_kv_size=max_kv_size)
     if cache is None:
         cache, _, logits, _, _ = resume(model, ids, prompt_cache)
     else:

@@ -75,11 +75,11 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
 
 
 def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | None,
-                 prompt_cache=None, logits_processors=None) -> tuple[Iterator[int], SpecStats | None]:
+                 prompt_cache=None, logits_processors=None, max_kv_size=None) -> tuple[Iterator[int], SpecStats | None]:
     """The token iterator for the chosen decoding (plain, chain speculation, or tree) and the stats it fills."""
     if options is None:
         return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache,
-                             logits_processors=logits_processors), None
+                             logits_processors=logits_processors, max_kv_size=max_kv_size), None
     if options.needs_mtp and not model.has_mtp:
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
                                                               f"--draft {options.draft}")
@@ -98,7 +98,7 @@ def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = False,
     speculation: SpecOptions | None = None, prompt_cache=None, seed: int | None = None,
-    sampler: Sampler | None = None, logits_processors: list | None = None,
+    sampler: Sampler | None = None, logits_processors: list | None = None, max_kv_size: int | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
     `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics.
@@ -108,7 +108,8 @@ def stream_generate(
     which is then not prefilled again (`prompt_tokens` still counts the whole prompt). `seed` seeds MLX's random
     state first. `sampler` (a sample.Sampler) replaces temp/top_p/top_k/min_p. `logits_processors`: mlx-lm's
     callables (tokens so far, logits [1, V]) -> logits, applied before sampling; plain decoding only (speculation
-    would have to apply them to every verify row with its own history, which is not done)."""
+    would have to apply them to every verify row with its own history, which is not done). `max_kv_size`: the
+    attention layers keep at most that many keys (the first 4 and a sliding window; plain decoding only)."""
     check_max_tokens(max_tokens)
     if sampler is None:
         sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -117,6 +118,11 @@ def stream_generate(
                          f"{type(sampler).__name__}")
     if logits_processors and speculation is not None:
         raise ValueError("logits_processors work with plain decoding only: drop them or the speculation")
+    if max_kv_size is not None:
+        if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size <= 4:
+            raise ValueError(f"max_kv_size (--max-kv-size) must be an integer > 4, got {max_kv_size!r}")
+        if speculation is not None:
+            raise ValueError("max_kv_size (--max-kv-size) works with plain decoding only: drop it or the speculation")
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
@@ -126,7 +132,8 @@ def stream_generate(
         from .prompt_cache import PromptCache
 
         prompt_cache = PromptCache.load(prompt_cache, model)
-    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache, logits_processors)
+    tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache, logits_processors,
+                                 max_kv_size)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
@@ -192,6 +199,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
                    help="feed the prompt as raw text (the CLI applies the chat template by default, as mlx-lm's does)")
+    p.add_argument("--max-kv-size", type=int, help="attention layers keep at most this many keys (the first 4 "
+                   "and a sliding window; plain decoding only)")
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN",
                    help="more tokens (as text) that end the generation")
     p.add_argument("--verbose", type=_bool, default=True, metavar="{true,false}",
@@ -239,6 +248,7 @@ def run(args: argparse.Namespace) -> GenerationResult:
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, chat_template=chat_template, speculation=speculation, prompt_cache=prompt_cache,
+        max_kv_size=args.max_kv_size,
         on_text=lambda t: print(t, end="", flush=True),
     )
     print()

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
 
 from ..metal import use_kernels
 from ..metal.attention import sdpa
@@ -117,8 +118,10 @@ class CompiledLayers:
                 attn_in, attn_out = fn
                 offset = c.offset if isinstance(c.offset, mx.array) else mx.array(c.offset, dtype=mx.int32)
                 q, k, v, gate_src = attn_in(h, offset, kernels)
+                # a rotating cache (max_kv_size) masks a sliding window once it has rotated
+                mask = c.make_mask(T) if isinstance(c, RotatingKVCache) else None
                 k, v = c.update_and_fetch(k, v)
-                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask="causal" if T > 1 else None,
+                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask=mask if mask is not None or T == 1 else "causal",
                            length=getattr(c, "length", None))
                 h = attn_out(h, out, gate_src, kernels)
         return h

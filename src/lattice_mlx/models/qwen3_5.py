@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import GDNCache, KVCache, NullCache
@@ -328,6 +329,8 @@ class Attention(nn.Module):
         q, k, v, gate_src = self.project(x, offset, tree, norm=norm)
         if tree is not None:
             mask = tree.attention_mask(offset)
+        elif mask is None and isinstance(cache, RotatingKVCache):
+            mask = cache.make_mask(T)  # a sliding window once the cache has rotated (None for one row)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:
@@ -514,12 +517,15 @@ class Model(nn.Module):
     def has_mtp(self) -> bool:
         return "mtp" in self
 
-    def make_cache(self, *, trimmable: bool = True) -> list:
+    def make_cache(self, *, trimmable: bool = True, max_kv_size: int | None = None) -> list:
         """One cache per layer. `trimmable` (the default, what mlx-lm's make_prompt_cache gets): GDN caches record
         short forwards so that mlx-lm's speculative loop can trim them (cache.GDNCache); this package's own loops
-        pass False and roll back through begin/rollback instead."""
+        pass False and roll back through begin/rollback instead. `max_kv_size`: the attention layers keep at most
+        that many keys (mlx-lm's RotatingKVCache, its first 4 kept; plain decoding only)."""
+        def kv():
+            return RotatingKVCache(max_size=max_kv_size, keep=4) if max_kv_size else KVCache()
         return [NullCache() if isinstance(layer, SkipLayer) else GDNCache(trimmable=trimmable) if layer.is_linear
-                else KVCache() for layer in self.layers]
+                else kv() for layer in self.layers]
 
     def pipeline(self, group=None, split: list[int] | None = None) -> set[str]:
         """Pipeline parallel over `group`, in place: this process keeps only its stage's decoder layers (layers
