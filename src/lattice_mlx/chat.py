@@ -11,13 +11,8 @@ from .generate import DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, check_max_toke
 from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
+from .server import chat_ids
 from .spec import SpecOptions
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode("".join(m["content"] for m in messages)))
 
 
 def main(argv: list[str] | None = None) -> int:
