@@ -1,0 +1,47 @@
+"""scripts/build_corpus.py (the [demo-head] corpus): split by package, deduplicated, prompts from held-out code."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("build_corpus", Path(__file__).parents[1] / "scripts/build_corpus.py")
+bc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bc)
+
+CODE = '''import os
+
+
+def area(width, height):
+    total = width * height
+    if total < 0:
+        raise ValueError("negative")
+    scaled = total * 2
+    return scaled // 2
+'''
+
+
+def test_split_is_by_package_files_are_kept_once_and_prompts_come_from_heldout_code(tmp_path):
+    stdlib, site = tmp_path / "lib", tmp_path / "site"
+    (stdlib / "json").mkdir(parents=True)
+    (stdlib / "json" / "__init__.py").write_text(CODE.replace("area", "json_area"))
+    (stdlib / "heapq.py").write_text(CODE.replace("area", "heap_area"))
+    for pkg in ("alpha", "beta"):
+        (site / pkg / "tests").mkdir(parents=True)
+        (site / pkg / "core.py").write_text(CODE.replace("area", f"{pkg}_area"))
+        (site / pkg / "tests" / "test_core.py").write_text(CODE.replace("area", f"test_{pkg}"))
+        (site / pkg / "vendored.py").write_text("x = 1\n")  # the same file in both packages: kept once
+    (site / "beta-1.0.dist-info").mkdir()
+    (site / "beta-1.0.dist-info" / "x.py").write_text("ignored = True\n")
+    out, prompts = tmp_path / "out", tmp_path / "prompts.json"
+    totals = bc.build(stdlib, site, out, percent=0, named={"beta", "stdlib.heapq"}, prompts_path=prompts,
+                      n_prompts=10, seed=0)
+    summary = json.loads((out / "summary.json").read_text())["packages"]
+    assert {k: v["split"] for k, v in summary.items()} == {
+        "alpha": "train", "beta": "heldout", "stdlib.heapq": "heldout", "stdlib.json": "train"}
+    assert summary["beta"]["duplicates"] == 1 and totals["train"]["files"] == 4 and totals["heldout"]["files"] == 3
+    train, heldout = (out / "train.txt").read_text(), (out / "heldout.txt").read_text()
+    assert "beta_area" not in train and "heap_area" not in train and "alpha_area" in train
+    assert train.count(bc.SEPARATOR) == 4 and "ignored" not in train + heldout
+    got = json.loads(prompts.read_text())["prompts"]
+    assert sorted(p["package"] for p in got) == ["beta", "stdlib.heapq"]  # tests/ files give no prompts
+    assert all(p["prompt"].startswith("def ") and p["prompt"].count("\n") == 6 for p in got)
