@@ -15,6 +15,7 @@
 #                  per token; the demo with its real head
 #   rounds         0.8B shape, bf16: pipelined rounds vs the synchronous batched loop vs plain, oracle 0.8, CUPTI
 #   rounds-more    pipelined rounds at oracle 1.0, at the 4B shape (with stock), and on the demo's real head
+#   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -72,6 +73,12 @@ for mode in "$@"; do
       --legs stock,plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --out "$RES/rounds_4b"
     step rounds_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0,0.7 \
       --legs plain,plain-aa,batched,pipelined --k 2 --no-stock --out "$RES/rounds_demo" ;;
+  demo-train)  # [demo-head]: the package-split corpus built on the device, the demo retrained with MTP_TARGET
+    # (labels, distill or both) for TRAIN_SECONDS; needs torch, transformers, tokenizers, safetensors there
+    step corpus 60 python3 scripts/build_corpus.py --out /tmp/corpus
+    step demo_train_"${MTP_TARGET:-distill}" 560 python3 scripts/train_demo.py --corpus-out /tmp/corpus \
+      --out-dir "$RES/demo_${MTP_TARGET:-distill}" --mtp-target "${MTP_TARGET:-distill}" \
+      --train-seconds "${TRAIN_SECONDS:-300}" --deadline-seconds "$((DEADLINE - SECONDS - 10))" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;

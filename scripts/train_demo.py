@@ -127,6 +127,21 @@ def load_corpus(root: Path, *, percent: int, max_bytes: int, max_files: int) -> 
     return corpus
 
 
+def load_built_corpus(root: Path, *, max_files: int) -> Corpus:
+    """train.txt / heldout.txt of scripts/build_corpus.py (documents separated by <|endoftext|>)."""
+    corpus = Corpus(root=str(root))
+    for split in ("train", "heldout"):
+        try:
+            docs = [d for d in (root / f"{split}.txt").read_text(encoding="utf-8").split(SPECIAL_TOKENS[0]) if d]
+        except OSError as e:
+            sys.exit(f"error: cannot read {root / split}.txt ({e}); run scripts/build_corpus.py --out {root}")
+        docs = docs[:max_files] if max_files else docs
+        getattr(corpus, split).extend((f"{split}/{i}", d) for i, d in enumerate(docs))
+    if not corpus.train or not corpus.heldout:
+        sys.exit(f"error: {root} holds no train or no held-out documents")
+    return corpus
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
     """Qwen2/3.5's own pipeline (NFC, split regex, byte level): transformers 5 rebuilds it from model_type anyway."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -238,10 +253,17 @@ class DemoModel(nn.Module):
         return main, F.linear(mtp_hidden, embed.weight)
 
 
-def losses(model: DemoModel, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def losses(model: DemoModel, window: torch.Tensor, mtp_target: str = "labels"
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Main CE and the MTP head's loss: CE to the corpus labels (t+2), or self-distillation (KL from the trunk's
+    own distribution over t+2, i.e. its logits one position later, detached), or their mean ("both")."""
     main, mtp = model(window)
     main_loss = F.cross_entropy(main.flatten(0, 1).float(), window[:, 1:].flatten())
     mtp_loss = F.cross_entropy(mtp.flatten(0, 1).float(), window[:, 2:].flatten())
+    if mtp_target != "labels":
+        teacher = F.log_softmax(main[:, 1:].detach().float(), dim=-1)
+        kl = F.kl_div(F.log_softmax(mtp.float(), dim=-1), teacher, log_target=True, reduction="none").sum(-1).mean()
+        mtp_loss = kl if mtp_target == "distill" else 0.5 * (kl + mtp_loss)
     return main_loss, mtp_loss, main, mtp
 
 
@@ -291,7 +313,7 @@ def train(model: DemoModel, data: torch.Tensor, args: argparse.Namespace, device
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch_size,), device=device, generator=gen)
         window = data[starts[:, None] + offsets]  # [B, T+1]
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            main_loss, mtp_loss, _, _ = losses(model, window)
+            main_loss, mtp_loss, _, _ = losses(model, window, args.mtp_target)
         loss = main_loss + args.mtp_loss_weight * mtp_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -331,7 +353,7 @@ def evaluate(model: DemoModel, data: torch.Tensor, args: argparse.Namespace, dev
     span = args.seq_len + 1
     n_windows = min(len(data), args.eval_tokens) // span
     windows = data[: n_windows * span].view(n_windows, span)
-    sums = {"main_nll": 0.0, "mtp_nll": 0.0, "main_hits": 0, "mtp_hits": 0, "main_n": 0, "mtp_n": 0}
+    sums = {"main_nll": 0.0, "mtp_nll": 0.0, "main_hits": 0, "mtp_hits": 0, "mtp_agree": 0, "main_n": 0, "mtp_n": 0}
     for batch in windows.split(args.batch_size):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             main_loss, mtp_loss, main, mtp = losses(model, batch)
@@ -340,6 +362,8 @@ def evaluate(model: DemoModel, data: torch.Tensor, args: argparse.Namespace, dev
         sums["mtp_nll"] += mtp_loss.item() * n_mtp
         sums["main_hits"] += (main.argmax(-1) == batch[:, 1:]).sum().item()
         sums["mtp_hits"] += (mtp.argmax(-1) == batch[:, 2:]).sum().item()
+        # the head's pick equals the trunk's own greedy pick one position later: a first draft's greedy acceptance
+        sums["mtp_agree"] += (mtp.argmax(-1) == main[:, 1:].argmax(-1)).sum().item()
         sums["main_n"] += n_main
         sums["mtp_n"] += n_mtp
     main_loss = sums["main_nll"] / sums["main_n"]
@@ -350,6 +374,7 @@ def evaluate(model: DemoModel, data: torch.Tensor, args: argparse.Namespace, dev
         "trunk_top1": sums["main_hits"] / sums["main_n"],
         "mtp_loss": sums["mtp_nll"] / sums["mtp_n"],
         "mtp_top1_teacher_forced": sums["mtp_hits"] / sums["mtp_n"],
+        "mtp_agrees_with_trunk": sums["mtp_agree"] / sums["mtp_n"],
     }
 
 
@@ -525,8 +550,13 @@ def run(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(args.corpus_dir or sysconfig.get_paths()["stdlib"])
-    corpus = load_corpus(root, percent=args.heldout_percent, max_bytes=args.max_file_bytes, max_files=args.max_files)
+    if args.corpus_out:  # scripts/build_corpus.py's output: split by package
+        root = Path(args.corpus_out)
+        corpus = load_built_corpus(root, max_files=args.max_files)
+    else:
+        root = Path(args.corpus_dir or sysconfig.get_paths()["stdlib"])
+        corpus = load_corpus(root, percent=args.heldout_percent, max_bytes=args.max_file_bytes,
+                             max_files=args.max_files)
     tok = train_tokenizer([t for _, t in corpus.train], args.vocab_size)
     train_ids = encode_stream(tok, [t for _, t in corpus.train]).to(device)
     heldout_ids = encode_stream(tok, [t for _, t in corpus.heldout]).to(device)
@@ -573,6 +603,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY)
     p.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
     p.add_argument("--mtp-loss-weight", type=float, default=DEFAULT_MTP_LOSS_WEIGHT)
+    p.add_argument("--mtp-target", choices=["labels", "distill", "both"], default="labels",
+                   help="the head's loss: CE to the corpus (t+2), KL to the trunk's own distribution over t+2 "
+                        "(self-distillation), or their mean")
+    p.add_argument("--corpus-out", help="train on scripts/build_corpus.py's output folder (split by package) "
+                   "instead of the standard library alone")
     p.add_argument("--train-seconds", type=float, default=DEFAULT_TRAIN_SECONDS)
     p.add_argument(
         "--deadline-seconds",
