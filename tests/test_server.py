@@ -125,6 +125,7 @@ def test_bad_requests_are_http_400_with_a_message(client, server):
         ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be >= 1"),
         ("/v1/completions", b'{"prompt": 5}', "'prompt' must be"),
+        ("/v1/completions", b'{"prompt": [1, 99999999]}', "token ids must be in [0, "),
         ("/v1/completions", b'{"prompt": "x", "stop": [""]}', "'stop' must be"),
     ]:
         status, obj = _raw(port, "POST", path, body)

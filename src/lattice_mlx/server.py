@@ -100,12 +100,14 @@ def chat_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer.encode("\n".join(m["content"] for m in out)))
 
 
-def completion_ids(tokenizer, prompt) -> list[int]:
+def completion_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise BadRequest(f"'prompt' token ids must be in [0, {vocab_size})")
         return prompt
     raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
 
@@ -255,7 +257,7 @@ def make_handler(engine: Engine):
                 if not isinstance(body, dict):
                     raise BadRequest("the body must be a JSON object")
                 ids = chat_ids(engine.tokenizer, body.get("messages")) if chat else \
-                    completion_ids(engine.tokenizer, body.get("prompt"))
+                    completion_ids(engine.tokenizer, body.get("prompt"), engine.model.args.vocab_size)
                 max_tokens, sampler, stop, seed = parse_sampling(body, engine.max_tokens)
                 stream = body.get("stream", False)
                 if not isinstance(stream, bool):
