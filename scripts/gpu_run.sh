@@ -15,6 +15,8 @@
 #                  per token; the demo with its real head
 #   rounds         0.8B shape, bf16: pipelined rounds vs the synchronous batched loop vs plain, oracle 0.8, CUPTI
 #   rounds-more    pipelined rounds at oracle 1.0, at the 4B shape (with stock), and on the demo's real head
+#   mlx-lm-spec    mlx-lm's speculative loop with the MTP head as draft model vs this project's loops (0.8B oracle
+#                  0.8, the demo's real head)
 #   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
@@ -73,6 +75,11 @@ for mode in "$@"; do
       --legs stock,plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --out "$RES/rounds_4b"
     step rounds_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0,0.7 \
       --legs plain,plain-aa,batched,pipelined --k 2 --no-stock --out "$RES/rounds_demo" ;;
+  mlx-lm-spec)  # [mlx-lm-spec]: mlx-lm's own speculative loop (the MTP head as its draft model) vs this project's
+    step mlxlm_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,batched,mlx-lm --k 2,3 --oracle-p 0.8 --no-stock --out "$RES/mlxlm_0.8b"
+    step mlxlm_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0 \
+      --legs plain,plain-aa,batched,mlx-lm --k 2 --no-stock --out "$RES/mlxlm_demo" ;;
   demo-train)  # [demo-head]: the package-split corpus built on the device, the demo retrained with MTP_TARGET
     # (labels, distill or both) for TRAIN_SECONDS; needs torch, transformers, tokenizers, safetensors there
     step corpus 60 python3 scripts/build_corpus.py --out /tmp/corpus

@@ -109,17 +109,21 @@ def test_stock_leg_shares_weights(tiny_target):
 
 @pytest.mark.parametrize("p", [0.3, 0.8])
 def test_oracle_acceptance_matches_request(tiny_target, p, tmp_path):
-    legs = [bench.Leg("plain"), bench.Leg("mtp", "batched", 2, p=p)]
+    """Every verifier's synthetic drafts (the batched loop's, the pipelined loop's on the device, mlx-lm's loop's
+    through OracleDraftModel) are accepted at the requested rate, and every leg gives plain's greedy tokens."""
+    verifiers = ("batched", "pipelined", "mlx-lm")
+    legs = [bench.Leg("plain")] + [bench.Leg("mtp", v, 2, p=p) for v in verifiers]
     prompts = bench.workload_prompts(tiny_target, "code", 3, tokens=16, seed=0)
     # a lock of this test's own: /dev/null was shared by every process on the machine
     lock = {"path": str(tmp_path / "lock"), "timeout": 5.0, "waited_s": 0.0}
     records = bench.run_group(tiny_target, legs, prompts, temp=0.0, reps=3, lengths=(8, 120), lock=lock, seed=1,
                               label="test")
-    s = bench.leg_summary(records["batched-K2-oracle" + format(p, "g")], records, tiny_target)
-    trials = s["trials"]
-    sigma = (p * (1 - p) / trials) ** 0.5
-    assert abs(s["alpha"] - p) < 4 * sigma + 0.02, (s["alpha"], trials)
-    assert s["drafts"].startswith(bench.SYNTHETIC)
+    for v in verifiers:
+        s = bench.leg_summary(records[f"{v}-K2-oracle" + format(p, "g")], records, tiny_target)
+        trials = s["trials"]
+        sigma = (p * (1 - p) / trials) ** 0.5
+        assert abs(s["alpha"] - p) < 4 * sigma + 0.02, (v, s["alpha"], trials)
+        assert s["drafts"].startswith(bench.SYNTHETIC) and s["identical_to_plain"] == "3/3 prompts", v
 
 
 def test_cli_smoke(tmp_path):

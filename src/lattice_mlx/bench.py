@@ -44,6 +44,7 @@ from .bench_report import (
 )
 from .cli import ArgumentParser
 from .decode import generate_step
+from .draft_model import OracleDraftModel
 from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, resolve_path
 from .models import compiled
 from .models.fuse import hf_parameters
@@ -296,6 +297,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         return (token for token, _ in steps), None
     if leg.kind in ("plain", "plain-aa"):
         return generate_step(target.model, mx.array(ids), sampler=sampler), None
+    if leg.verify == "mlx-lm":  # mlx-lm's own speculative loop, the MTP head as its draft model
+        return mlx_lm_spec_stream(target, leg, ids, temp, n_max=n_max, reference=reference, seed=seed)
     options = SpecOptions(draft_tokens=leg.k, verify=leg.verify, adaptive=leg.adaptive)
     stats = SpecStats.of(options)
     drafter = None
@@ -308,6 +311,34 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         vocab = target.draft_vocabs.setdefault(leg.draft_vocab, DraftVocab(range(leg.draft_vocab)))
         stream = _draft_vocab_during(target.model, vocab, stream)
     return stream, stats
+
+
+def mlx_lm_spec_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max: int,
+                       reference: list[int] | None, seed: int):
+    """mlx-lm's speculative_generate_step with `Model.make_draft_model()` (or, with leg.p, SYNTHETIC drafts: the
+    head runs for its cost, then OracleDraftModel proposes the recorded continuation with probability p). Its
+    rounds are read back from mlx-lm's from_draft flags into SpecStats."""
+    mlx_lm_generate = importlib.import_module("mlx_lm.generate")
+    draft = target.model.make_draft_model() if leg.p is None else \
+        OracleDraftModel(target.model, reference, leg.p, len(ids), seed=seed)
+    stats = SpecStats(draft="mtp", verify="mlx-lm", draft_tokens=leg.k)
+    steps = mlx_lm_generate.speculative_generate_step(mx.array(ids), target.model, draft, num_draft_tokens=leg.k,
+                                                      max_tokens=n_max, sampler=make_sampler(temp=temp))
+
+    def tokens():
+        run = 0
+        try:
+            for token, _, from_draft in steps:  # a round: its accepted drafts, then the target's own token
+                if from_draft:
+                    run += 1
+                else:
+                    stats.record(leg.k, run)
+                    run = 0
+                yield token
+        finally:
+            steps.close()
+            draft.close()
+    return tokens(), stats
 
 
 def timed_run(stream, lengths: tuple[int, int], *, compiled_path: bool | None = None) -> dict:

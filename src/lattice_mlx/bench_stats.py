@@ -75,8 +75,8 @@ def acceptance_estimates(accepted_at: Sequence[int], rounds: int, k: int) -> dic
 def measured_costs(stats: dict, step_s: float) -> dict:
     """Draft / verify / rollback costs per round in plain decode steps, from summed SpecStats of one fixed-K leg."""
     rounds, k = stats["rounds"], stats["draft_tokens"]
-    if not rounds or step_s <= 0:
-        return {}
+    if not rounds or step_s <= 0 or stats["draft_time_s"] + stats["verify_time_s"] <= 0:
+        return {}  # (mlx-lm's loop reports no times: no cost model for it)
     costs = {"c": stats["draft_time_s"] / (rounds * k) / step_s, "r": stats["rollback_time_s"] / rounds / step_s}
     if stats["verify"] == "sequential":
         emitted = sum(stats["accepted_at"]) + rounds  # one target step per emitted token
