@@ -104,6 +104,7 @@ def test_stop_sequence_cuts_the_text(client):
         else:
             r = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, stop=stop)
             text, finish = r.choices[0].text, r.choices[0].finish_reason
+            assert r.usage.model_extra["speculation"]["draft"] == "mtp"  # reported when a stop string cut it too
         assert text == full[: full.find(stop)] and finish == "stop", stream
 
 

@@ -37,6 +37,8 @@ class GenerationResponse:
     peak_memory_gb: float
     finish_reason: str | None = None
     speculation: dict | None = None  # SpecStats.to_dict() on the last response of a speculative generation
+    # the live statistics of a speculative generation on every response (for a caller that stops early)
+    spec_stats: SpecStats | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -154,7 +156,7 @@ def stream_generate(
             text=detok.last_segment, token=token, prompt_tokens=len(ids), prompt_tps=prompt_tps,
             generation_tokens=n, generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=finish,
-            speculation=stats.to_dict() if (finish and stats is not None) else None,
+            speculation=stats.to_dict() if (finish and stats is not None) else None, spec_stats=stats,
         )
         if finish:
             break

@@ -209,8 +209,8 @@ class Engine:
             job.events.put(("text", tail))
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
                  "prompt_tokens_details": {"cached_tokens": cached}}
-        if last is not None and last.speculation is not None:
-            usage["speculation"] = last.speculation
+        if last is not None and last.spec_stats is not None:  # (a stop string ends a generation early too)
+            usage["speculation"] = last.spec_stats.to_dict()
         log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s)",
                  len(job.ids), cached, n, time.perf_counter() - tic, finish)
         job.events.put(("done", {"finish_reason": finish, "usage": usage}))
