@@ -35,17 +35,22 @@ def mtp_step(model, tokens: mx.array, hidden: mx.array, cache: list) -> tuple[mx
     return logits, (post if head.input_hidden == "post" else x)[0]
 
 
-def mtp_prefill(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP):
-    """Feeds the MTP head the prompt's slots (tokens [T] with the target hiddens [T, H]) in chunks of `step`, as the
-    target's prefill runs, so memory stays bounded by the chunk; returns the last chunk's slots, which the first
-    draft step adds together with its own (it needs their output)."""
-    keep = len(tokens) % step or step
-    for start in range(0, len(tokens) - keep, step):
+def feed_head(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP) -> None:
+    """The MTP head's slots pairing tokens [T] with the target hiddens [T, H] before them, written to its cache in
+    chunks of `step` (memory bounded by the chunk, as the target's prefill)."""
+    for start in range(0, len(tokens), step):
         chunk = mx.array(tokens[start : start + step])
         h = model.mtp.from_target(hidden[start : start + step])
         model.mtp(model.model.embed_tokens(chunk)[None], h[None], cache)
         mx.eval([c.state for c in cache])
-    return tokens[len(tokens) - keep :], hidden[len(tokens) - keep :]
+
+
+def mtp_prefill(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP):
+    """Feeds the MTP head the prompt's slots (tokens [T] with the target hiddens [T, H]) but the last chunk, and
+    returns that chunk's slots, which the first draft step adds together with its own (it needs their output)."""
+    cut = len(tokens) - (len(tokens) % step or step)
+    feed_head(model, tokens[:cut], hidden[:cut], cache, step=step)
+    return tokens[cut:], hidden[cut:]
 
 
 class MTPDrafter:

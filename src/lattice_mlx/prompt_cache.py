@@ -19,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import cache as caches
-from .decode import PREFILL_STEP, prefill
+from .decode import prefill
+from .drafters import feed_head
 
 
 def fingerprint(model) -> str:
@@ -30,15 +31,6 @@ def fingerprint(model) -> str:
               if name in embed]
     desc = json.dumps([a.model_type, a.hidden_size, a.vocab_size, list(a.layer_types), a.head_dim, sample])
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
-
-
-def feed_head(model, tokens: list[int], hidden: mx.array, cache: list) -> None:
-    """The MTP head's slots pairing tokens [T] with the target hiddens before them [T, H], in prefill chunks."""
-    for start in range(0, len(tokens), PREFILL_STEP):
-        chunk = mx.array(tokens[start : start + PREFILL_STEP])
-        h = model.mtp.from_target(hidden[start : start + PREFILL_STEP])
-        model.mtp(model.model.embed_tokens(chunk)[None], h[None], cache)
-        mx.eval([c.state for c in cache])
 
 
 class PromptCache:

@@ -120,9 +120,10 @@ class CompiledLayers:
                 q, k, v, gate_src = attn_in(h, offset, kernels)
                 # a rotating cache (max_kv_size) masks a sliding window once it has rotated
                 mask = c.make_mask(T) if isinstance(c, RotatingKVCache) else None
+                if mask is None and T > 1:
+                    mask = "causal"
                 k, v = c.update_and_fetch(k, v)
-                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask=mask if mask is not None or T == 1 else "causal",
-                           length=getattr(c, "length", None))
+                out = sdpa(q, k, v, scale=layer.self_attn.scale, mask=mask, length=getattr(c, "length", None))
                 h = attn_out(h, out, gate_src, kernels)
         return h
 
