@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lattice_mlx import cache as caches
-from lattice_mlx import load, rounds
+from lattice_mlx import load, rounds, sample
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import picked
 from lattice_mlx.sample import Sampler
@@ -172,7 +172,7 @@ def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_f
     assert min(right.values()) > 1e-3, right
     uniform = mx.random.uniform
     planted = {
-        "bonus_from_wrong_row": lambda m: m.setattr(rounds, "bonus_row", lambda p, K: p[K - 1 : K]),
+        "bonus_from_wrong_row": lambda m: m.setattr(sample, "bonus_row", lambda p, K: p[K - 1 : K]),
         "one_shared_uniform": lambda m: m.setattr(
             mx.random, "uniform", lambda shape: mx.broadcast_to(uniform(shape=(1,)), shape)),
     }

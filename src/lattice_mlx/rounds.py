@@ -23,7 +23,7 @@ import mlx.core as mx
 from . import cache as caches
 from .decode import prefill
 from .drafters import _pick, mtp_prefill
-from .sample import Sampler
+from .sample import Sampler, accept_sampled_arrays
 from .spec import SpecOptions, SpecStats
 
 # A device-side draft override for benchmarks and tests (DeviceOracle): (the head's drafts [K], their q [K, V] or
@@ -32,33 +32,16 @@ from .spec import SpecOptions, SpecStats
 DraftOverride = Callable[[mx.array, "mx.array | None", "PipelinedRounds", int], tuple[mx.array, "mx.array | None"]]
 
 
-def bonus_row(p: mx.array, K: int) -> mx.array:
-    """The distribution the token after K acceptances is drawn from: the target's row K, [1, V]."""
-    return p[K:]
-
-
 def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Sampler):
     """On the device: logits [K+1, V] of the verify, drafts [K] -> (n accepted [scalar int32], the next token
     [scalar int32], tokens [K+1] whose first n + 1 are the round's output). Greedy: leading drafts equal to the
-    argmax. Sampled (Leviathan et al. 2023): draft i kept with probability min(1, p_i(d_i) / q_i(d_i)); at the
-    first rejection n the token is drawn from norm(max(0, p_n - q_n)), after K acceptances from p_K."""
+    argmax. Sampled: sample.accept_sampled_arrays, the rule the synchronous verifiers read back."""
     K = drafts.shape[0]
     if sampler.greedy:
         targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         n = mx.cumprod((targets[:K] == drafts).astype(mx.int32)).sum()
         return n, targets[n], targets  # accepted drafts equal the targets at their rows
-    p = sampler.probs(logits)  # [K+1, V]
-    rows = mx.arange(K)
-    ratio = p[rows, drafts] / mx.maximum(q[rows, drafts], 1e-30)
-    n = mx.cumprod((mx.random.uniform(shape=(K,)) < ratio).astype(mx.int32)).sum()
-    residual = mx.maximum(p[:K] - q, 0.0)
-    total = residual.sum(axis=-1, keepdims=True)
-    # p == q leaves no residual mass (and then a draft is never rejected); guard the division all the same
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
-    table = mx.concatenate([residual, bonus_row(p, K)], axis=0)  # row n: the distribution of the token after n acceptances
-    token = mx.random.categorical(mx.log(table[n]), axis=-1).astype(mx.int32)
-    tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts, mx.zeros((1,), mx.int32)]))
-    return n, token, tokens
+    return accept_sampled_arrays(sampler.probs(logits), q, drafts)
 
 
 class PipelinedRounds:

@@ -73,25 +73,36 @@ def accept_greedy(target_tokens: list[int], drafts: list[int]) -> int:
     return n
 
 
-def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int | None]:
-    """Exact speculative sampling (Leviathan et al. 2023): p [K or K+1, V] target, q [K, V] draft distributions.
+def bonus_row(p: mx.array, K: int) -> mx.array:
+    """The distribution the token after K acceptances is drawn from: the target's row K, [1, V] (none: [0, V])."""
+    return p[K:]
 
-    Accept draft i with probability min(1, p_i(d)/q_i(d)); at the first rejection draw from norm(max(0, p_i - q_i));
-    after K acceptances draw the bonus token from p_K when that row is given. Returns (accepted, next token or None).
-    """
+
+def accept_sampled_arrays(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Exact speculative sampling (Leviathan et al. 2023) as array ops, no sync: p [K or K+1, V] target, q [K, V]
+    draft distributions, drafts [K] int32. Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)), each with its
+    own uniform; at the first rejection n the token is drawn from norm(max(0, p_n - q_n)), after K acceptances from
+    p_K (when given; else the token is meaningless). Returns n [scalar int32], the token [scalar int32] and tokens
+    [K+1] whose first n + 1 are the round's output (the kept drafts, then the token)."""
+    K = drafts.shape[0]
+    rows = mx.arange(K)
+    ratio = p[rows, drafts] / mx.maximum(q[rows, drafts], 1e-30)
+    n = mx.cumprod((mx.random.uniform(shape=(K,)) < ratio).astype(mx.int32)).sum()
+    residual = mx.maximum(p[:K] - q, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    # p == q leaves no residual mass (and then a draft is never rejected); guard the division all the same
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
+    table = mx.concatenate([residual, bonus_row(p, K)], axis=0)  # row n: the token's distribution after n kept
+    token = sample_from(table[mx.minimum(n, table.shape[0] - 1)]).astype(mx.int32)
+    tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)]))
+    return n, token, tokens
+
+
+def accept_sampled(p: mx.array, q: mx.array, drafts: list[int]) -> tuple[int, int | None]:
+    """`accept_sampled_arrays` read back: (accepted, the next token, or None after K acceptances without p_K)."""
     K = len(drafts)
     if K == 0:
         return 0, sample_from(p[0]).item()
-    rows, d = mx.arange(K), mx.array(drafts)
-    ratio = p[rows, d] / mx.maximum(q[rows, d], 1e-30)
-    accepted = (mx.random.uniform(shape=(K,)) < ratio).tolist()
-    n = 0
-    while n < K and accepted[n]:
-        n += 1
-    if n == K:
-        return n, (sample_from(p[K]).item() if p.shape[0] > K else None)
-    residual = mx.maximum(p[n] - q[n], 0.0)
-    total = residual.sum()
-    # p == q leaves no residual mass, and then a draft is never rejected; guard the division all the same.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[n])
-    return n, sample_from(residual).item()
+    n, token, _ = accept_sampled_arrays(p, q, mx.array(drafts, dtype=mx.int32))
+    n, token = mx.stack([n, token]).tolist()
+    return n, (token if n < K or p.shape[0] > K else None)
