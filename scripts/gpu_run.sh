@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh MODE [MODE ...]
 # Modes, named by what they measure:
 #   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt;
-#                  TESTS="tests/metal/test_x.py ..." runs those files only
+#                  TESTS="tests/metal/test_x.py ..." runs those files only, TEST_LIMIT seconds at most (480)
 #   invariance     whether verify rows are bitwise decode steps: the first differing op over 40 positions, whole
 #                  oracle generations, and a long (key-split) context (scripts/batch_invariance.py)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
@@ -46,7 +46,7 @@ for mode in "$@"; do
   case $mode in
   tests)
     # shellcheck disable=SC2086
-    step tests 480 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
+    step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
     tail -n 30 "$RES/tests.out" > "$RES/tests.txt"; tail -n 5 "$RES/tests.txt" ;;
   invariance)  # ~65 s + ~50 s + ~60 s on the H200 (run 6)
     step invariance_sweep 120 python3 scripts/batch_invariance.py --model "$BIG" --ts 3 --sweep 40 --prompt 64 \

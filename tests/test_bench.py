@@ -210,6 +210,7 @@ import contextlib
 class Profile:
     def __init__(self, steps):
         self.steps = steps
+        self.events = [{"cat": "kernel", "name": "qmv", "dur": 1.0}] * (2 * steps) + [{"cat": "memcpy", "dur": 1.0}]
 
     def summary(self, top=15):
         return {"kernels_per_step": 160.0, "kernel_us_per_step": 900.0, "busy_us_per_step": 950.0,
@@ -233,6 +234,8 @@ def test_decode_profile_columns(tmp_path):
     assert legs["plain"]["gpu_profile"]["kernels_per_step"] == 160.0
     mtp = legs["batched-K2-oracle0.8"]["gpu_profile"]
     assert mtp["rounds"] >= 1 and mtp["kernels_per_round"] == pytest.approx(160.0 * 12 / mtp["rounds"])
+    assert legs["plain"]["gpu_profile"]["launches_by_kernel"] == {"qmv": 2.0}  # per token
+    assert mtp["launches_by_kernel"] == {"qmv": pytest.approx(2 * 12 / mtp["rounds"], abs=0.01)}  # per round
     assert "kernels/tok" in (out / "decode.md").read_text()
     assert bench.main(["decode", "--model", "tiny", "--profile", str(tmp_path / "none"), "--out", str(out)]) == 1
 

@@ -397,9 +397,16 @@ def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float,
     s = prof.summary(top=5)
     out = {k: s[k] for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step", "span_us_per_step")}
     out["steps_are"] = "generated tokens"
+    per = n
     if stats is not None and stats.rounds > rounds0:
-        out["rounds"] = stats.rounds - rounds0
+        out["rounds"] = per = stats.rounds - rounds0
         out["kernels_per_round"] = s["kernels_per_step"] * n / out["rounds"]
+    # which kernels, by launches per round (per token for plain legs): where a round's launches go
+    names: dict[str, int] = {}
+    for e in prof.events:
+        if e.get("cat") == "kernel":
+            names[e["name"][:90]] = names.get(e["name"][:90], 0) + 1
+    out["launches_by_kernel"] = {k: round(c / per, 2) for k, c in sorted(names.items(), key=lambda kv: -kv[1])[:40]}
     return out
 
 
