@@ -7,6 +7,7 @@
 #                  TESTS="tests/metal/test_x.py ..." runs those files only, TEST_LIMIT seconds at most (480)
 #   invariance     whether verify rows are bitwise decode steps: the first differing op over 40 positions, whole
 #                  oracle generations, and a long (key-split) context (scripts/batch_invariance.py)
+#   q4-fused       the fused 4-bit projections' GPU time by rows M, SwiGLU epilogue vs prologue (CUPTI)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (scripts/gpu_model_checks.py)
 #   kernels-per-forward  CUPTI kernels, GPU time, busy and span per forward, T = 1..8 (scripts/profile_kernels.py)
@@ -55,6 +56,7 @@ for mode in "$@"; do
       --paths compiled --out "$RES/invariance_loop"
     step invariance_long 100 python3 scripts/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
       --paths layers --out "$RES/invariance_long" ;;
+  q4-fused) step q4_fused 200 python3 scripts/bench_q4_fused.py --profiler-dir .device-tools --out "$RES/q4_fused.json" ;;
   kernels) step kernels 240 python3 scripts/bench_kernels.py --out "$RES/kernels.json" ;;
   model-checks) step model_checks 240 python3 scripts/gpu_model_checks.py --out "$RES/model_checks" ;;
   kernels-per-forward) step kernels_per_forward 300 python3 scripts/profile_kernels.py --out "$RES/kernels_per_forward" ;;

@@ -235,6 +235,7 @@ def test_decode_profile_columns(tmp_path):
     mtp = legs["batched-K2-oracle0.8"]["gpu_profile"]
     assert mtp["rounds"] >= 1 and mtp["kernels_per_round"] == pytest.approx(160.0 * 12 / mtp["rounds"])
     assert legs["plain"]["gpu_profile"]["launches_by_kernel"] == {"qmv": 2.0}  # per token
+    assert legs["plain"]["gpu_profile"]["us_by_kernel"] == {"qmv": 2.0}
     assert mtp["launches_by_kernel"] == {"qmv": pytest.approx(2 * 12 / mtp["rounds"], abs=0.01)}  # per round
     assert "kernels/tok" in (out / "decode.md").read_text()
     assert bench.main(["decode", "--model", "tiny", "--profile", str(tmp_path / "none"), "--out", str(out)]) == 1

@@ -403,10 +403,13 @@ def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float,
         out["kernels_per_round"] = s["kernels_per_step"] * n / out["rounds"]
     # which kernels, by launches per round (per token for plain legs): where a round's launches go
     names: dict[str, int] = {}
+    us: dict[str, float] = {}
     for e in prof.events:
         if e.get("cat") == "kernel":
             names[e["name"][:90]] = names.get(e["name"][:90], 0) + 1
+            us[e["name"][:90]] = us.get(e["name"][:90], 0.0) + e["dur"]
     out["launches_by_kernel"] = {k: round(c / per, 2) for k, c in sorted(names.items(), key=lambda kv: -kv[1])[:40]}
+    out["us_by_kernel"] = {k: round(t / per, 1) for k, t in sorted(us.items(), key=lambda kv: -kv[1])[:25]}
     return out
 
 

@@ -14,6 +14,7 @@ BODIES = {
     "gated_delta_batched": gated_delta._BODY_BATCHED,
     "gated_delta_conv": gated_delta._BODY_CONV,
     **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
+    **{f"q4_{kind}_glu": q4_matmul.body(kind, False, True) for kind in ("none", "rms")},
 }
 MARKERS = {
     "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
@@ -121,7 +122,7 @@ def test_cuda_render_compiles(op, tmp_path):
             [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("STEP", True)],
         )
     else:
-        kind, res = op[3:].removesuffix("_res"), op.endswith("_res")
+        kind, res = op[3:].removesuffix("_res").removesuffix("_glu"), op.endswith("_res")
         extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])
         ins = [("x", bf), ("w", "uint32_t"), ("scales", bf), ("biases", bf)] + [(n, bf) for n in extra]
         ins += [("res", bf)] * res

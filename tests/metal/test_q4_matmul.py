@@ -220,3 +220,71 @@ def test_supported_refuses_layouts_the_body_would_misread():
     _, w, s, b = make(1, 64, 256, 64, mx.bfloat16)
     assert supported(mx.zeros((1, 2, 512), dtype=mx.bfloat16), w, 64, 4, Pre("swiglu"))
     assert not supported(mx.zeros((1, 2, 513), dtype=mx.bfloat16), w, 64, 4, Pre("swiglu"))
+
+
+# --- the SwiGLU epilogue (glu): w's rows are [gate | up], the output silu(gate) * up ---
+
+
+def test_glu_plain_ops_equal_numpy():
+    """The non-kernel path with glu against numpy: silu of the first half of the rows' sums times the second half."""
+    with mx.stream(mx.cpu):
+        x, pre = make_pre("rms", 3, 256, mx.float32, seed=21)
+        _, w, s, b = make(1, 80, 256, 64, mx.float32, seed=22)
+        got = q4_matmul(x, w, s, b, group_size=64, pre=pre, glu=True)
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, glu=True)
+        y = numpy_q4(prologue_ref(pre, x)[0], w, s, b, 64).astype(np.float64)
+    g, u = y[:, :40], y[:, 40:]
+    expect = g / (1 + np.exp(-g)) * u
+    assert got.shape == ref.shape == (1, 3, 40)
+    np.testing.assert_allclose(np.array(got)[0], expect, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(ref)[0], expect, rtol=1e-4, atol=1e-4)
+
+
+def test_supported_refuses_glu_it_cannot_run():
+    from lattice_mlx.metal.q4_matmul import supported
+
+    x, w, s, b = make(2, 64, 256, 64, mx.bfloat16)
+    assert supported(x, w, 64, 4, glu=True)
+    assert not supported(x, w[:63], 64, 4, glu=True)  # an odd number of rows has no [gate | up] halves
+    assert not supported(x, w, 64, 4, residual=mx.zeros((2, 32), dtype=mx.bfloat16), glu=True)
+
+
+# (prologue, M, N, K, dtype): an odd number of output columns (1003), the largest M, each activation dtype
+GLU = {f"{k}-M{M}-{d}": (k, M, 2 * 1003, K, dt) for k in [None, "rms"]
+       for (M, K, d, dt) in [(1, 1024, "bf16", mx.bfloat16), (4, 512, "fp16", mx.float16), (8, 256, "fp32", mx.float32),
+                             (3, 3584, "bf16", mx.bfloat16)]}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(GLU), ids=list(GLU))
+def test_glu_kernel_matches_ref(case):
+    kind, M, N, K, dtype = GLU[case]
+    x, pre = make_pre(kind, M, K, dtype, seed=len(case))
+    _, w, s, b = make(1, N, K, 64, dtype, seed=len(case) + 1)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre, glu=True, init_value=float("nan"))
+    with mx.stream(mx.cpu):
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, glu=True)
+    assert y.shape == ref.shape == (1, M, N // 2) and y.dtype == dtype
+    assert_close(y, ref, out_key(dtype), case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 2, 4], ids=lambda r: f"R={r}")
+def test_glu_kernel_any_rows_per_block(rows):
+    x, pre = make_pre("rms", 3, 1024, mx.float32, seed=rows)
+    _, w, s, b = make(1, 2002, 1024, 64, mx.float32, seed=rows + 1)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre, glu=True, rows=rows, init_value=float("nan"))
+    with mx.stream(mx.cpu):
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, glu=True)
+    assert_close(y, ref, "fp32", f"R={rows}")
+
+
+@needs_gpu
+def test_glu_kernel_rows_are_batch_invariant():
+    """Row m of an 8-row call is bitwise the 1-row call on that row (a verify row equals a decode step)."""
+    x, pre = make_pre("rms", 8, 2048, mx.bfloat16, seed=31)
+    _, w, s, b = make(1, 2 * 1003, 2048, 64, mx.bfloat16, seed=32)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre, glu=True)
+    for m in range(8):
+        assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(x[:, m : m + 1], w, s, b, group_size=64, pre=pre,
+                                                                glu=True)), m

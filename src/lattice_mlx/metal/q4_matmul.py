@@ -73,10 +73,17 @@ def prologue_ref(pre: Pre | None, x: mx.array) -> mx.array:
     raise ValueError(f"unknown prologue {pre.kind!r}")
 
 
+def glu_ref(y: mx.array) -> mx.array:
+    """The SwiGLU epilogue with plain ops: y [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    g, u = mx.split(y, 2, axis=-1)
+    return swiglu(g, u)
+
+
 def q4_matmul_ref(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
-                  pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
+                  pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
     """The specification: the prologue with plain ops, the nibbles unpacked with plain ops and dequantised in fp32,
-    one fp32 matmul rounded to the activation dtype, then the residual added."""
+    one fp32 matmul rounded to the activation dtype, then the SwiGLU epilogue (`glu`: w's rows are [gate | up])
+    or the residual added."""
     assert bits == 4, "only 4-bit weights"
     x = prologue_ref(pre, x)
     N = w.shape[0]
@@ -85,6 +92,7 @@ def q4_matmul_ref(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
     s = mx.repeat(scales.astype(mx.float32), group_size, axis=-1)
     z = mx.repeat(biases.astype(mx.float32), group_size, axis=-1)
     y = (x.astype(mx.float32) @ (s * q + z).T).astype(x.dtype)
+    y = glu_ref(y) if glu else y
     return y if residual is None else residual + y
 
 
@@ -100,8 +108,6 @@ def _round(v: str) -> str:
 _LOAD_X = {
     "none": "LX_LOAD8(x + m * K + k0, xv);",
     "rms": """LX_LOAD8(x + m * K + k0, xv);
-        float wv[8];
-        LX_LOAD8(nw + k0, wv);
         for (int i = 0; i < 8; ++i) {
           sq[m] = LX_FMA(xv[i], xv[i], sq[m]);
           xv[i] *= wv[i];
@@ -115,14 +121,18 @@ _LOAD_X = {
         LX_LOAD8(x + (h * M + m) * HD + d, xv);
         LX_LOAD8(g + m * GSTR + h * 2 * HD + HD + d, gv);
         for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * (1.0f / (1.0f + LX_EXP(-gv[i])))")};""",
-    "gated_rms": """float wv[8], zv[8];
+    "gated_rms": """float zv[8];
         LX_LOAD8(x + m * K + k0, xv);
-        LX_LOAD8(nw + (k0 % HD), wv);
         LX_LOAD8(zs + m * ZSTR + ZOFF + k0, zv);
         for (int i = 0; i < 8; ++i) {
           sq[m] = LX_FMA(xv[i], xv[i], sq[m]);
           xv[i] *= wv[i] * (zv[i] * (1.0f / (1.0f + LX_EXP(-zv[i]))));
         }""",
+}
+# Loads of a chunk that every row m shares, before the row loop (the norm weights).
+_LOAD_SHARED = {
+    "rms": "float wv[8];\n      LX_LOAD8(nw + k0, wv);",
+    "gated_rms": "float wv[8];\n      LX_LOAD8(nw + (k0 % HD), wv);",
 }
 # What a chunk's partial sums are scaled by before they join the row's: gated_rms, 1 / rms of the chunk's head
 # (HD / 32 adjacent lanes hold the HD / 32 chunks of one head in the same pass; their squares join by shuffles).
@@ -143,21 +153,32 @@ _ROW_SCALE = {
     f = LX_RSQRT(ss / K + EPS * 1e-9f);""",
 }
 _STORE = {
-    False: f"y[m * N + n] = static_cast<OT>({_round('total')});",
-    True: f"y[m * N + n] = static_cast<OT>(LX_F32(res[m * N + n]) + {_round('total')});",
+    False: f"y[m * NO + n] = static_cast<OT>({_round('total')});",
+    True: f"y[m * NO + n] = static_cast<OT>(LX_F32(res[m * NO + n]) + {_round('total')});",
 }
+# The SwiGLU epilogue (glu): the block's rows r < R are gate rows n0 + r, rows R + r the matching up rows NO + n0 + r;
+# both sums are rounded to the activation dtype (as the unfused matmul stores them), then silu(gate) * up rounded
+# as the unfused ops round it.
+_GLU = f"""float t2 = 0.0f;
+    for (int v = 0; v < SK; ++v) t2 += red[v * {{RR}} * M + R * M + i];
+    {{
+      const float gv = {_round("total")}, uv = {_round("f * t2")};
+      total = {_round(_round("gv * (1.0f / (1.0f + LX_EXP(-gv)))") + " * uv")};
+    }}"""
 _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gated_rms": ("nw", "zs")}
 
-# One threadgroup/block per R rows of w, its SK warps splitting K: thread t takes the 32-value chunks
-# c = t, t + 32 SK, ... of each row (one uint4 of weights, one group, so one scale and one bias). x is read once per
-# chunk and used for all R rows; each weight nibble becomes a float once and feeds M fused multiply-adds. Lane sums,
-# then the SK warp sums in order, one per (row, m). A row's sum runs in the same order whatever M and R are (SK
-# depends on the weight's shape only) and every multiply-add is an explicit fma (no contraction left to the compiler
-# to choose per variant), so row m of an M-row call is bitwise a one-row call on it.
+# One threadgroup/block per R rows of w (per R output columns and their 2R rows with the glu epilogue), its SK warps
+# splitting K: thread t takes the 32-value chunks c = t, t + 32 SK, ... of each row (one uint4 of weights, one group,
+# so one scale and one bias). x is read once per chunk and used for all the block's rows; each weight nibble becomes
+# a float once and feeds M fused multiply-adds. Lane sums, then the SK warp sums in order, one per (row, m). A row's
+# sum runs in the same order whatever M and R are (SK depends on the weight's shape only) and every multiply-add is
+# an explicit fma (no contraction left to the compiler to choose per variant), so row m of an M-row call is bitwise
+# a one-row call on it. RR: the rows a block computes; NO: the output's width.
 _BODY = """
-  LX_SHARED float red[SK * R * M];
+  LX_SHARED float red[SK * {RR} * M];
   LX_SHARED float sqs[SK * M];
   const int N = w_shape[0];
+  const int NO = {NO};
   const int KW = w_shape[1];
   const int KC = KW / 4;
   const int K = KW * 8;
@@ -165,20 +186,21 @@ _BODY = """
   const int lane = LX_TID_X % 32;
   const int wid = LX_TID_X / 32;
   const int n0 = LX_BID_X * R;
-  if (n0 >= N) return;  // the whole block: n0 is the block's
+  if (n0 >= NO) return;  // the whole block: n0 is the block's
 
-  float acc[R][M], sq[M];
+  float acc[{RR}][M], sq[M];
   for (int m = 0; m < M; ++m) {
     sq[m] = 0.0f;
-    for (int r = 0; r < R; ++r) acc[r][m] = 0.0f;
+    for (int r = 0; r < {RR}; ++r) acc[r][m] = 0.0f;
   }
 
   for (int c = LX_TID_X; c < KC; c += 32 * SK) {
-    uint32_t wq[R][4];
-    float sc[R], bs[R];
-    for (int r = 0; r < R; ++r) {
-      const int n = n0 + r;
-      if (n < N) {
+    uint32_t wq[{RR}][4];
+    float sc[{RR}], bs[{RR}];
+    for (int r = 0; r < {RR}; ++r) {
+      const int o = r < R ? r : r - R;  // the output column's offset in the block (r >= R: glu's up rows)
+      const int n = n0 + o + (r < R ? 0 : NO);
+      if (n0 + o < NO) {
         const uint4 u = LX_LOAD_U4(w + n * KW + c * 4);
         wq[r][0] = u.x; wq[r][1] = u.y; wq[r][2] = u.z; wq[r][3] = u.w;
         sc[r] = LX_F32(scales[n * NG + (c * 32) / GS]);
@@ -189,15 +211,15 @@ _BODY = """
         bs[r] = 0.0f;
       }
     }
-    float p[R][M], xs[M];
+    float p[{RR}][M], xs[M];
     for (int m = 0; m < M; ++m) {
       xs[m] = 0.0f;
-      for (int r = 0; r < R; ++r) p[r][m] = 0.0f;
+      for (int r = 0; r < {RR}; ++r) p[r][m] = 0.0f;
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float qf[R][8];
-      for (int r = 0; r < R; ++r) {
+      float qf[{RR}][8];
+      for (int r = 0; r < {RR}; ++r) {
         const uint32_t lo = wq[r][j] & 0x0F0F0F0Fu;
         const uint32_t hi = (wq[r][j] >> 4) & 0x0F0F0F0Fu;
         for (int i = 0; i < 4; ++i) {
@@ -206,23 +228,24 @@ _BODY = """
         }
       }
       const int k0 = c * 32 + j * 8;
+      {LOAD_SHARED}
       for (int m = 0; m < M; ++m) {
         float xv[8];
         {LOAD_X}
         xs[m] += ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7]));
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < {RR}; ++r)
           for (int i = 0; i < 8; ++i) p[r][m] = LX_FMA(qf[r][i], xv[i], p[r][m]);
       }
     }
     {CHUNK_SCALE}
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < {RR}; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = LX_FMA(sc[r], p[r][m], LX_FMA(bs[r], xs[m], acc[r][m]));
   }
 
   for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < {RR}; ++r) {
       const float part = LX_SIMD_SUM(acc[r][m]);
-      if (lane == 0) red[(wid * R + r) * M + m] = part;
+      if (lane == 0) red[(wid * {RR} + r) * M + m] = part;
     }
     const float part = LX_SIMD_SUM(sq[m]);
     if (lane == 0) sqs[wid * M + m] = part;
@@ -231,20 +254,24 @@ _BODY = """
   for (int i = LX_TID_X; i < R * M; i += 32 * SK) {
     const int r = i / M, m = i - (i / M) * M, n = n0 + r;
     float t = 0.0f;
-    for (int v = 0; v < SK; ++v) t += red[v * R * M + i];
+    for (int v = 0; v < SK; ++v) t += red[v * {RR} * M + i];
     float f = 1.0f;
     {ROW_SCALE}
-    const float total = f * t;
-    if (n < N) {STORE}
+    float total = f * t;
+    {GLU}
+    if (n < NO) {STORE}
   }
 """
 
 
 @cache  # built once per variant: the dispatcher runs per projection and token on uncompiled paths
-def body(kind: str, residual: bool) -> str:
-    """The kernel body of one prologue kind, with or without the residual epilogue (one source for both dialects)."""
-    return (_BODY.replace("{LOAD_X}", _LOAD_X[kind]).replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, ""))
-            .replace("{ROW_SCALE}", _ROW_SCALE.get(kind, "")).replace("{STORE}", _STORE[residual]))
+def body(kind: str, residual: bool, glu: bool = False) -> str:
+    """The kernel body of one prologue kind, with or without the residual or SwiGLU epilogue (one source for both
+    dialects)."""
+    return (_BODY.replace("{LOAD_X}", _LOAD_X[kind]).replace("{LOAD_SHARED}", _LOAD_SHARED.get(kind, ""))
+            .replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, "")).replace("{ROW_SCALE}", _ROW_SCALE.get(kind, ""))
+            .replace("{GLU}", _GLU if glu else "").replace("{STORE}", _STORE[residual])
+            .replace("{NO}", "N / 2" if glu else "N").replace("{RR}", "(2 * R)" if glu else "R"))
 
 
 # Rows of w per block by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
@@ -277,16 +304,19 @@ def _sizes(pre: Pre | None, x: mx.array) -> tuple[int, int, tuple[int, ...]]:
 
 
 def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
-              residual: mx.array | None = None) -> bool:
+              residual: mx.array | None = None, glu: bool = False) -> bool:
     """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
-    residual and the prologue's side inputs in x's dtype and laid out as the body indexes them."""
+    residual and the prologue's side inputs in x's dtype and laid out as the body indexes them; the SwiGLU
+    epilogue on an even number of rows and without a residual."""
+    if glu and (w.shape[0] % 2 or residual is not None):
+        return False
     if x.ndim < (4 if pre is not None and pre.kind in ("gate", "gated_rms") else 1):
         return False
     K, M, _ = _sizes(pre, x)
     if not (bits == 4 and group_size in (32, 64, 128) and K % 32 == 0 and w.shape[-1] * 8 == K
             and 1 <= M <= MAX_ROWS and x.dtype in DTYPES):
         return False
-    if residual is not None and (residual.dtype != x.dtype or residual.size != M * w.shape[0]):
+    if residual is not None and (residual.dtype != x.dtype or residual.size != M * w.shape[0]):  # (no glu here)
         return False
     if pre is None:
         return True
@@ -306,14 +336,18 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | N
 
 
 def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                     bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None,
+                     bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
                      rows: int | None = None, init_value: float | None = None) -> mx.array:
-    """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests)."""
-    assert supported(x, w, group_size, bits, pre, residual), "shape, type or layout not handled by the kernel"
+    """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests).
+    With `glu` a block computes R output columns from 2R rows of w (R halved: the same rows per block)."""
+    assert supported(x, w, group_size, bits, pre, residual, glu), "shape, type or layout not handled by the kernel"
     kind = pre.kind if pre is not None else "none"
     K, M, lead = _sizes(pre, x)
     N = w.shape[0]
     R, SK = launch_shape(M, N, K, rows)
+    if glu and rows is None:
+        R = max(1, R // 2)
+    NO = N // 2 if glu else N
     inputs, template = [x, w, scales, biases], [("OT", x.dtype), ("M", M), ("R", R), ("SK", SK), ("GS", group_size)]
     if kind in ("rms", "gated_rms"):
         inputs.append(pre.weight)
@@ -328,14 +362,14 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if residual is not None:
         inputs.append(residual)
         names += ("res",)
-    name = f"lattice_q4_{kind}" + ("_res" if residual is not None else "")
-    kernel = _dialect.build(name, body(kind, residual is not None), names, ("y",))
+    name = f"lattice_q4_{kind}" + ("_res" if residual is not None else "") + ("_glu" if glu else "")
+    kernel = _dialect.build(name, body(kind, residual is not None, glu), names, ("y",))
     (y,) = kernel(
         inputs=inputs,
         template=template,
-        grid=(32 * SK * -(-N // R), 1, 1),
+        grid=(32 * SK * -(-NO // R), 1, 1),
         threadgroup=(32 * SK, 1, 1),
-        output_shapes=[(*lead, N)],
+        output_shapes=[(*lead, NO)],
         output_dtypes=[x.dtype],
         init_value=init_value,
     )
@@ -343,11 +377,13 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 
 
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
-              pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
+              pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
     """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
     decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
-    `mx.quantized_matmul` and an add."""
-    if use_kernels() and supported(x, w, group_size, bits, pre, residual):
-        return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual)
+    `mx.quantized_matmul`, the SwiGLU ops (`glu`) and an add."""
+    if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
+        return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual,
+                                glu=glu)
     y = mx.quantized_matmul(prologue_ref(pre, x), w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    y = glu_ref(y) if glu else y
     return y if residual is None else residual + y

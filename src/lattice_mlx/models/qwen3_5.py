@@ -16,7 +16,7 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu
+from ..metal.q4_matmul import Pre, glu_ref, prologue_ref, q4_matmul, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
@@ -141,12 +141,14 @@ def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.arra
 class Q4Linear(nn.QuantizedLinear):
     """A 4-bit linear whose matmul, with its prologue and residual, goes through the q4_matmul dispatcher."""
 
-    def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+                 glu: bool = False) -> mx.array:
         if self.bits != 4 or self.mode != "affine" or "bias" in self:
             y = super().__call__(prologue_ref(pre, x))
+            y = glu_ref(y) if glu else y
             return y if residual is None else residual + y
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
-                         residual=residual)
+                         residual=residual, glu=glu)
 
 
 class Q4Embedding(nn.QuantizedEmbedding):
@@ -167,11 +169,14 @@ def route_quantized(model: nn.Module) -> None:
             m.__class__ = Q4Embedding
 
 
-def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None):
-    """residual + linear(P(x)): one fused kernel for a 4-bit linear on a GPU, the same maths in plain ops otherwise."""
+def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+            glu: bool = False):
+    """residual + linear(P(x)), or with `glu` silu(gate) * up of linear(P(x)) = [gate | up]: one fused kernel for a
+    4-bit linear on a GPU, the same maths in plain ops otherwise."""
     if isinstance(linear, Q4Linear):
-        return linear(x, pre=pre, residual=residual)
+        return linear(x, pre=pre, residual=residual, glu=glu)
     y = linear(prologue_ref(pre, x))
+    y = glu_ref(y) if glu else y
     return y if residual is None else residual + y
 
 
@@ -351,9 +356,9 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array, *, norm: nn.RMSNorm | None = None, residual: mx.array | None = None) -> mx.array:
         """residual + down(silu(gate(norm(x))) * up(norm(x))), the norm, SwiGLU and residual fused into the matmuls."""
-        if "gate_up_proj" in self:  # fused (models/fuse.py): [gate | up]
-            gu = project(self.gate_up_proj, x, pre=rms_pre(norm))
-            return project_out(self, self.down_proj, gu, pre=Pre("swiglu"), residual=residual)
+        if "gate_up_proj" in self:  # fused (models/fuse.py): [gate | up], SwiGLU as the matmul's epilogue
+            h = project(self.gate_up_proj, x, pre=rms_pre(norm), glu=True)
+            return project_out(self, self.down_proj, h, residual=residual)
         x = prologue_ref(rms_pre(norm), x)
         return project_out(self, self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), residual=residual)
 

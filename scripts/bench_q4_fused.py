@@ -1,0 +1,90 @@
+"""GPU kernel time of the fused 4-bit projections at the Qwen3.5-0.8B shapes by rows M (decode M = 1, verify M = K+1),
+from CUPTI (`gpu_kernels.py` of ../shared/device, copied into --profiler-dir): how a projection's cost grows with the
+rows of a verify, and what the SwiGLU epilogue (glu) saves against the SwiGLU prologue of the down projection.
+
+    python scripts/bench_q4_fused.py --profiler-dir .device-tools --out results.json
+
+Each case is run `calls` times inside one profile (one eval per call, so every call is its own launch); the figure
+is kernel microseconds per call.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from lattice_mlx.metal.q4_matmul import Pre, q4_matmul_kernel
+
+H, I, GDN_IN, GDN_V, ATT_O = 1024, 3584, 8224, 2048, 2048  # 0.8B: hidden, MLP, GDN in_proj rows, GDN values, o_proj in
+
+
+def quantized(N: int, K: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32) * 0.05).astype(mx.bfloat16)
+    return mx.quantize(w, group_size=64, bits=4)
+
+
+def arr(rng, *shape):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+
+def cases(M: int):
+    """name -> zero-argument function launching one kernel at M rows."""
+    rng = np.random.default_rng(M)
+    norm = Pre("rms", (1 + 0.1 * arr(rng, H)), 1e-6)
+    x, res = arr(rng, 1, M, H), arr(rng, 1, M, H)
+    gu, down, inp = quantized(2 * I, H, 1), quantized(H, I, 2), quantized(GDN_IN, H, 3)
+    outp, oproj = quantized(H, GDN_V, 4), quantized(H, ATT_O, 5)
+    h2 = arr(rng, 1, M, 2 * I)
+    h = arr(rng, 1, M, I)
+    y_gdn, src = arr(rng, 1, M, 16, 128), arr(rng, 1, M, GDN_IN)
+    gated = Pre("gated_rms", 1 + 0.1 * arr(rng, 128), 1e-6, src=src, offset=6144)
+    attn, qsrc = arr(rng, 1, 8, M, 256), arr(rng, 1, M, 2 * ATT_O + 1024)
+    k = dict(group_size=64)
+    out = {
+        "gate_up rms (old)": lambda: q4_matmul_kernel(x, *gu, pre=norm, **k),
+        "down swiglu+res (old)": lambda: q4_matmul_kernel(h2, *down, pre=Pre("swiglu"), residual=res, **k),
+        "gate_up rms+glu (new)": lambda: q4_matmul_kernel(x, *gu, pre=norm, glu=True, **k),
+        "down none+res (new)": lambda: q4_matmul_kernel(h, *down, residual=res, **k),
+        "gdn in_proj rms": lambda: q4_matmul_kernel(x, *inp, pre=norm, **k),
+        "gdn out_proj gated_rms+res": lambda: q4_matmul_kernel(y_gdn, *outp, pre=gated, residual=res, **k),
+        "attn o_proj gate+res": lambda: q4_matmul_kernel(attn, *oproj, pre=Pre("gate", src=qsrc), residual=res, **k),
+        "gdn in_proj none": lambda: q4_matmul_kernel(x, *inp, **k),
+    }
+    for rows in (1, 2, 4, 8):
+        out[f"gdn in_proj rms R={rows}"] = lambda rows=rows: q4_matmul_kernel(x, *inp, pre=norm, rows=rows, **k)
+        out[f"gate_up rms+glu R={rows}"] = lambda rows=rows: q4_matmul_kernel(x, *gu, pre=norm, glu=True, rows=rows,
+                                                                              **k)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profiler-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ms", default="1,2,4,8")
+    p.add_argument("--calls", type=int, default=50)
+    args = p.parse_args()
+    spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(args.profiler_dir, "gpu_kernels.py"))
+    prof_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof_mod)
+    results = {}
+    for M in map(int, args.ms.split(",")):
+        for name, fn in cases(M).items():
+            for _ in range(3):
+                mx.eval(fn())  # compile, warm
+            with prof_mod.kernel_profile(steps=args.calls) as prof:
+                for _ in range(args.calls):
+                    mx.eval(fn())
+            s = prof.summary(top=3)
+            results.setdefault(name, {})[M] = round(s["kernel_us_per_step"], 2)
+            print(f"M={M} {name}: {s['kernel_us_per_step']:.2f} us ({s['kernels_per_step']:.1f} kernels)", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
