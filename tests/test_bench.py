@@ -264,3 +264,37 @@ def test_draft_vocab_ab_twins_run_with_the_subset_and_restore_it(tmp_path, monke
     assert drafted and all(t < 16 for t in drafted)
     assert bench.main(["decode", "--model", "tiny", "--draft-vocab-ab", "0", "--out", str(out)]) == 1
     assert bench.main(["decode", "--model", "tiny", "--draft-vocab-ab", "100000", "--out", str(out)]) == 1
+
+
+def test_head_q4_ab_twins_draft_with_the_4bit_head_and_restore_it(tmp_path, monkeypatch):
+    """--head-q4-ab: each MTP leg gets a +headq4 twin whose drafts come from a 4-bit copy of the head while it runs
+    (both verifiers; output stays plain's); the model's own head is back after every run."""
+    from lattice_mlx.models.mtp import MTPHead
+
+    legs = bench.with_head_q4_ab([bench.Leg("plain"), bench.Leg("mtp", "pipelined", 2)], True)
+    assert [leg.name for leg in legs] == ["plain", "pipelined-K2", "pipelined-K2+headq4"]
+    heads, real = [], MTPHead.__call__
+
+    def spy(self, *a, **k):
+        heads.append(type(self.fc).__name__)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MTPHead, "__call__", spy)
+    out = tmp_path / "hq"
+    assert bench.main(["decode", "--model", "tiny", "--dtype", "float32", "--reps", "1", "--lengths", "4,12",
+                       "--temps", "0", "--legs", "plain,batched,pipelined", "--k", "2", "--no-stock", "--head-q4-ab",
+                       "--out", str(out)]) == 0
+    legs = {leg["leg"]: leg for leg in json.loads((out / "decode.json").read_text())["groups"][0]["legs"]}
+    for name in ("batched-K2-oracle0.8+headq4", "pipelined-K2-oracle0.8+headq4"):
+        same, prompts = legs[name]["identical_to_plain"].split()[0].split("/")
+        assert same == prompts != "0", (name, legs[name]["identical_to_plain"])
+    assert {"Q4Linear", "Linear"} <= set(heads)  # both heads drafted
+
+    class M:
+        mtp = "own"
+
+    model = M()
+    stream = bench._head_during(model, "q4", iter(range(3)))
+    assert next(stream) == 0 and model.mtp == "q4"
+    stream.close()
+    assert model.mtp == "own"

@@ -5,6 +5,7 @@ Every timed run holds a file lock; legs run interleaved ABBA in one process; dec
 generation lengths. This module runs the legs; bench_report.py writes the JSON, markdown and PNG results to --out;
 the terminal gets a table, then one JSON line."""
 
+import copy
 import dataclasses
 import datetime
 import fcntl
@@ -49,6 +50,7 @@ from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, res
 from .models import compiled
 from .models.fuse import hf_parameters
 from .models.mtp import DraftVocab
+from .models.qwen3_5 import route_quantized
 from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
@@ -139,6 +141,7 @@ class Leg:
     p: float | None = None
     compiled: bool | None = None  # --compile-ab: the compiled path forced on / off while the leg runs; None: as set
     draft_vocab: int | None = None  # --draft-vocab-ab: the MTP head drafts from ids 0..N-1 only; None: as loaded
+    head_q4: bool = False  # --head-q4-ab: the MTP head's linears in 4 bits (as convert --quantize-mtp makes them)
 
     @property
     def name(self) -> str:
@@ -147,6 +150,7 @@ class Leg:
         name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
         name += f"-oracle{self.p:g}" if self.p is not None else ""
         name += f"+dv{self.draft_vocab}" if self.draft_vocab else ""
+        name += "+headq4" if self.head_q4 else ""
         return name + ("+compile" if self.compiled else "")
 
 
@@ -172,6 +176,40 @@ def with_draft_vocab_ab(legs: list[Leg], n: int | None) -> list[Leg]:
                                               else [leg])]
 
 
+def with_head_q4_ab(legs: list[Leg], on: bool) -> list[Leg]:
+    """With `on`, every MTP leg is followed by its twin whose MTP head runs in 4 bits (the head's fused kernels
+    instead of bf16 matmuls and separate norms): what quantizing the head saves per round, paired in one run."""
+    if not on:
+        return legs
+    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, head_q4=True)] if leg.kind == "mtp"
+                                              else [leg])]
+
+
+def quantized_head(model, *, group_size: int):
+    """A 4-bit copy of the model's MTP head (its linears; norms and the shared embedding as they are)."""
+    traces = model.mtp.__dict__.pop("_compiled", None)  # compiled traces are not copied (the copy makes its own)
+    try:
+        head = copy.deepcopy(model.mtp)
+    finally:
+        if traces is not None:
+            object.__setattr__(model.mtp, "_compiled", traces)
+    nn.quantize(head, group_size=group_size, bits=4,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0)
+    route_quantized(head)
+    mx.eval(head.parameters())
+    return head
+
+
+def _head_during(model, head, stream):
+    """Runs `stream` with `head` as the model's MTP head, restoring its own after."""
+    before = model.mtp
+    model.mtp = head
+    try:
+        yield from stream
+    finally:
+        model.mtp = before
+
+
 def _draft_vocab_during(model, vocab: DraftVocab, stream):
     """Runs `stream` with the head drafting from `vocab`, restoring the head's own setting after."""
     before = model.mtp.draft_vocab
@@ -193,6 +231,7 @@ class Target:
     stock_note: str = ""
     stock_max_logit_diff: float | None = None
     draft_vocabs: dict = field(default_factory=dict)  # --draft-vocab-ab: one DraftVocab per size, rows gathered once
+    head_q4: object | None = None  # --head-q4-ab: the 4-bit copy of the MTP head, made once
 
     @property
     def vocab(self) -> int:
@@ -310,6 +349,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
     if leg.draft_vocab:
         vocab = target.draft_vocabs.setdefault(leg.draft_vocab, DraftVocab(range(leg.draft_vocab)))
         stream = _draft_vocab_during(target.model, vocab, stream)
+    if leg.head_q4:
+        stream = _head_during(target.model, target.head_q4, stream)
     return stream, stats
 
 
@@ -535,7 +576,8 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
                     legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
                 else:
                     legs += mtp_legs([name], args.k.split(","), p=p)
-            legs = with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab), args.draft_vocab_ab)
+            legs = with_head_q4_ab(with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab), args.draft_vocab_ab),
+                                   args.head_q4_ab)
             label = f"decode {workload} temp={temp:g}"
             records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
                                 seed=args.seed, label=label, profiler=profiler)
@@ -686,6 +728,8 @@ def setup_arg_parser() -> ArgumentParser:
                    help="decode / oracle: every lattice leg layer by layer and as its compiled twin")
     p.add_argument("--draft-vocab-ab", type=int, metavar="N",
                    help="decode: every MTP leg also as a twin whose head drafts from token ids 0..N-1 only")
+    p.add_argument("--head-q4-ab", action="store_true",
+                   help="decode: every MTP leg also as a twin whose MTP head runs in 4 bits (convert --quantize-mtp)")
     p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
                    "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")
@@ -721,6 +765,10 @@ def run(args, argv: list[str]) -> dict:
     if args.draft_vocab_ab and (args.draft_vocab_ab >= target.model.args.vocab_size or not target.model.has_mtp):
         raise ValueError(f"--draft-vocab-ab {args.draft_vocab_ab}: needs an MTP head and fewer ids than the "
                          f"vocabulary ({target.model.args.vocab_size})")
+    if args.head_q4_ab:
+        if not target.model.has_mtp or isinstance(target.model.mtp.fc, nn.QuantizedLinear):
+            raise ValueError("--head-q4-ab needs an MTP head that is not quantized already")
+        target.head_q4 = quantized_head(target.model, group_size=args.group_size)
     log(f"model: {target.label}; stock: {target.stock_note}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 """Per-layer caches behind one protocol: begin() marks a speculative region, rollback(n) drops its last n positions,
 commit() ends it; snapshot()/restore() copy everything (the replay oracle); nbytes. `.state` serves mlx-lm."""
 
+import functools
+
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
@@ -35,6 +37,17 @@ class KVCache(_MlxLmKVCache):
 
     def restore(self, snap: tuple) -> None:
         self.keys, self.values, self.offset = _own(snap[0]), _own(snap[1]), snap[2]
+
+
+@functools.cache
+def _clamped_positions(last: int, T: int):
+    """offset -> (the write's start clamped to [0, last] as a [1] array, the length offset + T), compiled: one fused
+    kernel instead of a max, a min and an add per forward (each a launch on a GPU)."""
+
+    def positions(offset: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.clip(offset, 0, last).reshape(1), offset + T
+
+    return mx.compile(positions)
 
 
 class FixedKVCache:
@@ -79,7 +92,7 @@ class FixedKVCache:
         cap, m = self.keys.shape[2], FixedKVCache._memo
         if m is not None and m[0] is self.offset and m[1:3] == (cap, T):
             return m[3], m[4]
-        start, length = mx.clip(self.offset, 0, cap - T).reshape(1), self.offset + T
+        start, length = _clamped_positions(cap - T, T)(self.offset)
         FixedKVCache._memo = (self.offset, cap, T, start, length)
         return start, length
 
