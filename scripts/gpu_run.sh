@@ -15,6 +15,7 @@
 #   decode         0.8B shape, bf16: stock vs plain vs A/A plain vs MTP at oracle acceptance 0.8, with CUPTI kernels
 #                  per token; the demo with its real head
 #   rounds         0.8B shape, bf16: pipelined rounds vs the synchronous batched loop vs plain, oracle 0.8, CUPTI
+#   rounds-headq4  K=3 rounds, the MTP head in bf16 vs its 4-bit twin (--head-q4-ab), CUPTI
 #   rounds-more    pipelined rounds at oracle 1.0, at the 4B shape (with stock), and on the demo's real head
 #   mlx-lm-spec    mlx-lm's speculative loop with the MTP head as draft model vs this project's loops (0.8B oracle
 #                  0.8, the demo's real head)
@@ -70,6 +71,10 @@ for mode in "$@"; do
     step rounds_0.8b 230 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs plain,plain-aa,batched,pipelined --k 2,3 --oracle-p 0.8 --no-stock --profile .device-tools \
       --out "$RES/rounds_0.8b" ;;
+  rounds-headq4)  # K=3 rounds with the MTP head in bf16 and its 4-bit twin (--head-q4-ab), 0.8B shape
+    step rounds_headq4 220 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --no-stock --head-q4-ab --profile .device-tools \
+      --out "$RES/rounds_headq4" ;;
   rounds-more)  # pipelined rounds at acceptance 1.0, at the 4B shape, and on the demo with its real head
     step rounds_p1 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 1.0 --no-stock --out "$RES/rounds_p1"

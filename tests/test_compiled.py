@@ -44,8 +44,9 @@ def test_compiled_decode_steps_equal_the_layer_path(checkpoint, monkeypatch):
     diffs = [mx.abs(r - g).max().item() / max(1.0, mx.abs(r).max().item()) for r, g in zip(ref, got)]
     assert max(diffs) <= TOL, f"relative logit differences per step: {[f'{d:.1e}' for d in diffs]}"
     for i, (rc, c) in enumerate(zip(ref_cache, cache)):
-        for a, b in zip(rc.state, c.state):
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=TOL, err_msg=f"cache of layer {i}")
+        for a, b in zip(rc.state, c.state):  # relative to the cache's scale, as the logits are (H200: keys ~3)
+            scale = max(1.0, float(mx.abs(a).max().item()))
+            np.testing.assert_allclose(np.array(b), np.array(a), atol=TOL * scale, err_msg=f"cache of layer {i}")
 
 
 def test_compiled_path_follows_weights_changed_after_tracing(checkpoints, monkeypatch):
