@@ -288,3 +288,40 @@ def test_glu_kernel_rows_are_batch_invariant():
     for m in range(8):
         assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(x[:, m : m + 1], w, s, b, group_size=64, pre=pre,
                                                                 glu=True)), m
+
+
+# --- the 4-bit embedding lookup in one launch ---
+
+
+def test_embed_dispatch_equals_mlx_quantized_embedding():
+    """The dispatcher (the plain path on the CPU) and the model's Q4Embedding give MLX's own lookup."""
+    import mlx.nn as nn
+
+    from lattice_mlx.metal.q4_matmul import q4_embed
+    from lattice_mlx.models.qwen3_5 import Q4Embedding, route_quantized
+
+    emb = nn.Embedding(300, 128)
+    emb.set_dtype(mx.bfloat16)
+    q = nn.QuantizedEmbedding.from_embedding(emb, group_size=64, bits=4)
+    ids = mx.array([[3, 299, 0, 3]])
+    expect = q(ids)
+    holder = nn.Module()
+    holder.e = q
+    route_quantized(holder)
+    assert isinstance(holder.e, Q4Embedding)
+    assert mx.array_equal(holder.e(ids), expect)
+    assert mx.array_equal(q4_embed(ids, q["weight"], q["scales"], q["biases"], group_size=64), expect)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_embed_kernel_equals_mlx_dequantize(dtype, gs):
+    from lattice_mlx.metal.q4_matmul import q4_embed_kernel, q4_embed_ref
+
+    _, w, s, b = make(1, 1000, 1024, gs, dtype, seed=gs)
+    ids = mx.array([[7, 999, 0, 7, 500]])
+    y = q4_embed_kernel(ids, w, s, b, group_size=gs)
+    ref = q4_embed_ref(ids, w, s, b, group_size=gs)
+    assert y.shape == ref.shape == (1, 5, 1024) and y.dtype == dtype
+    assert_close(y, ref, "same", f"{dtype} g{gs}")

@@ -387,3 +387,58 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
     y = mx.quantized_matmul(prologue_ref(pre, x), w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     y = glu_ref(y) if glu else y
     return y if residual is None else residual + y
+
+
+# The embedding lookup of a 4-bit table in one launch (MLX's QuantizedEmbedding gathers the rows, their scales and
+# their biases, then dequantizes: four launches). One thread per packed word (8 values) of one looked-up row; the
+# arithmetic is MLX's dequantize in the activation dtype: round(round(scale * q) + bias).
+_EMBED_BODY = f"""
+  const int KW = w_shape[1];
+  const int NG = scales_shape[1];
+  const int j = LX_GID_X, i = LX_GID_Y;
+  if (j >= KW) return;
+  const int row = ids[i];
+  const uint32_t u = w[row * KW + j];
+  const int g = (j * 8) / GS;
+  const float s = LX_F32(scales[row * NG + g]), b = LX_F32(biases[row * NG + g]);
+  for (int e = 0; e < 8; ++e) {{
+    const float q = static_cast<float>((u >> (4 * e)) & 0xFu);
+    y[(i * KW + j) * 8 + e] = static_cast<OT>({_round(_round("s * q") + " + b")});
+  }}
+"""
+
+
+def q4_embed_ref(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
+    """The specification: MLX's own lookup (gather the rows, scales and biases, then dequantize)."""
+    return mx.dequantize(w[ids], scales[ids], biases[ids], group_size=group_size, bits=4)
+
+
+def q4_embed_supported(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                       bits: int) -> bool:
+    return (bits == 4 and biases is not None and group_size in (32, 64, 128) and ids.size >= 1
+            and ids.dtype in (mx.int32, mx.uint32, mx.int64, mx.uint64) and scales.dtype in DTYPES
+            and (w.shape[1] * 8) % group_size == 0)
+
+
+def q4_embed_kernel(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
+    """The GPU kernel (Metal or CUDA); same result as `q4_embed_ref`: [*ids.shape, K] in the scales' dtype."""
+    KW = w.shape[1]
+    kernel = _dialect.build("lattice_q4_embed", _EMBED_BODY, ("ids", "w", "scales", "biases"), ("y",))
+    (y,) = kernel(
+        inputs=[ids.reshape(-1).astype(mx.int32), w, scales, biases],
+        template=[("OT", scales.dtype), ("GS", group_size)],
+        grid=(KW, ids.size, 1),
+        threadgroup=(min(KW, 256), 1, 1),
+        output_shapes=[(*ids.shape, KW * 8)],
+        output_dtypes=[scales.dtype],
+    )
+    return y
+
+
+def q4_embed(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+             bits: int = 4) -> mx.array:
+    """A 4-bit embedding lookup: one kernel on a GPU, MLX's gathers and dequantize otherwise."""
+    if use_kernels() and q4_embed_supported(ids, w, scales, biases, group_size, bits):
+        return q4_embed_kernel(ids, w, scales, biases, group_size=group_size)
+    return mx.dequantize(w[ids], scales[ids], biases[ids] if biases is not None else None, group_size=group_size,
+                         bits=bits)
