@@ -15,10 +15,11 @@
 #   decode         0.8B shape, bf16: stock vs plain vs A/A plain vs MTP at oracle acceptance 0.8, with CUPTI kernels
 #                  per token; the demo with its real head
 #   rounds         0.8B shape, bf16: pipelined rounds vs the synchronous batched loop vs plain, oracle 0.8, CUPTI
-#   rounds-headq4  K=3 rounds, the MTP head in bf16 vs its 4-bit twin (--head-q4-ab), CUPTI
+#   rounds-headq4  K=3 rounds, the MTP head in bf16 vs its 4-bit twin (--head-q4-ab), CUPTI (LEGS, REPS)
 #   rounds-more    pipelined rounds at oracle 1.0, at the 4B shape (with stock), and on the demo's real head
 #   mlx-lm-spec    mlx-lm's speculative loop with the MTP head as draft model vs this project's loops (0.8B oracle
 #                  0.8, the demo's real head)
+#   mlx-lm-spec-0.8b  its 0.8B half alone
 #   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
@@ -72,8 +73,9 @@ for mode in "$@"; do
       --legs plain,plain-aa,batched,pipelined --k 2,3 --oracle-p 0.8 --no-stock --profile .device-tools \
       --out "$RES/rounds_0.8b" ;;
   rounds-headq4)  # K=3 rounds with the MTP head in bf16 and its 4-bit twin (--head-q4-ab), 0.8B shape
-    step rounds_headq4 220 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
-      --legs plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --no-stock --head-q4-ab --profile .device-tools \
+    step rounds_headq4 220 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs "${LEGS:-plain,plain-aa,batched,pipelined}" --k 3 --oracle-p 0.8 --no-stock --head-q4-ab \
+      --profile .device-tools \
       --out "$RES/rounds_headq4" ;;
   rounds-more)  # pipelined rounds at acceptance 1.0, at the 4B shape, and on the demo with its real head
     step rounds_p1 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
@@ -82,6 +84,9 @@ for mode in "$@"; do
       --legs stock,plain,plain-aa,batched,pipelined --k 3 --oracle-p 0.8 --out "$RES/rounds_4b"
     step rounds_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0,0.7 \
       --legs plain,plain-aa,batched,pipelined --k 2 --no-stock --out "$RES/rounds_demo" ;;
+  mlx-lm-spec-0.8b)  # the 0.8B half of mlx-lm-spec alone
+    step mlxlm_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,batched,mlx-lm --k 2,3 --oracle-p 0.8 --no-stock --out "$RES/mlxlm_0.8b" ;;
   mlx-lm-spec)  # [mlx-lm-spec]: mlx-lm's own speculative loop (the MTP head as its draft model) vs this project's
     step mlxlm_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
       --legs plain,plain-aa,batched,mlx-lm --k 2,3 --oracle-p 0.8 --no-stock --out "$RES/mlxlm_0.8b"

@@ -413,6 +413,8 @@ class LegRecord:
     profile: dict | None = None  # GPU kernels per token (--profile)
     tokens: dict = field(default_factory=dict)  # greedy runs: prompt -> the tokens of its last run
     identical: list[bool] = field(default_factory=list)  # greedy MTP runs: tokens equal to plain's on that prompt
+    # mlx-lm legs: whether this project's plain loop and mlx-lm's own plain loop agree, prompt by prompt
+    plain_is_mlx_lm_plain: list[bool] = field(default_factory=list)
 
     def add(self, run: dict, stats: SpecStats | None, peak: int) -> None:
         self.runs.append(run)
@@ -459,20 +461,30 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
     """Warms every leg up once, then `reps` repetitions in ABBA order; repetition r uses prompt r mod len(prompts).
     With `profiler`, one more run per leg measures its GPU kernels per token."""
     n_max = lengths[1] + 8
-    references = {}
-    if any(leg.p is not None for leg in legs):
+    references, mlx_lm_references = {}, {}
+    mlx_lm_legs = any(leg.kind == "mtp" and leg.verify == "mlx-lm" for leg in legs)
+    if any(leg.p is not None for leg in legs) or (mlx_lm_legs and temp == 0):
         for i, ids in enumerate(prompts[:reps]):
             stream = generate_step(target.model, mx.array(ids), sampler=Sampler())
             references[i] = [t for t, _ in zip(stream, range(n_max + 8))]
+            if mlx_lm_legs:  # mlx-lm's loop is held to mlx-lm's own plain loop (its prefill is chunked its way: on
+                # random bf16 weights' near-tied logits that alone can change a greedy token)
+                steps = importlib.import_module("mlx_lm.generate").generate_step(mx.array(ids), target.model,
+                                                                                 max_tokens=n_max + 8)
+                mlx_lm_references[i] = [t for t, _ in steps]
+
+    def reference(leg: Leg, i: int) -> list[int] | None:
+        return (mlx_lm_references if leg.verify == "mlx-lm" else references).get(i)
+
     for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
-        stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=references.get(0), seed=seed)
+        stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=reference(leg, 0), seed=seed)
         timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=leg.compiled)
     records = {leg.name: LegRecord(leg) for leg in legs}
     for rep in range(reps):
         i = rep % len(prompts)
         for leg in bs.abba_order(legs, rep):
             mx.random.seed(seed * 1000 + rep)
-            stream, stats = token_stream(target, leg, prompts[i], temp, n_max=n_max, reference=references.get(i),
+            stream, stats = token_stream(target, leg, prompts[i], temp, n_max=n_max, reference=reference(leg, i),
                                          seed=seed * 1000 + rep)
             mx.reset_peak_memory()
             with bench_lock(lock["path"], timeout=lock["timeout"]) as waited:
@@ -488,7 +500,10 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
             log(f"[{label}] rep {rep + 1}/{reps} {leg.name:<24} {run['tok_s']:8.1f} tok/s{acc}")
     plain = records.get("plain")
     for rec in records.values():  # greedy MTP must give plain's tokens exactly (checked on every prompt run)
-        if temp == 0 and rec.leg.kind == "mtp" and plain is not None:
+        if temp == 0 and rec.leg.kind == "mtp" and rec.leg.verify == "mlx-lm":  # mlx-lm's own plain loop's tokens
+            rec.identical = [mlx_lm_references[i][: len(t)] == t for i, t in rec.tokens.items()]
+            rec.plain_is_mlx_lm_plain = [references[i] == mlx_lm_references[i] for i in sorted(mlx_lm_references)]
+        elif temp == 0 and rec.leg.kind == "mtp" and plain is not None:
             rec.identical = [plain.tokens.get(i) == t for i, t in rec.tokens.items()]
             if not all(rec.identical):
                 log(f"[{label}] {rec.leg.name}: tokens DIFFER from plain's on {rec.identical.count(False)} of "
@@ -496,7 +511,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
     if profiler is not None:
         for leg in legs:
             records[leg.name].profile = profile_leg(profiler, target, leg, prompts[0], temp, n=lengths[1],
-                                                    reference=references.get(0), seed=seed)
+                                                    reference=reference(leg, 0), seed=seed)
     return records
 
 
@@ -524,6 +539,9 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
         out["gpu_profile"] = rec.profile
     if rec.identical:
         out["identical_to_plain"] = f"{sum(rec.identical)}/{len(rec.identical)} prompts"
+    if rec.leg.verify == "mlx-lm" and rec.identical:
+        out["identical_to"] = "mlx-lm's own plain loop (mlx_lm.generate.generate_step)"
+        out["plain_is_mlx_lm_plain"] = f"{sum(rec.plain_is_mlx_lm_plain)}/{len(rec.plain_is_mlx_lm_plain)} prompts"
     plain_name = plain_baseline(rec, records)
     for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:

@@ -96,7 +96,10 @@ def aa_line(group: dict) -> str:
 
 def identity_line(group: dict) -> str:
     """Greedy MTP legs against plain decoding, token for token, on every prompt run."""
-    cells = [f"{s['leg']} {s['identical_to_plain']}" for s in group["legs"] if "identical_to_plain" in s]
+    cells = [f"{s['leg']} {s['identical_to_plain']}" + (" (against mlx-lm's own plain loop; this project's plain "
+                                                         f"loop equals it on {s['plain_is_mlx_lm_plain']})"
+                                                         if "identical_to" in s else "")
+             for s in group["legs"] if "identical_to_plain" in s]
     return f"\n\nGreedy tokens identical to plain's: {', '.join(cells)}." if cells else ""
 
 
