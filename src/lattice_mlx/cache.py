@@ -40,20 +40,14 @@ class KVCache(_MlxLmKVCache):
 
 
 @functools.cache
-def _write_rows(last: int, shape: tuple[int, ...]):
-    """offset -> (the rows a forward of shape [B, H, T, D] writes, start..start + T - 1 with the start clamped to
-    [0, last], as an int32 index of that whole shape; the length offset + T), compiled: one fused kernel per forward
-    (each op is a launch on a GPU). The index is materialized (not a broadcast view) so the scatters that use it
-    read it as it is."""
-    T = shape[2]
-    steps = mx.arange(T, dtype=mx.int32).reshape(1, 1, T, 1)
-    mx.eval(steps)  # a constant of the trace, not an op of every call
+def _clamped_positions(last: int, T: int):
+    """offset -> (the write's start clamped to [0, last] as a [1] array, the length offset + T), compiled: one fused
+    kernel instead of a max, a min and an add per forward (each a launch on a GPU)."""
 
-    def rows(offset: mx.array) -> tuple[mx.array, mx.array]:
-        start = mx.clip(offset, 0, last)
-        return mx.broadcast_to(start + steps, shape) + 0, offset + T  # (+ 0 materializes it in the fused kernel)
+    def positions(offset: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.clip(offset, 0, last).reshape(1), offset + T
 
-    return mx.compile(rows)
+    return mx.compile(positions)
 
 
 class FixedKVCache:
@@ -62,7 +56,7 @@ class FixedKVCache:
     loop then advances it by the accepted count, itself a device array, so no round waits for the host. Attention
     reads the first `bound` + T rows (`bound`: a host-side upper bound of the offset, kept by the loop) and masks to
     `length` (offset + T) on the device; rows past the length are stale drafts, never read. Start indices are clamped
-    on the device (MLX does not bounds-check a scatter's indices), and the buffers grow in blocks of GROW rows
+    on the device (MLX does not bounds-check a dynamic slice_update), and the buffers grow in blocks of GROW rows
     as `bound` nears their capacity."""
 
     GROW = 1024
@@ -90,26 +84,24 @@ class FixedKVCache:
         grow = lambda a: mx.zeros(shape, k.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
         self.keys, self.values = grow(self.keys), grow(self.values)
 
-    # (offset, capacity, k's shape, rows, length) of the last write: the target's attention layers share one offset
-    # array and capacity, so a forward computes its rows and length once, not once per layer (kernels per round)
+    # (offset, capacity, T, start, length) of the last write: the target's attention layers share one offset array
+    # and capacity, so a forward computes its clamped start and length once, not once per layer (kernels per round)
     _memo: tuple | None = None
 
-    def _positions(self, k: mx.array) -> tuple[mx.array, mx.array]:
+    def _positions(self, T: int) -> tuple[mx.array, mx.array]:
         cap, m = self.keys.shape[2], FixedKVCache._memo
-        if m is not None and m[0] is self.offset and m[1:3] == (cap, k.shape):
+        if m is not None and m[0] is self.offset and m[1:3] == (cap, T):
             return m[3], m[4]
-        rows, length = _write_rows(cap - k.shape[2], tuple(k.shape))(self.offset)
-        FixedKVCache._memo = (self.offset, cap, k.shape, rows, length)
-        return rows, length
+        start, length = _clamped_positions(cap - T, T)(self.offset)
+        FixedKVCache._memo = (self.offset, cap, T, start, length)
+        return start, length
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         T = k.shape[2]
         self._reserve(k)
-        rows, self.length = self._positions(k)
-        # a scatter along the rows: one launch per write (a slice_update at a device start is two on MLX's CUDA
-        # backend: the offset's computation, then the copy)
-        self.keys = mx.put_along_axis(self.keys, rows, k, axis=2)
-        self.values = mx.put_along_axis(self.values, rows, v, axis=2)
+        start, self.length = self._positions(T)
+        self.keys = mx.slice_update(self.keys, k, start, axes=(2,))
+        self.values = mx.slice_update(self.values, v, start, axes=(2,))
         view = self.bound + T
         return self.keys[..., :view, :], self.values[..., :view, :]
 

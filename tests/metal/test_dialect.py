@@ -15,7 +15,6 @@ BODIES = {
     "gated_delta_conv": gated_delta._BODY_CONV,
     **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
     **{f"q4_{kind}_glu": q4_matmul.body(kind, False, True) for kind in ("none", "rms")},
-    "q4_embed": q4_matmul._EMBED_BODY,
 }
 MARKERS = {
     "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
@@ -40,7 +39,7 @@ def assert_render_is_syntax_shaped(body: str, dialect: str) -> None:
     assert balanced(src), "unbalanced brackets"
     assert not re.search(r"\bLX_\w+", src), "a dialect macro was left unexpanded"
     present = [m for m in MARKERS[dialect] if m in src]
-    assert present, f"no {dialect} tokens: {present}"
+    assert len(present) >= 2, f"too few {dialect} tokens: {present}"
     assert not [m for m in MARKERS[OTHER[dialect]] if m in src], f"{OTHER[dialect]} tokens leaked into {dialect}"
 
 
@@ -122,9 +121,6 @@ def test_cuda_render_compiles(op, tmp_path):
             [("y", bf), ("state_out", "float")],
             [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("STEP", True)],
         )
-    elif op == "q4_embed":
-        ins = [("ids", "int"), ("w", "uint32_t"), ("scales", bf), ("biases", bf)]
-        unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], [("OT", bf), ("GS", 64)])
     else:
         kind, res = op[3:].removesuffix("_res").removesuffix("_glu"), op.endswith("_res")
         extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])

@@ -16,7 +16,7 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import Pre, glu_ref, prologue_ref, q4_embed, q4_matmul, swiglu
+from ..metal.q4_matmul import Pre, glu_ref, prologue_ref, q4_matmul, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
@@ -152,13 +152,7 @@ class Q4Linear(nn.QuantizedLinear):
 
 
 class Q4Embedding(nn.QuantizedEmbedding):
-    """A 4-bit embedding whose lookups (one kernel instead of three gathers and a dequantize) and tied-lm_head use
-    go through the kernel dispatchers."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.bits != 4 or self.mode != "affine":
-            return super().__call__(x)
-        return q4_embed(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size)
+    """A 4-bit embedding whose tied-lm_head use goes through the q4_matmul dispatcher."""
 
     def as_linear(self, x: mx.array, *, pre: Pre | None = None) -> mx.array:
         if self.bits != 4 or self.mode != "affine":
