@@ -18,8 +18,9 @@ def _run(model, tok, ids, **kw):
 
 
 @pytest.mark.parametrize("spec", [None, SpecOptions(draft_tokens=2, adaptive=False),
-                                  SpecOptions(draft="mtp+ngram", draft_tokens=3, adaptive=False)],
-                         ids=["plain", "mtp", "mtp+ngram"])
+                                  SpecOptions(draft="mtp+ngram", draft_tokens=3, adaptive=False),
+                                  SpecOptions(draft_tokens=3, verify="pipelined", adaptive=False)],
+                         ids=["plain", "mtp", "mtp+ngram", "mtp-pipelined"])
 def test_generation_from_a_cached_prefix_is_the_generation_from_scratch(checkpoints, spec):
     for name, path in checkpoints.items():
         model, tok = load(path)
@@ -38,6 +39,10 @@ def test_demo_mtp_accepts_the_same_drafts_from_a_cached_prefix():
     want = _run(model, tok, ids, speculation=spec)
     got = _run(model, tok, ids, speculation=spec, prompt_cache=PromptCache.build(model, ids[:-4]))
     assert got == want and sum(want[1]) > 5
+    pipelined = SpecOptions(draft_tokens=2, verify="pipelined", adaptive=False)
+    want = _run(model, tok, ids, speculation=pipelined)
+    assert _run(model, tok, ids, speculation=pipelined, prompt_cache=PromptCache.build(model, ids[:-4])) == want
+    assert sum(want[1]) > 5
 
 
 def test_extending_a_cache_equals_building_it(checkpoints):
@@ -98,12 +103,10 @@ def test_a_failed_save_leaves_no_file(checkpoints, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("kw, flag", [({"verify": "pipelined", "adaptive": False}, "--verify pipelined"),
-                                      ({"tree": "2-1"}, "--tree")])
-def test_loops_without_prompt_cache_support_say_so(checkpoints, kw, flag):
+def test_loops_without_prompt_cache_support_say_so(checkpoints):
     model, tok = load(checkpoints["untied"])
-    with pytest.raises(ValueError, match=f"{flag} does not take a prompt cache"):
-        _run(model, tok, IDS, speculation=SpecOptions(**kw), prompt_cache=PromptCache.build(model, IDS[:4]))
+    with pytest.raises(ValueError, match="--tree does not take a prompt cache"):
+        _run(model, tok, IDS, speculation=SpecOptions(tree="2-1"), prompt_cache=PromptCache.build(model, IDS[:4]))
 
 
 def test_cli_cache_prompt_then_generate_continues_it(tmp_path):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from . import cache as caches
-from .decode import prefill
+from .decode import resume
 from .drafters import _pick, mtp_prefill
 from .sample import Sampler, accept_sampled_arrays
 from .spec import SpecOptions, SpecStats
@@ -67,9 +67,13 @@ class PipelinedRounds:
     """The device state between rounds and the graph of one round; `speculative_pipelined` drives it."""
 
     def __init__(self, model, sampler: Sampler, k: int, prompt: list[int], first: int, hidden: mx.array,
-                 cache: list, override: DraftOverride | None = None):
+                 cache: list, override: DraftOverride | None = None, *, prompt_len: int | None = None,
+                 head_cache: list | None = None):
+        """`prompt`: the prompt's tokens from the first one `hidden` [T, H] pairs with (all of them, or with a prompt
+        cache the new ones from its last cached position on); `prompt_len`: the whole prompt's length (default
+        len(prompt)); `head_cache`: the MTP head's caches of the cached prefix (None: a fresh cache)."""
         self.model, self.sampler, self.k, self.override = model, sampler, k, override
-        mcache = model.mtp.make_cache()
+        mcache = head_cache if head_cache is not None else model.mtp.make_cache()
         tail, tail_hidden = mtp_prefill(model, [*prompt[1:], first], hidden, mcache)
         self.m0 = mcache[0].offset  # the head's rows before the first round
         self.mcache = [caches.FixedKVCache.from_kv(c) for c in mcache]
@@ -80,7 +84,7 @@ class PipelinedRounds:
             c.offset = self.kv[0].offset
         for c in self.gdn:
             c.begin()  # every verify records its steps; pick() keeps the accepted ones
-        self.p = len(prompt)
+        self.p = prompt_len if prompt_len is not None else len(prompt)
         self.tail = len(tail)
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
         # the generated index of y
@@ -149,18 +153,20 @@ class PipelinedRounds:
 
 
 def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
-                          override: DraftOverride | None = None) -> Iterator[int]:
+                          override: DraftOverride | None = None, prompt_cache=None) -> Iterator[int]:
     """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
     of fixed K pipelined one deep. Fills `stats` (draft_time_s: building the drafts' graph; verify_time_s: building
-    the verify's graph and waiting for the previous round)."""
+    the verify's graph and waiting for the previous round). `prompt_cache` (prompt_cache.PromptCache): its prefix
+    of `ids` is not prefilled again (target and MTP head)."""
     if not model.has_mtp:
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
-    cache = model.make_cache(trimmable=False)
-    logits, hidden = prefill(model, ids, cache, return_hidden=True)
+    cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
     first = sampler(logits).item()
     yield first
-    rounds = PipelinedRounds(model, sampler, k, ids.tolist(), first, hidden, cache, override)
+    # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
+    rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
+                             prompt_len=ids.size, head_cache=head_cache if n else None)
     verified, pending, r = 0, None, 0
     while True:
         tic = time.perf_counter()

@@ -167,10 +167,8 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
     check_split_model(model, options)
     if options.verify == "pipelined":  # every decision on the device (rounds.py); `drafter` is a DraftOverride
-        if prompt_cache is not None:
-            raise ValueError("--verify pipelined does not take a prompt cache yet: use the batched verifier")
         return (yield from speculative_pipelined(model, ids, sampler=sampler, options=options, stats=stats,
-                                                 override=drafter))
+                                                 override=drafter, prompt_cache=prompt_cache))
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
