@@ -1,0 +1,174 @@
+"""Retrain the demo model's MTP head on its own (trunk frozen) in MLX: by the corpus labels (t+2) or by
+self-distillation (KL from the trunk's own distribution over t+2), then measure what a user gets: greedy MTP
+acceptance per position through the real decode loop on held-out prompts.
+
+    python scripts/distill_demo_head.py --target distill --seconds 600 --out .demo-build/head_distill
+    python scripts/distill_demo_head.py --eval-only --out .demo-build/head_shipped
+
+The trunk is the shipped 4-bit one, so the head learns the distribution it drafts against at run time. Training
+text: the CPython standard library's training split (the demo's own held-out rule, scripts/train_demo.py); held-out
+evaluation: the demo's stdlib prompts (assets/prompts/demo_heldout.json) and the held-out-package prompts
+(assets/prompts/demo_heldout_packages.json). Writes head.safetensors (the head's tensors under the checkpoint's
+names, bf16) and result.json. `--install` writes the head into the embedded demo checkpoint.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+from lattice_mlx import load
+from lattice_mlx.load import DEMO_MODEL, resolve_path
+from lattice_mlx.models.fuse import hf_parameters
+from lattice_mlx.sample import Sampler
+from lattice_mlx.spec import SpecOptions, SpecStats
+from lattice_mlx.speculative import speculative_step
+
+PROMPTS = Path(__file__).resolve().parents[1] / "src" / "lattice_mlx" / "assets" / "prompts"
+HELDOUT_PERCENT, MAX_FILE_BYTES = 3, 400_000  # scripts/train_demo.py's split of the standard library
+
+
+def is_heldout(rel_path: str) -> bool:
+    return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
+
+
+def training_tokens(tok, limit: int) -> list[int]:
+    """The standard library's training split, tokenized file by file (EOS between files), up to `limit` tokens."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                  if "site-packages" not in p.parts and "__pycache__" not in p.parts and p.stat().st_size <= MAX_FILE_BYTES)
+    random.Random(0).shuffle(rels)
+    out: list[int] = []
+    for rel in rels:
+        if is_heldout(rel):
+            continue
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out += tok.encode(text) + [tok.eos_token_id]
+        if len(out) >= limit:
+            break
+    return out
+
+
+def head_loss(model, window: mx.array, target: str) -> mx.array:
+    """window [B, T+2]: the trunk (frozen) over window[:, :-1]; head slot j pairs embed(window[j+1]) with hidden j
+    and predicts window[j+2]. labels: cross-entropy to it; distill: KL from the trunk's own distribution over j+2
+    (its logits at j+1)."""
+    ids = window[:, :-1]
+    logits, hidden = model(ids, return_hidden=True)
+    logits, hidden = mx.stop_gradient(logits), mx.stop_gradient(hidden)
+    head = model.mtp
+    x = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1]))
+    out = model.lm_logits(head.to_target(head.norm(x))).astype(mx.float32)  # [B, T, V]
+    logp = out - mx.logsumexp(out, axis=-1, keepdims=True)
+    if target == "labels":
+        return -mx.take_along_axis(logp, window[:, 2:, None], axis=-1).mean()
+    teacher = logits[:, 1:].astype(mx.float32)
+    teacher = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
+    return (mx.exp(teacher) * (teacher - logp)).sum(-1).mean()
+
+
+def acceptance(model, tok, prompts: list[str], k: int, tokens: int) -> dict:
+    """Greedy MTP through the real loop (fixed K): per-position acceptance pooled over the prompts."""
+    total = None
+    for text in prompts:
+        options = SpecOptions(draft_tokens=k, adaptive=False)
+        stats = SpecStats.of(options)
+        gen = speculative_step(model, mx.array(tok.encode(text)), sampler=Sampler(), options=options, stats=stats)
+        for _, _ in zip(range(tokens), gen):
+            pass
+        gen.close()
+        total = stats if total is None else total + stats
+    return {"rounds": total.rounds, "per_position": [round(a, 4) for a in total.accepted_per_position()]}
+
+
+def evaluate(model, tok, args) -> dict:
+    sets = {"stdlib_heldout": "demo_heldout.json", "heldout_packages": "demo_heldout_packages.json"}
+    out = {}
+    for name, fname in sets.items():
+        prompts = [p["prompt"] for p in json.loads((PROMPTS / fname).read_text())["prompts"]][: args.eval_prompts]
+        tic = time.perf_counter()
+        out[name] = acceptance(model, tok, prompts, args.k, args.eval_tokens)
+        out[name]["seconds"] = round(time.perf_counter() - tic, 1)
+        print(name, out[name], flush=True)
+    return out
+
+
+def train(model, tok, args) -> dict:
+    data = mx.array(training_tokens(tok, args.max_tokens))
+    model.freeze()
+    model.mtp.unfreeze()
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
+    loss_and_grad = nn.value_and_grad(model, lambda w: head_loss(model, w, args.target))
+    rng = random.Random(args.seed)
+    span = args.seq_len + 2
+    t0, step, curve = time.time(), 0, []
+    while time.time() - t0 < args.seconds:
+        progress = (time.time() - t0) / args.seconds
+        opt.learning_rate = args.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        starts = [rng.randrange(0, data.size - span) for _ in range(args.batch)]
+        window = mx.stack([data[s : s + span] for s in starts])
+        loss, grads = loss_and_grad(window)
+        opt.update(model, grads)
+        mx.eval(model.mtp.parameters(), opt.state, loss)
+        step += 1
+        if step % 20 == 1:
+            curve.append({"step": step, "elapsed_s": round(time.time() - t0, 1), "loss": round(loss.item(), 4)})
+            print(json.dumps(curve[-1]), flush=True)
+    return {"steps": step, "tokens_seen": step * args.batch * args.seq_len, "seconds": round(time.time() - t0, 1),
+            "training_tokens": int(data.size), "loss_curve": curve}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=["labels", "distill"], default="distill")
+    p.add_argument("--out", required=True)
+    p.add_argument("--eval-only", action="store_true", help="measure the shipped head")
+    p.add_argument("--install", action="store_true", help="write the trained head into the embedded demo checkpoint")
+    p.add_argument("--seconds", type=float, default=600)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-tokens", type=int, default=4_000_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--eval-tokens", type=int, default=48)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load(dtype="float32")
+    result = {"args": vars(args)}
+    if not args.eval_only:
+        result["train"] = train(model, tok, args)
+        model.eval()
+        head = {k: v.astype(mx.bfloat16) for k, v in hf_parameters(model).items() if k.startswith("mtp.")}
+        mx.save_safetensors(str(out / "head.safetensors"), head)
+    # the embedded checkpoint holds the head in bf16: every head is measured rounded to it, as it ships
+    model.mtp.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.mtp.parameters()))
+    result["acceptance"] = evaluate(model, tok, args)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    if args.install and not args.eval_only:
+        path = resolve_path(DEMO_MODEL) / "model.safetensors"
+        weights = mx.load(str(path))
+        assert set(head) == {k for k in weights if k.startswith("mtp.")}, "head tensors do not match the checkpoint"
+        weights.update(head)
+        tmp = path.with_suffix(".tmp.safetensors")
+        mx.save_safetensors(str(tmp), weights, metadata=mx.load(str(path), return_metadata=True)[1])
+        tmp.replace(path)
+        print(f"installed the head into {path}")
+
+
+if __name__ == "__main__":
+    main()
