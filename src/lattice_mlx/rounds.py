@@ -58,9 +58,9 @@ def _after_verify(offset: mx.array, n: mx.array, gen: mx.array) -> tuple[mx.arra
 
 @functools.cache
 def _head_offsets(k: int):
-    """(the head's offset, n) -> its offsets for draft steps 0..k-1: offset + n + 1 + i (step i > 0 writes a scratch
-    row past the true ones)."""
-    return mx.compile(lambda offset, n: tuple(offset + n + (1 + i) for i in range(k)))
+    """(the head's offset, n) -> offset + n + 1 + i for i < max(k - 1, 1): the first is where the head's true rows
+    end; the draft forward after draft i + 1 writes its scratch row at the i-th."""
+    return mx.compile(lambda offset, n: tuple(offset + n + (1 + i) for i in range(max(k - 1, 1))))
 
 
 class PipelinedRounds:
@@ -126,7 +126,7 @@ class PipelinedRounds:
             qs += [q] if q is not None else []
             if i + 1 < self.k:  # a scratch row past the true ones (overwritten by the next round)
                 for c, offs, (_, bound) in zip(self.mcache, offsets, base):
-                    c.offset, c.bound = offs[i + 1], bound + R + i
+                    c.offset, c.bound = offs[i], bound + R + i
                 x = head(embed(d.reshape(1, 1)), post if head.input_hidden == "post" else x, self.mcache)
         for c, (off, bound) in zip(self.mcache, base):
             c.offset, c.bound = off, bound
