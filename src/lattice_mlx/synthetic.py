@@ -203,7 +203,7 @@ def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, gain
 
 
 def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, fuse: bool = True,
-                 quantize_mtp: bool = False, **text):
+                 **text):
     """A randomly initialised Model (MTP head attached) built in memory at any size, e.g. random_model(
     **QWEN3_5_0_8B, bits=4): for timing only, since random weights make acceptance meaningless."""
     args = ModelArgs.from_dict(hub_config(mtp=mtp, **text))
@@ -213,7 +213,7 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
     if dtype is not None:
         model.set_dtype(dtype)
     if bits:
-        quantize(model, bits=bits, group_size=group_size, quantize_mtp=quantize_mtp)
+        quantize(model, bits=bits, group_size=group_size, quantize_mtp=False)
     model.eval()
     # one layer at a time: the whole lazy graph at once would hold every fp32 init at the 35B-A3B shape (~140 GB)
     for part in (*model.layers, model.model.embed_tokens, model):
