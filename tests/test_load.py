@@ -157,6 +157,9 @@ def test_convert_quantization_flags_need_q(checkpoints, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+# The slow writer sleeps in short steps: a signal that the kernel hands to one of MLX's worker threads does not cut
+# a sleep of the main thread short, and Python acts on it only when the main thread next runs bytecode (one 60 s
+# sleep made the test wait out its own 60 s timeout, now and then, in full-suite runs).
 SLOW_CONVERT = """
 import sys, time
 from lattice_mlx import convert
@@ -164,7 +167,8 @@ real = convert.save_weights
 def slow(dst, weights):
     real(dst, weights)
     print("writing", flush=True)
-    time.sleep(60)
+    for _ in range(600):
+        time.sleep(0.1)
 convert.save_weights = slow
 sys.exit(convert.main(sys.argv[1:]))
 """
