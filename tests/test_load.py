@@ -157,11 +157,12 @@ def test_convert_quantization_flags_need_q(checkpoints, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-# The slow writer sleeps in short steps: a signal that the kernel hands to one of MLX's worker threads does not cut
-# a sleep of the main thread short, and Python acts on it only when the main thread next runs bytecode (one 60 s
-# sleep made the test wait out its own 60 s timeout, now and then, in full-suite runs).
+# A shell runs a background command (`cmd &`, as CI wrappers and nohup jobs do) with SIGINT ignored, and a child
+# inherits that: the slow writer takes Ctrl-C as an interactive convert does, whatever started the suite (with SIGINT
+# ignored it slept on and the test waited out its own 60 s timeout).
 SLOW_CONVERT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lattice_mlx import convert
 real = convert.save_weights
 def slow(dst, weights):
