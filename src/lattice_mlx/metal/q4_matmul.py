@@ -79,21 +79,28 @@ def glu_ref(y: mx.array) -> mx.array:
     return swiglu(g, u)
 
 
+def unfused(matmul, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+            glu: bool = False) -> mx.array:
+    """What a fused kernel does, op by op around `matmul` (a callable on the prologue's output): the prologue, the
+    matmul, the SwiGLU epilogue or the residual add."""
+    y = matmul(prologue_ref(pre, x))
+    y = glu_ref(y) if glu else y
+    return y if residual is None else residual + y
+
+
 def q4_matmul_ref(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
                   pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
     """The specification: the prologue with plain ops, the nibbles unpacked with plain ops and dequantised in fp32,
     one fp32 matmul rounded to the activation dtype, then the SwiGLU epilogue (`glu`: w's rows are [gate | up])
     or the residual added."""
     assert bits == 4, "only 4-bit weights"
-    x = prologue_ref(pre, x)
     N = w.shape[0]
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     q = ((w[..., None] >> shifts) & 0xF).reshape(N, -1).astype(mx.float32)  # [N, K]
     s = mx.repeat(scales.astype(mx.float32), group_size, axis=-1)
     z = mx.repeat(biases.astype(mx.float32), group_size, axis=-1)
-    y = (x.astype(mx.float32) @ (s * q + z).T).astype(x.dtype)
-    y = glu_ref(y) if glu else y
-    return y if residual is None else residual + y
+    return unfused(lambda x: (x.astype(mx.float32) @ (s * q + z).T).astype(x.dtype), x, pre=pre, residual=residual,
+                   glu=glu)
 
 
 def _round(v: str) -> str:
@@ -384,6 +391,5 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
         return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual,
                                 glu=glu)
-    y = mx.quantized_matmul(prologue_ref(pre, x), w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    y = glu_ref(y) if glu else y
-    return y if residual is None else residual + y
+    return unfused(lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits),
+                   x, pre=pre, residual=residual, glu=glu)

@@ -16,7 +16,7 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import Pre, glu_ref, prologue_ref, q4_matmul, swiglu
+from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu, unfused
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
@@ -144,9 +144,7 @@ class Q4Linear(nn.QuantizedLinear):
     def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
                  glu: bool = False) -> mx.array:
         if self.bits != 4 or self.mode != "affine" or "bias" in self:
-            y = super().__call__(prologue_ref(pre, x))
-            y = glu_ref(y) if glu else y
-            return y if residual is None else residual + y
+            return unfused(super().__call__, x, pre=pre, residual=residual, glu=glu)
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
                          residual=residual, glu=glu)
 
@@ -175,9 +173,7 @@ def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual:
     4-bit linear on a GPU, the same maths in plain ops otherwise."""
     if isinstance(linear, Q4Linear):
         return linear(x, pre=pre, residual=residual, glu=glu)
-    y = linear(prologue_ref(pre, x))
-    y = glu_ref(y) if glu else y
-    return y if residual is None else residual + y
+    return unfused(linear, x, pre=pre, residual=residual, glu=glu)
 
 
 def rms_pre(norm: nn.RMSNorm | None) -> Pre | None:
