@@ -46,11 +46,10 @@ from .bench_report import (
 from .cli import ArgumentParser
 from .decode import generate_step
 from .draft_model import OracleDraftModel
-from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, resolve_path
+from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
 from .models import compiled
 from .models.fuse import hf_parameters
 from .models.mtp import DraftVocab
-from .models.qwen3_5 import route_quantized
 from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
@@ -167,22 +166,22 @@ def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
     return out
 
 
+def _with_mtp_twins(legs: list[Leg], **change) -> list[Leg]:
+    """Every MTP leg followed by its twin with `change` applied, paired in one run."""
+    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, **change)] if leg.kind == "mtp"
+                                              else [leg])]
+
+
 def with_draft_vocab_ab(legs: list[Leg], n: int | None) -> list[Leg]:
     """With n, every MTP leg is followed by its twin whose head drafts from the first n token ids only (the
-    conversion's --draft-vocab without a corpus): the lm_head cost a draft vocabulary saves, paired in one run."""
-    if not n:
-        return legs
-    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, draft_vocab=n)] if leg.kind == "mtp"
-                                              else [leg])]
+    conversion's --draft-vocab without a corpus): the lm_head cost a draft vocabulary saves."""
+    return _with_mtp_twins(legs, draft_vocab=n) if n else legs
 
 
 def with_head_q4_ab(legs: list[Leg], on: bool) -> list[Leg]:
     """With `on`, every MTP leg is followed by its twin whose MTP head runs in 4 bits (the head's fused kernels
-    instead of bf16 matmuls and separate norms): what quantizing the head saves per round, paired in one run."""
-    if not on:
-        return legs
-    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, head_q4=True)] if leg.kind == "mtp"
-                                              else [leg])]
+    instead of bf16 matmuls and separate norms): what quantizing the head saves per round."""
+    return _with_mtp_twins(legs, head_q4=True) if on else legs
 
 
 def quantized_head(model, *, group_size: int):
@@ -193,9 +192,7 @@ def quantized_head(model, *, group_size: int):
     finally:
         if traces is not None:
             object.__setattr__(model.mtp, "_compiled", traces)
-    nn.quantize(head, group_size=group_size, bits=4,
-                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0)
-    route_quantized(head)
+    quantize(head, bits=4, group_size=group_size, quantize_mtp=True)  # the conversion's own rule and routing
     mx.eval(head.parameters())
     return head
 
