@@ -13,9 +13,11 @@ names, bf16) and result.json. `--install` writes the head into the embedded demo
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import sysconfig
 import time
@@ -61,13 +63,17 @@ def training_tokens(tok, limit: int) -> list[int]:
     return out
 
 
-def head_loss(model, window: mx.array, target: str) -> mx.array:
-    """window [B, T+2]: the trunk (frozen) over window[:, :-1]; head slot j pairs embed(window[j+1]) with hidden j
-    and predicts window[j+2]. labels: cross-entropy to it; distill: KL from the trunk's own distribution over j+2
-    (its logits at j+1)."""
+def trunk(model, window: mx.array) -> tuple[mx.array, mx.array]:
+    """The frozen trunk over window[:, :-1] (kernels allowed: nothing is differentiated through it)."""
+    logits, hidden = model(window[:, :-1], return_hidden=True)
+    return mx.stop_gradient(logits), mx.stop_gradient(hidden)
+
+
+def head_loss(model, window: mx.array, logits: mx.array, hidden: mx.array, target: str) -> mx.array:
+    """window [B, T+2], `logits`/`hidden` the trunk's over window[:, :-1]: head slot j pairs embed(window[j+1]) with
+    hidden j and predicts window[j+2]. labels: cross-entropy to it; distill: KL from the trunk's own distribution
+    over j+2 (its logits at j+1)."""
     ids = window[:, :-1]
-    logits, hidden = model(ids, return_hidden=True)
-    logits, hidden = mx.stop_gradient(logits), mx.stop_gradient(hidden)
     head = model.mtp
     x = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1]))
     out = model.lm_logits(head.to_target(head.norm(x))).astype(mx.float32)  # [B, T, V]
@@ -77,6 +83,21 @@ def head_loss(model, window: mx.array, target: str) -> mx.array:
     teacher = logits[:, 1:].astype(mx.float32)
     teacher = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
     return (mx.exp(teacher) * (teacher - logp)).sum(-1).mean()
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """The head's forward in plain ops while it is differentiated: MLX's custom kernels have no vjp (on a GPU the
+    dispatchers would pick them)."""
+    before = os.environ.get("LATTICE_KERNELS")
+    os.environ["LATTICE_KERNELS"] = "ref"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LATTICE_KERNELS"]
+        else:
+            os.environ["LATTICE_KERNELS"] = before
 
 
 def acceptance(model, tok, prompts: list[str], k: int, tokens: int) -> dict:
@@ -110,7 +131,7 @@ def train(model, tok, args) -> dict:
     model.freeze()
     model.mtp.unfreeze()
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
-    loss_and_grad = nn.value_and_grad(model, lambda w: head_loss(model, w, args.target))
+    loss_and_grad = nn.value_and_grad(model, lambda w, lg, h: head_loss(model, w, lg, h, args.target))
     rng = random.Random(args.seed)
     span = args.seq_len + 2
     t0, step, curve = time.time(), 0, []
@@ -119,7 +140,9 @@ def train(model, tok, args) -> dict:
         opt.learning_rate = args.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         starts = [rng.randrange(0, data.size - span) for _ in range(args.batch)]
         window = mx.stack([data[s : s + span] for s in starts])
-        loss, grads = loss_and_grad(window)
+        logits, hidden = trunk(model, window)
+        with reference_ops():
+            loss, grads = loss_and_grad(window, logits, hidden)
         opt.update(model, grads)
         mx.eval(model.mtp.parameters(), opt.state, loss)
         step += 1

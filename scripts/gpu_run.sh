@@ -26,6 +26,9 @@
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
 #   decode-35b     Qwen3.5-35B-A3B MoE shape (random, Q4, ~18 GB), bf16: stock vs plain vs MTP K=1..3 at oracle 0.8
+#   distributed    [distributed], kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES,
+#                  default "4b 27b") one GPU vs two (tensor, pipeline), plain and MTP at oracle 0.8, CUPTI on rank 0;
+#                  the 27B ranks load under a 12 GiB memory limit each, the whole 27B is loaded under it once
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
@@ -35,7 +38,7 @@ set -u
 export PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-540}
 BIG=${BIG:-0.8b}  # a smaller shape (cpu-small, tiny) for a dry run on the CPU
-RES=/tmp/res
+RES=${RES:-/tmp/res}  # two runs side by side (one per GPU) take a folder and a TAR name each
 mkdir -p "$RES"
 B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
 step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skipped past DEADLINE
@@ -116,8 +119,29 @@ for mode in "$@"; do
       --legs plain,plain-aa,batched --k 2,3 --oracle-p 0.8 --draft-vocab-ab 32768 --no-stock \
       --out "$RES/draft_vocab" ;;
   decode-35b)
-    step decode_35b 300 "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
+    step decode_35b "${MOE_LIMIT:-420}" "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,64 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 1,2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_35b" ;;
+  distributed)
+    # mlx.launch from the wheel (no console script there); NVLink multicast stays off in every rank (KINDS.md)
+    L=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; sys.exit(main())'
+       -n 2 --backend "${DIST_BACKEND:-nccl}" --env "PYTHONPATH=${PYTHONPATH:-}" --env PYTHONUNBUFFERED=1 --env NCCL_NVLS_ENABLE=0
+       --env TORCH_SYMM_MEM_DISABLE_MULTICAST=1 --env NVSHMEM_DISABLE_NVLS=1)
+    D=(python3 scripts/bench_distributed.py --reps "${REPS:-10}" --lengths "${DIST_LENGTHS:-16,48}")
+    [[ ${NOPROF:-0} == 1 ]] || D+=(--profile .device-tools)
+    step dist_cli 90 "${L[@]}" python3 -m lattice_mlx.generate --prompt "def add(a, b):" --max-tokens 32 --mtp
+    for shape in ${DIST_SHAPES:-4b 27b}; do
+      ck=/tmp/ckpt_$shape lim=()
+      [[ $shape == 27b ]] && lim=(--memory-limit-gb 12)
+      step "dist_${shape}_single" 200 env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" \
+        --out "$RES/dist_${shape}_single"
+      for mode in tensor pipeline; do
+        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode $mode --backend "${DIST_BACKEND:-nccl}" --load "$ck" \
+          "${lim[@]}" --out "$RES/dist_${shape}_$mode"
+      done
+    done
+    [[ -d /tmp/ckpt_27b ]] && step dist_27b_whole_limit 90 env CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_distributed.py \
+      --shape 27b --mode single --load /tmp/ckpt_27b --memory-limit-gb 12 --build-only --out "$RES/dist_27b_whole_limit"
+    ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
@@ -127,4 +151,4 @@ for mode in "$@"; do
   esac
 done
 cat "$RES/steps.txt"
-tar -czf "${OUT:-/tmp}/results.tgz" -C "$RES" .
+tar -czf "${OUT:-/tmp}/${TAR:-results}.tgz" -C "$RES" .

@@ -54,7 +54,7 @@ from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
 from .speculative import speculative_step
-from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_35B_A3B, OracleDrafter, hub_config, random_model
+from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_27B, QWEN3_5_35B_A3B, OracleDrafter, hub_config, random_model
 
 DEFAULT_MODEL = "0.8b"
 DEFAULT_OUT = "bench_out"
@@ -69,6 +69,7 @@ DEFAULT_PROMPT_TOKENS = 64
 SHAPES = {
     "0.8b": QWEN3_5_0_8B,
     "4b": QWEN3_5_4B,
+    "27b": QWEN3_5_27B,  # ~15 GB at Q4 (a GPU machine)
     "35b-a3b": QWEN3_5_35B_A3B,  # MoE, 256 experts top-8: ~18 GB at Q4 (a GPU machine)
     "tiny-moe": dict(num_experts=6, num_experts_per_tok=2),
     # Qwen3.5 structure at a size a 2-core CPU decodes at ~30 tok/s (the 0.8B shape runs ~1.5 tok/s there).
@@ -101,8 +102,13 @@ CODE_PROMPTS = [
 HELDOUT_PROMPTS = files("lattice_mlx") / "assets" / "prompts" / "demo_heldout.json"
 
 
+_T0 = time.perf_counter()
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """One progress line on stderr, stamped with the seconds since the bench started (a run cut off by a time limit
+    still shows where its time went)."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 class LockTimeout(Exception):
@@ -266,6 +272,7 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
         target = Target(f"{name} ({path})", model, config, load_tokenizer(path, config), synthetic=False)
     if stock:
         try:
+            log("built; building mlx-lm's model on the same weights (the stock leg)")
             target.stock, target.stock_max_logit_diff = build_stock(model, target.config)
             target.stock_note = (f"{type(target.stock).__module__}.Model on the same weight arrays, "
                                  "mlx_lm.generate.generate_step")
@@ -448,6 +455,11 @@ def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float,
         if e.get("cat") == "kernel":
             names[e["name"][:90]] = names.get(e["name"][:90], 0) + 1
             us[e["name"][:90]] = us.get(e["name"][:90], 0.0) + e["dur"]
+    # collectives (NCCL's all-reduce / send-recv kernels of a multi-GPU model), per generated token
+    comm = [e["dur"] for e in prof.events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()]
+    if comm:
+        out["collective_launches_per_step"] = len(comm) / n
+        out["collective_us_per_step"] = sum(comm) / n
     out["launches_by_kernel"] = {k: round(c / per, 2) for k, c in sorted(names.items(), key=lambda kv: -kv[1])[:40]}
     out["us_by_kernel"] = {k: round(t / per, 1) for k, t in sorted(us.items(), key=lambda kv: -kv[1])[:25]}
     return out
@@ -461,6 +473,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
     references, mlx_lm_references = {}, {}
     mlx_lm_legs = any(leg.kind == "mtp" and leg.verify == "mlx-lm" for leg in legs)
     if any(leg.p is not None for leg in legs) or (mlx_lm_legs and temp == 0):
+        log(f"[{label}] recording the greedy references of {len(prompts[:reps])} prompts")
         for i, ids in enumerate(prompts[:reps]):
             stream = generate_step(target.model, mx.array(ids), sampler=Sampler())
             references[i] = [t for t, _ in zip(stream, range(n_max + 8))]
@@ -474,6 +487,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
         return (mlx_lm_references if leg.verify == "mlx-lm" else references).get(i)
 
     for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
+        log(f"[{label}] warming up {leg.name}")
         stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=reference(leg, 0), seed=seed)
         timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=leg.compiled)
     records = {leg.name: LegRecord(leg) for leg in legs}
@@ -507,6 +521,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
                     f"{len(rec.identical)} prompts")
     if profiler is not None:
         for leg in legs:
+            log(f"[{label}] profiling {leg.name}")
             records[leg.name].profile = profile_leg(profiler, target, leg, prompts[0], temp, n=lengths[1],
                                                     reference=reference(leg, 0), seed=seed)
     return records

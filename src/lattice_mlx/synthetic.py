@@ -27,6 +27,12 @@ QWEN3_5_4B = dict(
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
     linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
 )
+# Qwen3.5-27B's text shape (64 layers, 48 GDN : 16 attention; untied): ~15 GB at Q4, for multi-GPU benchmarks.
+QWEN3_5_27B = dict(
+    hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False,
+)
 
 # Qwen3.5-35B-A3B's text shape (HF's Qwen3_5MoeTextConfig defaults): ~18 GB at Q4, for the H200 benchmark.
 QWEN3_5_35B_A3B = dict(
@@ -203,9 +209,11 @@ def random_checkpoint(path: str | Path, *, seed: int = 0, mtp: bool = True, gain
 
 
 def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int = 64, dtype=None, fuse: bool = True,
-                 **text):
+                 place=None, **text):
     """A randomly initialised Model (MTP head attached) built in memory at any size, e.g. random_model(
-    **QWEN3_5_0_8B, bits=4): for timing only, since random weights make acceptance meaningless."""
+    **QWEN3_5_0_8B, bits=4): for timing only, since random weights make acceptance meaningless. `place(model)`, if
+    given, runs on the lazy (not yet evaluated) model before any weight is materialised, e.g. Model.shard or
+    Model.pipeline: a process then only ever holds its own part (plus one layer's temporaries)."""
     args = ModelArgs.from_dict(hub_config(mtp=mtp, **text))
     model = Model(args)
     if mtp:
@@ -214,6 +222,8 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
         model.set_dtype(dtype)
     if bits:
         quantize(model, bits=bits, group_size=group_size, quantize_mtp=False)
+    if place is not None:
+        place(model)
     model.eval()
     # one layer at a time: the whole lazy graph at once would hold every fp32 init at the 35B-A3B shape (~140 GB)
     for part in (*model.layers, model.model.embed_tokens, model):
