@@ -128,19 +128,25 @@ for mode in "$@"; do
        --env TORCH_SYMM_MEM_DISABLE_MULTICAST=1 --env NVSHMEM_DISABLE_NVLS=1)
     D=(python3 scripts/bench_distributed.py --reps "${REPS:-10}" --lengths "${DIST_LENGTHS:-16,48}")
     [[ ${NOPROF:-0} == 1 ]] || D+=(--profile .device-tools)
-    step dist_cli 90 "${L[@]}" python3 -m lattice_mlx.generate --prompt "def add(a, b):" --max-tokens 32 --mtp
+    [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli 90 "${L[@]}" python3 -m lattice_mlx.generate --prompt "def add(a, b):" \
+      --max-tokens 32 --mtp
     for shape in ${DIST_SHAPES:-4b 27b}; do
       ck=/tmp/ckpt_$shape lim=()
       [[ $shape == 27b ]] && lim=(--memory-limit-gb 12)
-      step "dist_${shape}_single" 200 env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" \
-        --out "$RES/dist_${shape}_single"
-      for mode in tensor pipeline; do
-        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode $mode --backend "${DIST_BACKEND:-nccl}" --load "$ck" \
-          "${lim[@]}" --out "$RES/dist_${shape}_$mode"
+      [[ " ${DIST_MODES:-single tensor pipeline} " == *" single "* ]] && step "dist_${shape}_single" 200 \
+        env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" --out "$RES/dist_${shape}_single"
+      src=()  # the saved checkpoint read rank by rank, else the lazy random model split before it is materialised
+      [[ -d $ck ]] && src=(--load "$ck")
+      for mode in ${DIST_MODES:-single tensor pipeline}; do
+        [[ $mode == single ]] && continue
+        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --backend "${DIST_BACKEND:-nccl}" \
+          "${src[@]}" "${lim[@]}" --out "$RES/dist_${shape}_$mode"
       done
     done
     [[ -d /tmp/ckpt_27b ]] && step dist_27b_whole_limit 90 env CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_distributed.py \
       --shape 27b --mode single --load /tmp/ckpt_27b --memory-limit-gb 12 --build-only --out "$RES/dist_27b_whole_limit"
+    [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli_pipeline 90 "${L[@]}" python3 -m lattice_mlx.generate \
+      --prompt "def add(a, b):" --max-tokens 32 --mtp --pipeline
     ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3

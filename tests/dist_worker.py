@@ -44,6 +44,7 @@ def main() -> int:
     res["max_logit_diff"] = mx.abs(a - b).max().item()
     res["max_logit"] = mx.abs(a).max().item()
     if pipeline:
+        res["transport"] = sharded.model.pipe.transport
         res["held_layers"] = sum(not type(layer).__name__ == "SkipLayer" for layer in sharded.layers)
         res["held_params"] = sum(v.size for _, v in tree_flatten(sharded.parameters()))
         res["whole_params"] = sum(v.size for _, v in tree_flatten(whole.parameters()))

@@ -74,14 +74,18 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
     assert ranks[0]["sampled_tokens"] == ranks[1]["sampled_tokens"]
 
 
-def test_pipeline_stages_hold_their_layers_and_match_one_process(ckpts, tmp_path):
+@pytest.mark.parametrize("transport", ["sendrecv", "collective"])
+def test_pipeline_stages_hold_their_layers_and_match_one_process(ckpts, tmp_path, transport, monkeypatch):
     """--pipeline: each of the two stages reads and holds only its two layers of four; logits are bitwise the whole
-    model's (the same arithmetic, moved between processes); tokens as in the tensor-parallel test."""
+    model's (the same arithmetic, moved between processes); tokens as in the tensor-parallel test. Both hand-off
+    transports: send/recv (ring, JACCL) and the all_sum form the CUDA backend gets (its NCCL has no send/recv)."""
+    monkeypatch.setenv("LATTICE_PIPELINE_TRANSPORT", transport)
     res = launch(WORKER, ckpts["q4"], tmp_path, "pipeline")
     ranks = read_ranks(tmp_path, res)
     for r in ranks:
         assert "load_error" not in r, (r, res.stderr[-2000:])
         assert r["held_layers"] == 2 and r["held_params"] < r["whole_params"], r
+        assert r["transport"] == transport, r
         assert r["load_peak_bytes"] < r["whole_bytes"], r  # the other stage's layers are never read
         assert r["max_logit_diff"] == 0.0, r
         assert r["greedy_k0"] and r["greedy_k3"], r

@@ -1,5 +1,6 @@
 """Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -425,13 +426,34 @@ class SkipLayer(nn.Module):
 @dataclass(frozen=True)
 class Pipe:
     """This process's stage: layers [start, end) of a pipeline over `group` (rank size-1 runs the first layers,
-    rank 0 the last, as mlx-lm's PipelineMixin orders them)."""
+    rank 0 the last, as mlx-lm's PipelineMixin orders them). `transport`: how a stage's hidden reaches the next one:
+    "sendrecv" (mx.distributed.send / recv_like, what mlx-lm uses) or "collective" (all_sum with zeros from every
+    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv, measured on the H200)."""
 
     group: Any
     rank: int
     size: int
     start: int
     end: int
+    transport: str = "sendrecv"
+
+
+PIPELINE_TRANSPORTS = ("sendrecv", "collective")
+
+
+def default_pipeline_transport() -> str:
+    """LATTICE_PIPELINE_TRANSPORT if set, else "collective" on MLX's CUDA backend (NCCL: no send/recv) and
+    "sendrecv" elsewhere (ring, JACCL, MPI)."""
+    value = os.environ.get("LATTICE_PIPELINE_TRANSPORT", "")
+    if value and value not in PIPELINE_TRANSPORTS:
+        raise ValueError(f"LATTICE_PIPELINE_TRANSPORT={value!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
+    return value or ("collective" if mx.cuda.is_available() else "sendrecv")
+
+
+def _from_rank(x: mx.array, src: int, p: Pipe) -> mx.array:
+    """Rank `src`'s x on every rank, as one all_sum in which the other ranks add zeros. Every rank's term depends on
+    its own x (the previous hand-off's result), so the collectives are ordered alike on all ranks; x + 0 is exact."""
+    return mx.distributed.all_sum(mx.where(mx.array(p.rank == src), x, mx.zeros_like(x)), group=p.group)
 
 
 class TextModel(nn.Module):
@@ -452,9 +474,15 @@ class TextModel(nn.Module):
             return run_layers(self, self.layers, h, cache, mask, tree, input_embeddings)
         # Pipeline: the previous stage's hidden in, this stage's layers, the hidden out to the next stage; then
         # every stage takes the last stage's (rank 0's) result, so logits, sampling and the MTP head run everywhere.
+        own = cache[p.start : p.end] if cache is not None else None
+        if p.transport == "collective":  # stages in order size-1 .. 0, each hand-off one all_sum over all ranks
+            for stage in range(p.size - 1, -1, -1):
+                if stage == p.rank:
+                    h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
+                h = _from_rank(h, stage, p)  # the last one (stage 0) gives every rank the result
+            return h
         if p.rank < p.size - 1:
             h = mx.distributed.recv_like(h, p.rank + 1, group=p.group)
-        own = cache[p.start : p.end] if cache is not None else None
         h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
         if p.rank != 0:
             h = mx.distributed.send(h, p.rank - 1, group=p.group)
@@ -528,7 +556,7 @@ class Model(nn.Module):
         return [NullCache() if isinstance(layer, SkipLayer) else GDNCache(trimmable=trimmable) if layer.is_linear
                 else kv() for layer in self.layers]
 
-    def pipeline(self, group=None, split: list[int] | None = None) -> set[str]:
+    def pipeline(self, group=None, split: list[int] | None = None, transport: str | None = None) -> set[str]:
         """Pipeline parallel over `group`, in place: this process keeps only its stage's decoder layers (layers
         [start, end): rank size-1 the first ones, rank 0 the last, an even split unless `split` gives the layer
         count per rank); the others become weightless SkipLayers. Embedding, final norm, lm_head and the MTP head
@@ -549,7 +577,10 @@ class Model(nn.Module):
         before = {k for k, _ in tree_flatten(self.parameters())}
         for i in [*range(start), *range(end, n)]:
             self.model.layers[i] = SkipLayer(self.model.layers[i].is_linear)
-        self.model.pipe = Pipe(group, rank, N, start, end)
+        transport = transport or default_pipeline_transport()
+        if transport not in PIPELINE_TRANSPORTS:
+            raise ValueError(f"pipeline transport {transport!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
+        self.model.pipe = Pipe(group, rank, N, start, end, transport)
         self.sharding_group = group
         return before - {k for k, _ in tree_flatten(self.parameters())}
 
