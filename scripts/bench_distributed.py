@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", required=True, choices=list(SHAPES))
     p.add_argument("--mode", required=True, choices=["single", "tensor", "pipeline"])
     p.add_argument("--out", required=True)
-    p.add_argument("--backend", default="any", help="mx.distributed.init backend (any, ring, nccl, mpi, jaccl)")
+    # not --backend: mlx.launch takes a --backend of its own wherever it appears on its command line
+    p.add_argument("--dist-backend", default="any", help="mx.distributed.init backend (any, ring, nccl, mpi, jaccl)")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -85,14 +86,14 @@ def main(argv=None) -> int:
     p.add_argument("--build-only", action="store_true", help="stop after building/loading (memory only)")
     args = p.parse_args(argv)
 
-    group = mx.distributed.init(backend=args.backend)
+    group = mx.distributed.init(backend=args.dist_backend)
     rank, size = group.rank(), group.size()
     if args.mode != "single" and size < 2:
         print(f"--mode {args.mode} needs several processes: launch with mlx.launch -n N", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"shape": args.shape, "mode": args.mode, "rank": rank, "size": size, "backend": args.backend,
+    res = {"shape": args.shape, "mode": args.mode, "rank": rank, "size": size, "backend": args.dist_backend,
            "device": str(mx.default_device()), "bits": args.bits, "dtype": args.dtype}
     if args.memory_limit_gb:
         mx.set_memory_limit(int(args.memory_limit_gb * 2**30))

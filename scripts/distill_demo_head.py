@@ -4,6 +4,7 @@ acceptance per position through the real decode loop on held-out prompts.
 
     python scripts/distill_demo_head.py --target distill --seconds 600 --out .demo-build/head_distill
     python scripts/distill_demo_head.py --eval-only --out .demo-build/head_shipped
+    python scripts/distill_demo_head.py --install-from RUN/head.safetensors --out .demo-build/head_installed
 
 The trunk is the shipped 4-bit one, so the head learns the distribution it drafts against at run time. Training
 text: the CPython standard library's training split (the demo's own held-out rule, scripts/train_demo.py); held-out
@@ -168,7 +169,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--install-from", default=None, metavar="HEAD",
+                   help="write a head.safetensors of an earlier run into the embedded demo checkpoint, then measure")
     args = p.parse_args()
+    if args.install_from:
+        install(mx.load(args.install_from))
+        args.eval_only = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load(dtype="float32")
@@ -183,15 +189,19 @@ def main() -> None:
     result["acceptance"] = evaluate(model, tok, args)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     if args.install and not args.eval_only:
-        path = resolve_path(DEMO_MODEL) / "model.safetensors"
-        weights = mx.load(str(path))
-        assert set(head) == {k for k in weights if k.startswith("mtp.")}, "head tensors do not match the checkpoint"
-        weights.update(head)
-        tmp = path.with_suffix(".tmp.safetensors")
-        mx.save_safetensors(str(tmp), weights, metadata=mx.load(str(path), return_metadata=True)[1])
-        tmp.replace(path)
-        print(f"installed the head into {path}")
+        install(head)
 
+
+def install(head: dict[str, mx.array]) -> None:
+    """Writes the head's tensors into the embedded demo checkpoint (the rest of it unchanged), atomically."""
+    path = resolve_path(DEMO_MODEL) / "model.safetensors"
+    weights, metadata = mx.load(str(path), return_metadata=True)
+    assert set(head) == {k for k in weights if k.startswith("mtp.")}, "head tensors do not match the checkpoint"
+    weights.update(head)
+    tmp = path.with_suffix(".tmp.safetensors")
+    mx.save_safetensors(str(tmp), weights, metadata=metadata)
+    tmp.replace(path)
+    print(f"installed the head into {path}")
 
 if __name__ == "__main__":
     main()

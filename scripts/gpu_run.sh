@@ -139,7 +139,7 @@ for mode in "$@"; do
       [[ -d $ck ]] && src=(--load "$ck")
       for mode in ${DIST_MODES:-single tensor pipeline}; do
         [[ $mode == single ]] && continue
-        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --backend "${DIST_BACKEND:-nccl}" \
+        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
           "${src[@]}" "${lim[@]}" --out "$RES/dist_${shape}_$mode"
       done
     done

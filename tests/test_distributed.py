@@ -129,3 +129,22 @@ def test_cli_prints_once_and_matches_one_process(ckpts):
     lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, res.stdout
     assert lines[0]["tokens"] == json.loads(one.stdout.splitlines()[-1])["tokens"]
+
+
+def test_distributed_bench_runs_tensor_parallel_in_lockstep(tmp_path):
+    """scripts/bench_distributed.py over two ring ranks (what gpu_run.sh distributed runs over NCCL): both ranks
+    time the same legs, hold less than the whole model, and the MTP leg gives plain's greedy tokens."""
+    bench = Path(__file__).parents[1] / "scripts" / "bench_distributed.py"
+    res = launch(bench, "--shape", "tiny", "--mode", "tensor", "--dist-backend", "ring", "--group-size", "32",
+                 "--reps", "1", "--lengths", "2,4", "--prompt-tokens", "8", "--out", tmp_path, timeout=180)
+    ranks = read_ranks(tmp_path, res)
+    whole = subprocess.run([sys.executable, str(bench), "--shape", "tiny", "--mode", "single", "--group-size", "32",
+                            "--build-only", "--out", str(tmp_path / "one")], capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    one = json.loads((tmp_path / "one" / "rank0.json").read_text())
+    for r in ranks:
+        assert r["size"] == 2 and r["backend"] == "ring", r
+        assert r["held_gb"] < one["held_gb"], (r, one)
+        legs = {leg["leg"]: leg for leg in r["legs"]}
+        assert set(legs) == {"plain", "plain-aa", "batched-K2-oracle0.8"}, legs
+        assert legs["batched-K2-oracle0.8"]["identical_to_plain"] == "1/1 prompts", legs
