@@ -29,6 +29,8 @@
 #   distributed    [distributed], kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES,
 #                  default "4b 27b") one GPU vs two (tensor, pipeline), plain and MTP at oracle 0.8, CUPTI on rank 0;
 #                  the 27B ranks load under a 12 GiB memory limit each, the whole 27B is loaded under it once
+#   decode-35b-profile  [moe]: the 35B-A3B verify's cost against K (CUPTI kernels and GPU time per round), 2 reps,
+#                  no stock leg (building mlx-lm's 35B model took 152 s in run 9)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
@@ -121,6 +123,10 @@ for mode in "$@"; do
   decode-35b)
     step decode_35b "${MOE_LIMIT:-420}" "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,64 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 1,2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_35b" ;;
+  decode-35b-profile)
+    step decode_35b_profile "${MOE_LIMIT:-420}" "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 2 \
+      --lengths 16,48 --temps 0 --legs plain,batched --k 1,2,3 --oracle-p 0.8 --no-stock --profile .device-tools \
+      --out "$RES/decode_35b_profile" ;;
   distributed)
     # mlx.launch from the wheel (no console script there); NVLink multicast stays off in every rank (KINDS.md)
     L=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; sys.exit(main())'

@@ -300,3 +300,24 @@ def test_head_q4_ab_twins_draft_with_the_4bit_head_and_restore_it(tmp_path, monk
     assert next(stream) == 0 and model.mtp == "q4"
     stream.close()
     assert model.mtp == "own"
+
+
+def test_timings_survive_a_run_stopped_while_profiling(tmp_path):
+    """A run cut off during its profiling phase (the H200's 35B-A3B run hit its time limit there) still leaves its
+    timings on disk: decode.partial.json, written before profiling; a complete run leaves only decode.json."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "gpu_kernels.py").write_text("def kernel_profile(steps=1):\n    raise KeyboardInterrupt\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lattice_mlx.bench", "decode", "--model", "tiny", "--reps", "1", "--lengths", "2,4",
+           "--temps", "0", "--legs", "plain,batched", "--k", "1", "--oracle-p", "1", "--no-stock", "--out", str(out),
+           "--lock", str(tmp_path / "lock")]
+    proc = subprocess.run([*cmd, "--profile", str(tools)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    partial = json.loads((out / "decode.partial.json").read_text())
+    legs = {leg["leg"]: leg for leg in partial["groups"][0]["legs"]}
+    assert set(legs) == {"plain", "batched-K1-oracle1"} and legs["batched-K1-oracle1"]["identical_to_plain"] == "1/1 prompts"
+    assert not (out / "decode.json").exists()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "decode.json").exists() and not (out / "decode.partial.json").exists()

@@ -466,9 +466,11 @@ def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float,
 
 
 def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp: float, reps: int,
-              lengths: tuple[int, int], lock: dict, seed: int, label: str, profiler=None) -> dict[str, LegRecord]:
+              lengths: tuple[int, int], lock: dict, seed: int, label: str, profiler=None,
+              on_timed=None) -> dict[str, LegRecord]:
     """Warms every leg up once, then `reps` repetitions in ABBA order; repetition r uses prompt r mod len(prompts).
-    With `profiler`, one more run per leg measures its GPU kernels per token."""
+    With `profiler`, one more run per leg measures its GPU kernels per token; `on_timed(records)` runs before that
+    (a run stopped by a time limit while profiling keeps its timings)."""
     n_max = lengths[1] + 8
     references, mlx_lm_references = {}, {}
     mlx_lm_legs = any(leg.kind == "mtp" and leg.verify == "mlx-lm" for leg in legs)
@@ -519,6 +521,8 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
             if not all(rec.identical):
                 log(f"[{label}] {rec.leg.name}: tokens DIFFER from plain's on {rec.identical.count(False)} of "
                     f"{len(rec.identical)} prompts")
+    if on_timed is not None:
+        on_timed(records)
     if profiler is not None:
         for leg in legs:
             log(f"[{label}] profiling {leg.name}")
@@ -596,6 +600,8 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
     oracle = args.drafts == "oracle" or (args.drafts == "auto" and target.synthetic)
     profiler = load_profiler(args.profile)
     groups = []
+    partial = Path(args.out) / "decode.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for workload in workloads:
         prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)
         for temp in parse_floats(args.temps):
@@ -609,10 +615,16 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
             legs = with_head_q4_ab(with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab), args.draft_vocab_ab),
                                    args.head_q4_ab)
             label = f"decode {workload} temp={temp:g}"
+            group = {"workload": workload, "temp": temp, "oracle_p": p}
+
+            def save_timings(records, group=group):  # replaced by decode.json once the experiment is complete
+                done = {**group, "legs": [leg_summary(r, records, target) for r in records.values()]}
+                partial.write_text(json.dumps({"partial": "timings only: the run stopped before it finished",
+                                               "groups": groups + [done]}, indent=1, default=str))
             records = run_group(target, legs, prompts, temp=temp, reps=args.reps, lengths=args.lengths, lock=lock,
-                                seed=args.seed, label=label, profiler=profiler)
-            groups.append({"workload": workload, "temp": temp, "oracle_p": p,
-                           "legs": [leg_summary(r, records, target) for r in records.values()]})
+                                seed=args.seed, label=label, profiler=profiler, on_timed=save_timings)
+            groups.append({**group, "legs": [leg_summary(r, records, target) for r in records.values()]})
+    partial.unlink(missing_ok=True)
     return {"groups": groups}
 
 
