@@ -31,8 +31,9 @@ from lattice_mlx.sample import Sampler
 from lattice_mlx.synthetic import hub_config, random_model
 
 
-def build(shape: str, mode: str, group, *, bits: int, group_size: int, dtype: str, fuse: bool = True):
-    place = {"single": None, "tensor": lambda m: m.shard(group), "pipeline": lambda m: m.pipeline(group)}[mode]
+def build(shape: str, mode: str, group, *, bits: int, group_size: int, dtype: str, fuse: bool = True,
+          mtp: str = "replicated"):
+    place = {"single": None, "tensor": lambda m: m.shard(group, mtp=mtp), "pipeline": lambda m: m.pipeline(group)}[mode]
     mx.random.seed(0)  # the same weights on every rank: the same draws in the same order
     return random_model(**SHAPES[shape], bits=bits or None, group_size=group_size, dtype=DTYPES[dtype], place=place,
                         fuse=fuse)
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--save", default=None, help="--mode single: also write the model as a checkpoint here")
     p.add_argument("--load", default=None, help="read the model from this checkpoint (load_model with this "
                    "process's group: a rank reads only its part) instead of building it")
+    p.add_argument("--mtp", default="replicated", choices=["replicated", "sharded"],
+                   help="--mode tensor: the MTP head replicated on every rank or its layer split like the trunk's")
     p.add_argument("--build-only", action="store_true", help="stop after building/loading (memory only)")
     args = p.parse_args(argv)
 
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"shape": args.shape, "mode": args.mode, "rank": rank, "size": size, "backend": args.dist_backend,
+    res = {"shape": args.shape, "mode": args.mode, "mtp": args.mtp, "rank": rank, "size": size, "backend": args.dist_backend,
            "device": str(mx.default_device()), "bits": args.bits, "dtype": args.dtype}
     if args.memory_limit_gb:
         mx.set_memory_limit(int(args.memory_limit_gb * 2**30))
@@ -102,11 +105,11 @@ def main(argv=None) -> int:
     tic = time.perf_counter()
     if args.load:
         model, _ = load_model(Path(args.load), dtype=args.dtype, group=None if args.mode == "single" else group,
-                              pipeline=args.mode == "pipeline")
+                              pipeline=args.mode == "pipeline", mtp=args.mtp)
         res["loaded_from"] = args.load
     else:
         model = build(args.shape, args.mode, group, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
-                      fuse=not args.save)
+                      fuse=not args.save, mtp=args.mtp)
         if args.save:
             if args.mode != "single":
                 raise SystemExit("--save: with --mode single only")

@@ -28,7 +28,8 @@
 #   decode-35b     Qwen3.5-35B-A3B MoE shape (random, Q4, ~18 GB), bf16: stock vs plain vs MTP K=1..3 at oracle 0.8
 #   distributed    [distributed], kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES,
 #                  default "4b 27b") one GPU vs two (tensor, pipeline), plain and MTP at oracle 0.8, CUPTI on rank 0;
-#                  the 27B ranks load under a 12 GiB memory limit each, the whole 27B is loaded under it once
+#                  the 27B ranks load under a 12 GiB memory limit each, the whole 27B is loaded under it once;
+#                  DIST_MODES="tensor tensor-mtp" compares the MTP head replicated and sharded
 #   decode-35b-profile  [moe]: the 35B-A3B verify's cost against K (CUPTI kernels and GPU time per round), 2 reps,
 #                  no stock leg (building mlx-lm's 35B model took 152 s in run 9)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
@@ -145,8 +146,11 @@ for mode in "$@"; do
       [[ -d $ck ]] && src=(--load "$ck")
       for mode in ${DIST_MODES:-single tensor pipeline}; do
         [[ $mode == single ]] && continue
-        step "dist_${shape}_$mode" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
-          "${src[@]}" "${lim[@]}" --out "$RES/dist_${shape}_$mode"
+        # DIST_MODES may hold tensor-mtp: tensor parallel with the MTP head's layer sharded too (--mtp sharded)
+        mtp=replicated
+        [[ $mode == tensor-mtp ]] && mode=tensor mtp=sharded
+        step "dist_${shape}_${mode}_mtp_$mtp" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
+          --mtp "$mtp" "${src[@]}" "${lim[@]}" --out "$RES/dist_${shape}_${mode}_mtp_$mtp"
       done
     done
     [[ -d /tmp/ckpt_27b ]] && step dist_27b_whole_limit 90 env CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_distributed.py \

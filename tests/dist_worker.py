@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py, run under `mlx.launch -n N --backend ring`: the checkpoint loaded whole and
 tensor-parallel in the same process, and what each computes written to OUT/rank{r}.json.
 
-Usage: python tests/dist_worker.py CHECKPOINT OUT [pipeline]
+Usage: python tests/dist_worker.py CHECKPOINT OUT [pipeline | mtp-sharded]
 """
 
 import json
@@ -25,13 +25,15 @@ def tokens(model, tok, *, k: int | None = None, temp: float = 0.0, seed: int = 0
 
 def main() -> int:
     ckpt, out = sys.argv[1], Path(sys.argv[2])
-    pipeline = len(sys.argv) > 3 and sys.argv[3] == "pipeline"
+    mode = sys.argv[3] if len(sys.argv) > 3 else ""
+    pipeline = mode == "pipeline"
     group = mx.distributed.init()
     rank = group.rank()
     res = {"rank": rank, "size": group.size()}
     mx.reset_peak_memory()
     try:
-        sharded, tok = load(ckpt, group=group, pipeline=pipeline)
+        sharded, tok = load(ckpt, group=group, pipeline=pipeline,
+                            mtp="sharded" if mode == "mtp-sharded" else "replicated")
         res["load_peak_bytes"] = mx.get_peak_memory()
     except LoadError as e:
         res["load_error"] = str(e)
@@ -56,6 +58,14 @@ def main() -> int:
             worst = max(worst, mx.abs(hw - hs).max().item() / mx.abs(hw).max().item())
             h = hw
         res["worst_layer_rel_diff"] = worst
+        # the MTP head's hidden on the same inputs (its layer split over the ranks with mtp="sharded")
+        hw = whole(ids, return_hidden=True)[1]
+        emb = whole.model.embed_tokens(ids[:, 1:])
+        mw = whole.mtp(emb, whole.mtp.from_target(hw[:, :-1]))
+        ms = sharded.mtp(emb, sharded.mtp.from_target(hw[:, :-1]))
+        res["mtp_rel_diff"] = mx.abs(mw - ms).max().item() / mx.abs(mw).max().item()
+        res["mtp_params"] = sum(v.size for _, v in tree_flatten(sharded.mtp.parameters()))
+        res["whole_mtp_params"] = sum(v.size for _, v in tree_flatten(whole.mtp.parameters()))
     for k in (None, 3):
         name = f"greedy_k{k or 0}"
         res[name] = tokens(sharded, tok, k=k) == tokens(whole, tok, k=k)

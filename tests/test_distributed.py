@@ -64,6 +64,7 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
     for r in ranks:
         assert r["size"] == 2 and "load_error" not in r, (r, res.stderr[-2000:])
         assert r["worst_layer_rel_diff"] < 2e-6, r  # measured ~3e-7: fp32 partial sums added in another order
+        assert r["mtp_params"] == r["whole_mtp_params"] and r["mtp_rel_diff"] == 0.0, r  # replicated by default
         # random checkpoints amplify (gain 2, 4 layers): ~1.5e-5 relative at the logits, measured
         assert r["max_logit_diff"] <= 1e-4 * r["max_logit"], r
         assert r["greedy_k0"] and r["greedy_k3"], r
@@ -72,6 +73,17 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
         if kind == "fp32":  # a rank's loading peak stays below what the whole model holds once loaded
             assert r["load_peak_bytes"] < r["whole_bytes"], r
     assert ranks[0]["sampled_tokens"] == ranks[1]["sampled_tokens"]
+
+
+def test_sharded_mtp_head_matches_one_process(ckpts, tmp_path):
+    """mtp="sharded": the MTP head's layer split over the ranks like the trunk's (fewer parameters per rank), its
+    output equal to the whole head's up to summation order, and greedy and sampled MTP tokens as one process."""
+    res = launch(WORKER, ckpts["fp32"], tmp_path, "mtp-sharded")
+    for r in read_ranks(tmp_path, res):
+        assert "load_error" not in r, (r, res.stderr[-2000:])
+        assert r["mtp_params"] < r["whole_mtp_params"], r
+        assert r["mtp_rel_diff"] < 2e-6, r
+        assert r["greedy_k0"] and r["greedy_k3"] and r["sampled_equal_one_process"], r
 
 
 @pytest.mark.parametrize("transport", ["sendrecv", "collective"])

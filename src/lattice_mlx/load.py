@@ -149,7 +149,7 @@ def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
 
 
 def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group=None,
-               pipeline: bool = False, draft_vocab: bool = True) -> tuple[Model, dict]:
+               pipeline: bool = False, draft_vocab: bool = True, mtp: str = "replicated") -> tuple[Model, dict]:
     """Model and config from a checkpoint directory, the one load sequence (`convert` uses it too, with fuse=False:
     the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
     fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
@@ -175,7 +175,7 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
     model.eval()
     if group is not None and group.size() > 1 and not pipeline:  # tensor parallel: this rank's slices, then fused
         try:
-            model.shard(group)
+            model.shard(group, mtp=mtp)
         except ValueError as e:
             raise LoadError(str(e)) from None
     if fuse:
@@ -227,14 +227,16 @@ def load_tokenizer(path: Path, config: dict):
         raise LoadError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {e})") from None
 
 
-def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None, pipeline: bool = False):
+def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None, pipeline: bool = False,
+         mtp: str = "replicated"):
     """(model, tokenizer) from a local directory or a hub id; the embedded demo model when none is given. With a
-    distributed `group` of several processes the model runs tensor-parallel over it (Model.shard), or with
-    `pipeline` as a pipeline of layer ranges (Model.pipeline: each process reads and holds only its layers)."""
+    distributed `group` of several processes the model runs tensor-parallel over it (Model.shard; `mtp="sharded"`
+    splits the MTP head's layer too), or with `pipeline` as a pipeline of layer ranges (Model.pipeline: each process
+    reads and holds only its layers)."""
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").exists():
             raise LoadError("no embedded demo model in this build: pass --model PATH")
         path_or_repo = DEMO_MODEL
     path = resolve_path(path_or_repo)
-    model, config = load_model(path, dtype=dtype, group=group, pipeline=pipeline)
+    model, config = load_model(path, dtype=dtype, group=group, pipeline=pipeline, mtp=mtp)
     return model, load_tokenizer(path, config)

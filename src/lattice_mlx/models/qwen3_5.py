@@ -586,14 +586,18 @@ class Model(nn.Module):
 
     sharding_group = None  # set by shard(): the group this model runs tensor-parallel over
 
-    def shard(self, group=None) -> None:
+    def shard(self, group=None, *, mtp: str = "replicated") -> None:
         """Tensor parallel over `group` (default: mx.distributed.init()), in place, mlx-lm's conventions
         (mlx.nn.layers.distributed.shard_inplace): each rank keeps 1/N of the GDN heads (qkv, z, b, a rows and the
         conv channels per q/k/v segment; A_log, dt_bias), of the attention heads (key/value heads repeated when N
         exceeds them) and of the MLP's hidden units; the output projections take this rank's slice of their input
         and their partial sums are added over the group (one all_sum per block). Embedding, lm_head, norms and the
         MTP head are replicated. MoE: every expert's and the shared expert's hidden units split likewise, the router
-        replicated. Call it on the checkpoint's layout, before fuse_projections (load() does)."""
+        replicated. `mtp="sharded"` splits the MTP head's decoder layer the same way (its fc, norms and the shared
+        embedding stay replicated): less memory and compute per rank, two more all_sums per draft step.
+        Call it on the checkpoint's layout, before fuse_projections (load() does)."""
+        if mtp not in ("replicated", "sharded"):
+            raise ValueError(f"mtp={mtp!r}: the MTP head is 'replicated' or 'sharded'")
         group = group or mx.distributed.init()
         N, rank = group.size(), group.rank()
         if N == 1:
@@ -616,8 +620,9 @@ class Model(nn.Module):
         kv = a.num_key_value_heads
         if (kv % N if N <= kv else N % kv):
             problems.append(f"num_key_value_heads = {kv} and the group size {N}: one must divide the other")
-        mlps = [layer.mlp.shared_expert if a.num_experts else layer.mlp for layer in self.layers]
-        if any(name in mod for layer, mlp in zip(self.layers, mlps)
+        layers = list(self.layers) + (list(self.mtp.layers) if mtp == "sharded" and self.has_mtp else [])
+        mlps = [layer.mlp.shared_expert if a.num_experts else layer.mlp for layer in layers]
+        if any(name in mod for layer, mlp in zip(layers, mlps)
                for mod in (layer.linear_attn if layer.is_linear else layer.self_attn, mlp)
                for name in ("in_proj", "qkv_proj", "gate_up_proj")):
             problems.append("shard() needs the checkpoint's unfused projections: call it before fuse_projections")
@@ -625,7 +630,7 @@ class Model(nn.Module):
         def downs(mlp):
             return [mlp.switch_mlp.down_proj, mlp.shared_expert.down_proj] if a.num_experts else [mlp.down_proj]
 
-        for m in (lin for layer in self.layers for lin in (
+        for m in (lin for layer in layers for lin in (
                 [layer.linear_attn.out_proj] if layer.is_linear else [layer.self_attn.o_proj]) + downs(layer.mlp)):
             gs = getattr(m, "group_size", None)
             if gs and (m.weight.shape[-1] * 32 // m.bits // N) % gs:
@@ -641,7 +646,7 @@ class Model(nn.Module):
             linear.update({k: mx.repeat(v.reshape(heads, -1, *v.shape[1:]), N // heads, axis=0).reshape(-1, *v.shape[1:])
                            for k, v in linear.parameters().items()})
 
-        for layer in self.layers:
+        for layer in layers:
             if layer.is_linear:
                 g = layer.linear_attn
                 kd = g.key_dim
