@@ -22,11 +22,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import mlx.core as mx
 
 from .cli import ArgumentParser
+from .decode import generate_step
 from .generate import stream_generate
 from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
-from .spec import SpecOptions
+from .spec import SpecOptions, SpecStats
+from .speculative import speculative_step
 
 log = logging.getLogger("lattice_mlx.server")
 DEFAULT_MAX_TOKENS = 512
@@ -336,6 +338,27 @@ def make_handler(engine: Engine):
     return Handler
 
 
+def warm_up(model, speculation: SpecOptions | None) -> None:
+    """A few greedy tokens plain and with every draft depth 1..K the adaptive loop may pick, before the first request:
+    on MLX's CUDA backend a kernel's first call at a new row count compiles it (9-17 s per verify shape on the
+    35B-A3B MoE shape, H200 run 9), which would otherwise land on whichever request first uses that shape."""
+    tic = time.perf_counter()
+    ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
+    depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
+    for k in [None, *depths]:
+        if k is None:
+            steps = generate_step(model, mx.array(ids), sampler=Sampler())
+        else:
+            options = SpecOptions(draft_tokens=k, adaptive=False)
+            steps = speculative_step(model, mx.array(ids), sampler=Sampler(), options=options,
+                                     stats=SpecStats.of(options))
+        for _ in zip(range(2 * (k or 1) + 2), steps):
+            pass
+        steps.close()
+    log.info("warmed up in %.1f s: decode%s", time.perf_counter() - tic,
+             f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "")
+
+
 def setup_arg_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m lattice_mlx.server", description="Serve a Qwen3.5 model over an "
                        "OpenAI-compatible HTTP API.")
@@ -347,6 +370,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
     p.add_argument("--draft-tokens", type=int, default=SpecOptions().draft_tokens,
                    help="MTP draft depth K (the largest, adaptive)")
+    p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
+                   "compile the decode and verify shapes (otherwise the first request pays for them)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -363,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     except (LoadError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if not args.no_warmup:
+        warm_up(model, speculation)
     engine = Engine(model, tokenizer, args.model or "lattice-demo", speculation, args.max_tokens)
     httpd.RequestHandlerClass = make_handler(engine)
     httpd.daemon_threads = True
