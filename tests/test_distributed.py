@@ -59,7 +59,7 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
     summation order; greedy plain and greedy MTP
     give the same tokens (K=3); sampled plain and sampled MTP give the one-process run's tokens on both ranks, although
     rank 1 is seeded differently: tokens and accept/reject verdicts come from rank 0, so no rank can drift."""
-    res = launch(WORKER, ckpts[kind], tmp_path)
+    res = launch(WORKER, ckpts[kind], tmp_path, *(["mtp-sharded-too"] if kind == "fp32" else []))
     ranks = read_ranks(tmp_path, res)
     for r in ranks:
         assert r["size"] == 2 and "load_error" not in r, (r, res.stderr[-2000:])
@@ -72,32 +72,25 @@ def test_two_ranks_match_one_process(ckpts, kind, tmp_path):
         assert r["adaptive_equal_plain"], r  # adaptive K with rank 1's clock jittered: no deadlock, plain's tokens
         if kind == "fp32":  # a rank's loading peak stays below what the whole model holds once loaded
             assert r["load_peak_bytes"] < r["whole_bytes"], r
+            # mtp="sharded": the head's layer split too: fewer head parameters per rank, the head's output equal
+            # up to summation order, greedy and sampled MTP (rank 1 seeded differently) as one process
+            assert r["mtp_sharded_params"] < r["whole_mtp_params"] and r["mtp_sharded_rel_diff"] < 2e-6, r
+            assert r["mtp_sharded_greedy_k3"] and r["mtp_sharded_sampled_equal"], r
     assert ranks[0]["sampled_tokens"] == ranks[1]["sampled_tokens"]
 
 
-def test_sharded_mtp_head_matches_one_process(ckpts, tmp_path):
-    """mtp="sharded": the MTP head's layer split over the ranks like the trunk's (fewer parameters per rank), its
-    output equal to the whole head's up to summation order, and greedy and sampled MTP tokens as one process."""
-    res = launch(WORKER, ckpts["fp32"], tmp_path, "mtp-sharded")
-    for r in read_ranks(tmp_path, res):
-        assert "load_error" not in r, (r, res.stderr[-2000:])
-        assert r["mtp_params"] < r["whole_mtp_params"], r
-        assert r["mtp_rel_diff"] < 2e-6, r
-        assert r["greedy_k0"] and r["greedy_k3"] and r["sampled_equal_one_process"], r
-
-
-@pytest.mark.parametrize("transport", ["sendrecv", "collective"])
-def test_pipeline_stages_hold_their_layers_and_match_one_process(ckpts, tmp_path, transport, monkeypatch):
+def test_pipeline_stages_hold_their_layers_and_match_one_process(ckpts, tmp_path):
     """--pipeline: each of the two stages reads and holds only its two layers of four; logits are bitwise the whole
     model's (the same arithmetic, moved between processes); tokens as in the tensor-parallel test. Both hand-off
-    transports: send/recv (ring, JACCL) and the all_sum form the CUDA backend gets (its NCCL has no send/recv)."""
-    monkeypatch.setenv("LATTICE_PIPELINE_TRANSPORT", transport)
+    transports: send/recv (ring, JACCL: the CPU default) and the all_sum form MLX's CUDA backend gets (its NCCL has
+    no send/recv), loaded again in the same processes."""
     res = launch(WORKER, ckpts["q4"], tmp_path, "pipeline")
     ranks = read_ranks(tmp_path, res)
     for r in ranks:
         assert "load_error" not in r, (r, res.stderr[-2000:])
         assert r["held_layers"] == 2 and r["held_params"] < r["whole_params"], r
-        assert r["transport"] == transport, r
+        assert r["transport"] == "sendrecv" and r["collective_transport"] == "collective", r
+        assert r["collective_max_logit_diff"] == 0.0 and r["collective_greedy_k3"], r
         assert r["load_peak_bytes"] < r["whole_bytes"], r  # the other stage's layers are never read
         assert r["max_logit_diff"] == 0.0, r
         assert r["greedy_k0"] and r["greedy_k3"], r
