@@ -7,13 +7,16 @@ plain decoding and MTP at synthetic acceptance, legs interleaved inside each run
     mlx.launch -n 2 --backend ring python scripts/bench_distributed.py --shape tiny --mode pipeline --out OUT
 
 Every rank builds the same random weights (one seed) and keeps only its part: the split is applied to the lazy model
-before any weight is materialised, so a rank's peak memory is its part plus one layer's temporaries, and
---memory-limit-gb caps each process with mx.set_memory_limit. Each rank writes OUT/rank{r}.json; rank 0's holds the
-timings (the ranks run in lockstep, so one clock is the run's).
+before any weight is materialised, so no rank ever holds the whole model (its peak still includes the fp32
+temporaries of initialising whole tensors, e.g. the embedding: measure memory through --save / --load instead).
+--memory-limit-gb passes a limit to mx.set_memory_limit and records whether the peak stayed under it (MLX does not
+treat it as a hard cap). Each rank writes OUT/rank{r}.json; rank 0's holds the timings (the ranks run in lockstep,
+so one clock is the run's). Only rank 0 takes the benchmark lock; the others wait for it inside the collectives.
 """
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,13 +43,19 @@ def build(shape: str, mode: str, group, *, bits: int, group_size: int, dtype: st
 
 
 def save(model, shape: str, path: Path, *, bits: int, group_size: int) -> None:
-    """The (unfused) random model as a converted checkpoint: what `load(path, group=...)` reads rank by rank."""
+    """The (unfused) random model as a converted checkpoint: what `load(path, group=...)` reads rank by rank. Written
+    into a temp folder renamed into place, so a run stopped mid-save leaves no checkpoint that looks whole."""
     config = hub_config(**SHAPES[shape])
     if bits:
         config["quantization"] = {"group_size": group_size, "bits": bits}
-    path.mkdir(parents=True, exist_ok=True)
-    save_weights(path, dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_weights(tmp, dict(tree_flatten(model.parameters())))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(path)
 
 
 def lockstep_profile(profiler, target: Target, leg: Leg, ids: list[int], *, n: int, reference, seed: int, rank: int):
@@ -86,9 +95,16 @@ def main(argv=None) -> int:
                    "process's group: a rank reads only its part) instead of building it")
     p.add_argument("--mtp", default="replicated", choices=["replicated", "sharded"],
                    help="--mode tensor: the MTP head replicated on every rank or its layer split like the trunk's")
+    p.add_argument("--lock", default=bench.DEFAULT_LOCK, help="the benchmark lock file (rank 0 takes it)")
     p.add_argument("--build-only", action="store_true", help="stop after building/loading (memory only)")
     args = p.parse_args(argv)
 
+    if args.profile and not (Path(args.profile) / "gpu_kernels.py").exists():  # on every rank, before any work
+        print(f"--profile {args.profile}: no gpu_kernels.py there", file=sys.stderr)
+        return 2
+    if args.save and args.mode != "single":
+        print("--save: with --mode single only", file=sys.stderr)
+        return 2
     group = mx.distributed.init(backend=args.dist_backend)
     rank, size = group.rank(), group.size()
     if args.mode != "single" and size < 2:
@@ -111,8 +127,6 @@ def main(argv=None) -> int:
         model = build(args.shape, args.mode, group, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
                       fuse=not args.save, mtp=args.mtp)
         if args.save:
-            if args.mode != "single":
-                raise SystemExit("--save: with --mode single only")
             save(model, args.shape, Path(args.save), bits=args.bits, group_size=args.group_size)
             fuse_projections(model)
     res["build_s"] = round(time.perf_counter() - tic, 1)
@@ -131,9 +145,9 @@ def main(argv=None) -> int:
     prompts = bench.workload_prompts(target, "random", 5, tokens=args.prompt_tokens, seed=0)
     legs = [Leg("plain"), Leg("plain-aa")] + mtp_legs(["batched"], args.k.split(","), p=args.oracle_p)
     lengths = tuple(bench.parse_ints(args.lengths))
-    # a lock file per rank: one shared by the ranks of this machine would have rank 1 wait for rank 0's lock while
-    # rank 0 waits for rank 1 inside a collective
-    lock = {"path": f"/tmp/lattice_bench_dist_{rank}.lock", "timeout": 600.0, "waited_s": 0.0}
+    # rank 0 alone takes the machine's benchmark lock (the one single-process benches take too); the other ranks
+    # wait for it inside the collectives. A lock per rank could cross with another run's and deadlock both.
+    lock = {"path": args.lock if rank == 0 else None, "timeout": 1800.0, "waited_s": 0.0}
     mx.reset_peak_memory()
     records = run_group(target, legs, prompts, temp=0.0, reps=args.reps, lengths=lengths, lock=lock, seed=0,
                         label=f"{args.shape} {args.mode} x{size}")

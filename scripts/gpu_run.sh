@@ -129,32 +129,46 @@ for mode in "$@"; do
       --lengths 16,48 --temps 0 --legs plain,batched --k 1,2,3 --oracle-p 0.8 --no-stock --profile .device-tools \
       --out "$RES/decode_35b_profile" ;;
   distributed)
-    # mlx.launch from the wheel (no console script there); NVLink multicast stays off in every rank (KINDS.md)
+    # mlx.launch from the wheel (no console script there); NVLink multicast stays off in every rank (KINDS.md).
+    # mlx.launch exits 0 even when a rank fails, so each multi-process step is judged by its ranks' JSON files.
     L=(python3 -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; sys.exit(main())'
        -n 2 --backend "${DIST_BACKEND:-nccl}" --env "PYTHONPATH=${PYTHONPATH:-}" --env PYTHONUNBUFFERED=1 --env NCCL_NVLS_ENABLE=0
        --env TORCH_SYMM_MEM_DISABLE_MULTICAST=1 --env NVSHMEM_DISABLE_NVLS=1)
-    D=(python3 scripts/bench_distributed.py --reps "${REPS:-10}" --lengths "${DIST_LENGTHS:-16,48}")
+    D=(python3 scripts/bench_distributed.py --reps "${REPS:-10}" --lengths "${DIST_LENGTHS:-16,48}"
+       --lock /tmp/lattice_bench.lock)
     [[ ${NOPROF:-0} == 1 ]] || D+=(--profile .device-tools)
+    ranks_wrote() {  # ranks_wrote NAME DIR: a line in steps.txt when a rank wrote no JSON (it failed)
+      local r
+      for r in 0 1; do
+        [[ -f $2/rank$r.json ]] || echo "$1: FAILED: rank $r wrote no JSON (see $1.log)" | tee -a "$RES/steps.txt"
+      done
+    }
     [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli 90 "${L[@]}" python3 -m lattice_mlx.generate --prompt "def add(a, b):" \
       --max-tokens 32 --mtp
     for shape in ${DIST_SHAPES:-4b 27b}; do
       ck=/tmp/ckpt_$shape lim=()
       [[ $shape == 27b ]] && lim=(--memory-limit-gb 12)
-      [[ " ${DIST_MODES:-single tensor pipeline} " == *" single "* ]] && step "dist_${shape}_single" 200 \
-        env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" --out "$RES/dist_${shape}_single"
-      src=()  # the saved checkpoint read rank by rank, else the lazy random model split before it is materialised
-      [[ -d $ck ]] && src=(--load "$ck")
-      for mode in ${DIST_MODES:-single tensor pipeline}; do
-        [[ $mode == single ]] && continue
+      if [[ " ${DIST_MODES:-single tensor pipeline} " == *" single "* ]]; then
+        step "dist_${shape}_single" 200 env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" \
+          --out "$RES/dist_${shape}_single"
+      fi
+      src=()  # the saved checkpoint (renamed into place once whole) read rank by rank, else the lazy random model
+      [[ -f $ck/config.json ]] && src=(--load "$ck")
+      for split in ${DIST_MODES:-single tensor pipeline}; do
+        [[ $split == single ]] && continue
         # DIST_MODES may hold tensor-mtp: tensor parallel with the MTP head's layer sharded too (--mtp sharded)
-        mtp=replicated
-        [[ $mode == tensor-mtp ]] && mode=tensor mtp=sharded
-        step "dist_${shape}_${mode}_mtp_$mtp" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
-          --mtp "$mtp" "${src[@]}" "${lim[@]}" --out "$RES/dist_${shape}_${mode}_mtp_$mtp"
+        mode=$split mtp=replicated
+        [[ $split == tensor-mtp ]] && mode=tensor mtp=sharded
+        name="dist_${shape}_${mode}_mtp_$mtp"
+        step "$name" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
+          --mtp "$mtp" "${src[@]}" "${lim[@]}" --out "$RES/$name"
+        ranks_wrote "$name" "$RES/$name"
       done
+      if [[ $shape == 27b && -f $ck/config.json ]]; then  # the whole model loaded once under the ranks' limit
+        step dist_27b_whole_limit 90 env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape 27b --mode single --load "$ck" \
+          "${lim[@]}" --build-only --out "$RES/dist_27b_whole_limit"
+      fi
     done
-    [[ -d /tmp/ckpt_27b ]] && step dist_27b_whole_limit 90 env CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_distributed.py \
-      --shape 27b --mode single --load /tmp/ckpt_27b --memory-limit-gb 12 --build-only --out "$RES/dist_27b_whole_limit"
     [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli_pipeline 90 "${L[@]}" python3 -m lattice_mlx.generate \
       --prompt "def add(a, b):" --max-tokens 32 --mtp --pipeline
     ;;

@@ -197,3 +197,17 @@ def test_chat_repl_reuses_the_conversation_state():
     turns = [line for line in r.stderr.splitlines() if line.startswith("[")]
     cached = [int(t.split(", ")[1].split()[0]) for t in turns]
     assert len(turns) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] == 0, turns  # /reset forgets
+
+
+def test_a_failing_warm_up_is_one_line(monkeypatch, capsys):
+    """An error while warming up (e.g. out of memory at the first forward) ends in one line and exit 1, the port
+    released, no traceback."""
+    from lattice_mlx import server as srv
+
+    def boom(model, speculation):
+        raise RuntimeError("[malloc] out of memory")
+
+    monkeypatch.setattr(srv, "warm_up", boom)
+    assert srv.main(["--port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: warming up failed: [malloc] out of memory"], err

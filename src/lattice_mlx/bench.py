@@ -116,8 +116,12 @@ class LockTimeout(Exception):
 
 
 @contextmanager
-def bench_lock(path: str, *, timeout: float | None = None, poll: float = 0.05):
-    """Exclusive fcntl.flock on `path` for the duration of one timed run; yields the seconds spent waiting."""
+def bench_lock(path: str | None, *, timeout: float | None = None, poll: float = 0.05):
+    """Exclusive fcntl.flock on `path` for the duration of one timed run; yields the seconds spent waiting. No
+    lock when `path` is None (the ranks of a multi-process bench other than rank 0, which waits for all of them)."""
+    if path is None:
+        yield 0.0
+        return
     f = open(path, "a+")
     tic = time.monotonic()
     try:

@@ -339,9 +339,10 @@ def make_handler(engine: Engine):
 
 
 def warm_up(model, speculation: SpecOptions | None) -> None:
-    """A few greedy tokens plain and with every draft depth 1..K the adaptive loop may pick, before the first request:
-    on MLX's CUDA backend a kernel's first call at a new row count compiles it (9-17 s per verify shape on the
-    35B-A3B MoE shape, H200 run 9), which would otherwise land on whichever request first uses that shape."""
+    """A few greedy tokens plain and with every draft depth 1..K the adaptive loop may pick, before the first request
+    (a 16-token prompt: other prompt lengths still pay their own first call). On the H200 the first generation at
+    each new verify depth of the 35B-A3B MoE shape took 9-17 s (run 9; judged from the log's timestamps to be
+    kernels compiled at first use), which would otherwise land on whichever request first uses that depth."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
     depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
@@ -389,7 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not args.no_warmup:
-        warm_up(model, speculation)
+        try:
+            warm_up(model, speculation)
+        except KeyboardInterrupt:
+            print("error: interrupted while warming up", file=sys.stderr)
+            httpd.server_close()
+            return 130
+        except (RuntimeError, ValueError) as e:  # e.g. out of memory at the first forward
+            print(f"error: warming up failed: {e}", file=sys.stderr)
+            httpd.server_close()
+            return 1
     engine = Engine(model, tokenizer, args.model or "lattice-demo", speculation, args.max_tokens)
     httpd.RequestHandlerClass = make_handler(engine)
     httpd.daemon_threads = True

@@ -428,7 +428,8 @@ class Pipe:
     """This process's stage: layers [start, end) of a pipeline over `group` (rank size-1 runs the first layers,
     rank 0 the last, as mlx-lm's PipelineMixin orders them). `transport`: how a stage's hidden reaches the next one:
     "sendrecv" (mx.distributed.send / recv_like, what mlx-lm uses) or "collective" (all_sum with zeros from every
-    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv, measured on the H200)."""
+    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv, seen on the H200; chosen for the whole CUDA
+    backend, so a ring or MPI group on a CUDA machine takes it too, which is exact there as well)."""
 
     group: Any
     rank: int
@@ -572,14 +573,14 @@ class Model(nn.Module):
                              f"one layer and the counts must add up to {n}")
         if self.sharding_group is not None:
             raise ValueError("a model is either tensor-parallel (shard) or pipelined, not both")
+        transport = transport or default_pipeline_transport()
+        if transport not in PIPELINE_TRANSPORTS:
+            raise ValueError(f"pipeline transport {transport!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
         start = sum(split[rank + 1 :])
         end = start + split[rank]
         before = {k for k, _ in tree_flatten(self.parameters())}
         for i in [*range(start), *range(end, n)]:
             self.model.layers[i] = SkipLayer(self.model.layers[i].is_linear)
-        transport = transport or default_pipeline_transport()
-        if transport not in PIPELINE_TRANSPORTS:
-            raise ValueError(f"pipeline transport {transport!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
         self.model.pipe = Pipe(group, rank, N, start, end, transport)
         self.sharding_group = group
         return before - {k for k, _ in tree_flatten(self.parameters())}
