@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"shape": args.shape, "mode": args.mode, "mtp": args.mtp, "rank": rank, "size": size, "backend": args.dist_backend,
+    res = {"shape": args.shape, "mode": args.mode, "mtp": args.mtp, "rank": rank, "size": size,
+           "backend": args.dist_backend,
            "device": str(mx.default_device()), "bits": args.bits, "dtype": args.dtype}
     if args.memory_limit_gb:
         mx.set_memory_limit(int(args.memory_limit_gb * 2**30))

@@ -316,7 +316,8 @@ def test_timings_survive_a_run_stopped_while_profiling(tmp_path):
     assert proc.returncode == 130, proc.stderr[-2000:]
     partial = json.loads((out / "decode.partial.json").read_text())
     legs = {leg["leg"]: leg for leg in partial["groups"][0]["legs"]}
-    assert set(legs) == {"plain", "batched-K1-oracle1"} and legs["batched-K1-oracle1"]["identical_to_plain"] == "1/1 prompts"
+    assert set(legs) == {"plain", "batched-K1-oracle1"}
+    assert legs["batched-K1-oracle1"]["identical_to_plain"] == "1/1 prompts"
     assert not (out / "decode.json").exists()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

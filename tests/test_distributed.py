@@ -144,7 +144,8 @@ def test_distributed_bench_runs_tensor_parallel_in_lockstep(tmp_path):
                  "--reps", "1", "--lengths", "2,4", "--prompt-tokens", "8", "--out", tmp_path, timeout=180)
     ranks = read_ranks(tmp_path, res)
     whole = subprocess.run([sys.executable, str(bench), "--shape", "tiny", "--mode", "single", "--group-size", "32",
-                            "--build-only", "--out", str(tmp_path / "one")], capture_output=True, text=True, timeout=120)
+                            "--build-only", "--out", str(tmp_path / "one")],
+                           capture_output=True, text=True, timeout=120)
     assert whole.returncode == 0, whole.stderr[-2000:]
     one = json.loads((tmp_path / "one" / "rank0.json").read_text())
     for r in ranks:

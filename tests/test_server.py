@@ -67,8 +67,8 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
 
 
 def test_shapes_are_compiled_before_serving(client, server):
-    """The start-up warm-up (plain, then every K up to the default 2, fixed) runs before the first request is taken: logged before the
-    'serving' line (the first MoE verify at each K cost 9-17 s on the H200 otherwise)."""
+    """The start-up warm-up (plain, then every K up to the default 2, fixed) runs before the first request is
+    taken: logged before the 'serving' line (the first MoE generation at each K took 9-17 s on the H200)."""
     text = server[1].read_text()
     warm, serving = text.find("warmed up in"), text.find("serving lattice-demo")
     assert 0 <= warm < serving and "verify shapes for K = 1..2" in text, text
