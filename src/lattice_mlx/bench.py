@@ -604,8 +604,7 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
     oracle = args.drafts == "oracle" or (args.drafts == "auto" and target.synthetic)
     profiler = load_profiler(args.profile)
     groups = []
-    partial = Path(args.out) / "decode.partial.json"
-    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(args.out) / "decode.partial.json"  # (run() made the folder)
     partial.unlink(missing_ok=True)  # an earlier run's, in a reused folder, must not pass for this one's
     for workload in workloads:
         prompts = workload_prompts(target, workload, args.prompts or 5, tokens=args.prompt_tokens, seed=args.seed)

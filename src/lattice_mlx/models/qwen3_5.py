@@ -451,10 +451,15 @@ def default_pipeline_transport() -> str:
     return value or ("collective" if mx.cuda.is_available() else "sendrecv")
 
 
-def _from_rank(x: mx.array, src: int, p: Pipe) -> mx.array:
-    """Rank `src`'s x on every rank, as one all_sum in which the other ranks add zeros. Every rank's term depends on
-    its own x (the previous hand-off's result), so the collectives are ordered alike on all ranks; x + 0 is exact."""
-    return mx.distributed.all_sum(mx.where(mx.array(p.rank == src), x, mx.zeros_like(x)), group=p.group)
+_NEVER = mx.array(False)
+
+
+def from_rank(x: mx.array, src: int, group) -> mx.array:
+    """Rank `src`'s x on every rank of `group`, as one all_sum to which the other ranks add zeros (x + 0 is exact).
+    Every rank's term depends on its own x, so the graph, and the order of its collectives, is the same on all
+    ranks: a bare zeros term could run this all_sum before an earlier collective of x's graph on those ranks."""
+    term = x if group.rank() == src else mx.where(_NEVER, x, 0)
+    return mx.distributed.all_sum(term, group=group)
 
 
 class TextModel(nn.Module):
@@ -480,7 +485,7 @@ class TextModel(nn.Module):
             for stage in range(p.size - 1, -1, -1):
                 if stage == p.rank:
                     h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
-                h = _from_rank(h, stage, p)  # the last one (stage 0) gives every rank the result
+                h = from_rank(h, stage, p.group)  # the last one (stage 0) gives every rank the result
             return h
         if p.rank < p.size - 1:
             h = mx.distributed.recv_like(h, p.rank + 1, group=p.group)
@@ -687,9 +692,7 @@ class Model(nn.Module):
         g = self.sharding_group
         if g is None or g.size() == 1:
             return x
-        # every rank's term depends on its own x, so the graph (and the order of its collectives) is the same on
-        # all ranks: a zeros_like(x) term could run this all_sum before the forward's own on ranks other than 0
-        return mx.distributed.all_sum(mx.where(mx.array(g.rank() == 0), x, mx.zeros_like(x)), group=g)
+        return from_rank(x, 0, g)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return sanitize(weights, tie_word_embeddings=self.args.tie_word_embeddings)
