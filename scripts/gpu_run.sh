@@ -43,7 +43,8 @@ DEADLINE=${DEADLINE:-540}
 BIG=${BIG:-0.8b}  # a smaller shape (cpu-small, tiny) for a dry run on the CPU
 RES=${RES:-/tmp/res}  # two runs side by side (one per GPU) take a folder and a TAR name each
 mkdir -p "$RES"
-B=(python3 -m lattice_mlx.bench --lock /tmp/lattice_bench.lock)
+LOCK=${LOCK:-/tmp/lattice_bench.lock}  # two runs side by side on two GPUs take a lock each
+B=(python3 -m lattice_mlx.bench --lock "$LOCK")
 step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skipped past DEADLINE
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
@@ -135,7 +136,7 @@ for mode in "$@"; do
        -n 2 --backend "${DIST_BACKEND:-nccl}" --env "PYTHONPATH=${PYTHONPATH:-}" --env PYTHONUNBUFFERED=1 --env NCCL_NVLS_ENABLE=0
        --env TORCH_SYMM_MEM_DISABLE_MULTICAST=1 --env NVSHMEM_DISABLE_NVLS=1)
     D=(python3 scripts/bench_distributed.py --reps "${REPS:-10}" --lengths "${DIST_LENGTHS:-16,48}"
-       --lock /tmp/lattice_bench.lock)
+       --lock "$LOCK" --k "${DIST_K:-2}")
     [[ ${NOPROF:-0} == 1 ]] || D+=(--profile .device-tools)
     ranks_wrote() {  # ranks_wrote NAME DIR: a line in steps.txt when a rank wrote no JSON (it failed)
       local r
@@ -143,13 +144,14 @@ for mode in "$@"; do
         [[ -f $2/rank$r.json ]] || echo "$1: FAILED: rank $r wrote no JSON (see $1.log)" | tee -a "$RES/steps.txt"
       done
     }
+    # DIST_CLI: 1 = the CLI tensor-parallel and pipeline runs, 0 = neither, pipeline = the pipeline run only
     [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli 90 "${L[@]}" python3 -m lattice_mlx.generate --prompt "def add(a, b):" \
       --max-tokens 32 --mtp
     for shape in ${DIST_SHAPES:-4b 27b}; do
       ck=/tmp/ckpt_$shape lim=()
       [[ $shape == 27b ]] && lim=(--memory-limit-gb 12)
       if [[ " ${DIST_MODES:-single tensor pipeline} " == *" single "* ]]; then
-        step "dist_${shape}_single" 200 env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" \
+        step "dist_${shape}_single" "${DIST_LIMIT:-200}" env CUDA_VISIBLE_DEVICES=0 "${D[@]}" --shape "$shape" --mode single --save "$ck" \
           --out "$RES/dist_${shape}_single"
       fi
       src=()  # the saved checkpoint (renamed into place once whole) read rank by rank, else the lazy random model
@@ -160,7 +162,7 @@ for mode in "$@"; do
         mode=$split mtp=replicated
         [[ $split == tensor-mtp ]] && mode=tensor mtp=sharded
         name="dist_${shape}_${mode}_mtp_$mtp"
-        step "$name" 200 "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
+        step "$name" "${DIST_LIMIT:-200}" "${L[@]}" "${D[@]}" --shape "$shape" --mode "$mode" --dist-backend "${DIST_BACKEND:-nccl}" \
           --mtp "$mtp" "${src[@]}" "${lim[@]}" --out "$RES/$name"
         ranks_wrote "$name" "$RES/$name"
       done
@@ -169,7 +171,7 @@ for mode in "$@"; do
           "${lim[@]}" --build-only --out "$RES/dist_27b_whole_limit"
       fi
     done
-    [[ ${DIST_CLI:-1} == 1 ]] && step dist_cli_pipeline 90 "${L[@]}" python3 -m lattice_mlx.generate \
+    [[ ${DIST_CLI:-1} == 1 || ${DIST_CLI:-1} == pipeline ]] && step dist_cli_pipeline 90 "${L[@]}" python3 -m lattice_mlx.generate \
       --prompt "def add(a, b):" --max-tokens 32 --mtp --pipeline
     ;;
   trees)
