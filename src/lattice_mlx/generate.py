@@ -211,7 +211,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--prompt-cache-file", help="a prompt cache saved by `python -m lattice_mlx.cache_prompt`: "
                    "--prompt continues its prompt (raw text) and only the new tokens are prefilled")
     p.add_argument("--pipeline", action="store_true",
-                   help="under mlx.launch: split the layers into stages, one per process (default: tensor parallel)")
+                   help="under mlx.launch: split the layers into stages, one per process (default: tensor parallel); "
+                   "for one stream the faster split on two H200s (docs/adr/0007-tensor-vs-pipeline.md)")
     add_speculation_args(p)
     return p
 
