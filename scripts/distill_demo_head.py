@@ -72,20 +72,35 @@ def trunk(model, window: mx.array) -> tuple[mx.array, mx.array]:
     return mx.stop_gradient(logits), mx.stop_gradient(hidden)
 
 
-def head_loss(model, window: mx.array, logits: mx.array, hidden: mx.array, target: str) -> mx.array:
-    """window [B, T+2], `logits`/`hidden` the trunk's over window[:, :-1]: head slot j pairs embed(window[j+1]) with
-    hidden j and predicts window[j+2]. labels: cross-entropy to it; distill: KL from the trunk's own distribution
-    over j+2 (its logits at j+1)."""
-    ids = window[:, :-1]
+def head_loss(model, window: mx.array, logits: mx.array, hidden: mx.array, target: str,
+              weights: tuple[float, ...] = (1.0,)) -> mx.array:
+    """window [B, T+1+D] for D = len(weights) draft depths, `logits`/`hidden` the trunk's over window[:, :-1].
+    Depth d (1-based) runs the head as the draft loop does at its d-th step: slot j pairs embed(window[j+d]) with
+    the hidden the step before produced (the trunk's hidden j at d = 1, else the head's own output of slot j at
+    depth d-1) and predicts window[j+d+1]. labels: cross-entropy to it; distill: KL from the trunk's own
+    distribution over that token (its logits at j+d). The depths' losses are summed with `weights`.
+
+    Depths > 1 are the unrolled recursion the draft loop runs for drafts 2..K, which one-step training never
+    shows the head. One approximation: the head's attention at depth d sees depth d's keys of earlier slots, where
+    the draft loop's cache holds depth 1's (the committed positions)."""
     head = model.mtp
-    x = head(model.model.embed_tokens(ids[:, 1:]), head.from_target(hidden[:, :-1]))
-    out = model.lm_logits(head.to_target(head.norm(x))).astype(mx.float32)  # [B, T, V]
-    logp = out - mx.logsumexp(out, axis=-1, keepdims=True)
-    if target == "labels":
-        return -mx.take_along_axis(logp, window[:, 2:, None], axis=-1).mean()
-    teacher = logits[:, 1:].astype(mx.float32)
-    teacher = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
-    return (mx.exp(teacher) * (teacher - logp)).sum(-1).mean()
+    h = head.from_target(hidden)
+    total = mx.array(0.0)
+    for d, w in enumerate(weights, start=1):
+        n = hidden.shape[1] - d
+        x = head(model.model.embed_tokens(window[:, d : d + n]), h[:, :n])
+        post = head.norm(x)
+        out = model.lm_logits(head.to_target(post)).astype(mx.float32)  # [B, n, V]
+        logp = out - mx.logsumexp(out, axis=-1, keepdims=True)
+        if target == "labels":
+            loss = -mx.take_along_axis(logp, window[:, d + 1 : d + 1 + n, None], axis=-1).mean()
+        else:
+            teacher = logits[:, d : d + n].astype(mx.float32)
+            teacher = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
+            loss = (mx.exp(teacher) * (teacher - logp)).sum(-1).mean()
+        total = total + w * loss
+        h = post if head.input_hidden == "post" else x
+    return total
 
 
 @contextlib.contextmanager
@@ -134,9 +149,10 @@ def train(model, tok, args) -> dict:
     model.freeze()
     model.mtp.unfreeze()
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
-    loss_and_grad = nn.value_and_grad(model, lambda w, lg, h: head_loss(model, w, lg, h, args.target))
+    weights = tuple(float(w) for w in args.depth_weights.split(","))
+    loss_and_grad = nn.value_and_grad(model, lambda w, lg, h: head_loss(model, w, lg, h, args.target, weights))
     rng = random.Random(args.seed)
-    span = args.seq_len + 2
+    span = args.seq_len + 1 + len(weights)
 
     def batch() -> mx.array:
         starts = [rng.randrange(0, data.size - span) for _ in range(args.batch)]
@@ -177,6 +193,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--max-tokens", type=int, default=4_000_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depth-weights", default="1",
+                   help="loss weight per draft depth, e.g. 1,0.7,0.5: train drafts 2..K through the head's own "
+                   "recursion too (default 1: the first draft only)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=48)

@@ -20,7 +20,8 @@
 #   mlx-lm-spec    mlx-lm's speculative loop with the MTP head as draft model vs this project's loops (0.8B oracle
 #                  0.8, the demo's real head)
 #   mlx-lm-spec-0.8b  its 0.8B half alone
-#   demo-head      [demo-head]: the MTP head retrained alone (trunk frozen), labels vs distill, MLX (HEAD_SECONDS)
+#   demo-head      [demo-head]: the MTP head retrained alone (trunk frozen), labels vs distill, MLX (HEAD_SECONDS,
+#                  HEAD_TARGETS, DEPTH_WEIGHTS=1,0.7,0.5 to train drafts 2..3 through the head's own recursion)
 #   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
@@ -106,12 +107,13 @@ for mode in "$@"; do
     step demo_train_"${MTP_TARGET:-distill}" 560 python3 scripts/train_demo.py --corpus-out /tmp/corpus \
       --out-dir "$RES/demo_${MTP_TARGET:-distill}" --mtp-target "${MTP_TARGET:-distill}" \
       --train-seconds "${TRAIN_SECONDS:-300}" --deadline-seconds "$((DEADLINE - SECONDS - 10))" ;;
-  demo-head)  # [demo-head]: the MTP head retrained alone on the shipped 4-bit trunk, labels vs self-distillation
-    # (MLX, no torch), each measured through the real greedy loop on both held-out prompt sets
-    step head_labels 280 python3 scripts/distill_demo_head.py --target labels --seconds "${HEAD_SECONDS:-150}" \
-      --batch 32 --out "$RES/head_labels"
-    step head_distill 280 python3 scripts/distill_demo_head.py --target distill --seconds "${HEAD_SECONDS:-150}" \
-      --batch 32 --out "$RES/head_distill" ;;
+  demo-head)  # [demo-head]: the MTP head retrained alone on the shipped 4-bit trunk (starting from the installed head),
+    # labels vs self-distillation (MLX, no torch), each measured through the real greedy loop on both held-out prompt
+    # sets; HEAD_TARGETS picks targets, DEPTH_WEIGHTS trains drafts 2..K through the head's recursion too
+    for t in ${HEAD_TARGETS:-labels distill}; do
+      step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/distill_demo_head.py --target "$t" \
+        --seconds "${HEAD_SECONDS:-150}" --batch 32 --depth-weights "${DEPTH_WEIGHTS:-1}" --out "$RES/head_$t"
+    done ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
