@@ -118,13 +118,16 @@ def reference_ops():
             os.environ["LATTICE_KERNELS"] = before
 
 
-def acceptance(model, tok, prompts: list[str], k: int, tokens: int) -> dict:
-    """Greedy MTP through the real loop (fixed K): per-position acceptance pooled over the prompts."""
+def acceptance(model, tok, prompts: list[str], k: int, tokens: int, temp: float = 0.0) -> dict:
+    """MTP through the real loop (fixed K), greedy or sampled at `temp` (seeded): per-position acceptance pooled
+    over the prompts."""
     total = None
+    mx.random.seed(0)
     for text in prompts:
         options = SpecOptions(draft_tokens=k, adaptive=False)
         stats = SpecStats.of(options)
-        gen = speculative_step(model, mx.array(tok.encode(text)), sampler=Sampler(), options=options, stats=stats)
+        gen = speculative_step(model, mx.array(tok.encode(text)), sampler=Sampler(temp=temp), options=options,
+                               stats=stats)
         for _, _ in zip(range(tokens), gen):
             pass
         gen.close()
@@ -138,7 +141,7 @@ def evaluate(model, tok, args) -> dict:
     for name, fname in sets.items():
         prompts = [p["prompt"] for p in json.loads((PROMPTS / fname).read_text())["prompts"]][: args.eval_prompts]
         tic = time.perf_counter()
-        out[name] = acceptance(model, tok, prompts, args.k, args.eval_tokens)
+        out[name] = acceptance(model, tok, prompts, args.k, args.eval_tokens, args.temp)
         out[name]["seconds"] = round(time.perf_counter() - tic, 1)
         print(name, out[name], flush=True)
     return out
@@ -199,6 +202,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--temp", type=float, default=0.0, help="measure acceptance sampling at this temperature")
     p.add_argument("--install-from", default=None, metavar="HEAD",
                    help="write a head.safetensors of an earlier run into the embedded demo checkpoint, then measure")
     p.add_argument("--head-q4", action="store_true",
