@@ -208,6 +208,14 @@ def main() -> None:
     p.add_argument("--head-q4", action="store_true",
                    help="also measure the head quantized to 4 bits (g64, the rule of convert -q --quantize-mtp)")
     args = p.parse_args()
+    try:
+        weights = [float(w) for w in args.depth_weights.split(",")]
+    except ValueError:
+        weights = []
+    if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or not any(weights):
+        p.error(f"--depth-weights: comma-separated weights >= 0, not all 0, got {args.depth_weights!r}")
+    if not math.isfinite(args.temp) or args.temp < 0:
+        p.error(f"--temp must be a finite number >= 0, got {args.temp}")
     if args.install_from:
         install(mx.load(args.install_from))
         args.eval_only = True
