@@ -72,23 +72,51 @@ def trunk(model, window: mx.array) -> tuple[mx.array, mx.array]:
     return mx.stop_gradient(logits), mx.stop_gradient(hidden)
 
 
+class DepthKeys:
+    """The head's attention keys as the draft loop's cache holds them at draft depth d (a KVCache stand-in for one
+    layer): depth 1's keys of every slot (the committed positions), then each deeper depth's. Keys of depth d sit
+    at RoPE positions j + d - 1 (`offset`); `mask(d)` lets slot j at depth d see depth 1's slots 0..j and its own
+    slot at depths 2..d, which is what the cache holds when the loop drafts its d-th token after position j."""
+
+    def __init__(self):
+        self.keys, self.values, self.offset = [], [], 0
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys.append(k)
+        self.values.append(v)
+        return mx.concatenate(self.keys, axis=2), mx.concatenate(self.values, axis=2)
+
+    def mask(self, d: int, n: int, n1: int) -> mx.array:
+        """[n, n1 + sum of the deeper depths' slot counts] for the n slots of depth d."""
+        j = mx.arange(n)[:, None]
+        parts = [mx.arange(n1)[None, :] <= j]
+        for k in range(2, d + 1):
+            parts.append(mx.arange(n1 - k + 1)[None, :] == j)
+        return mx.concatenate(parts, axis=1)
+
+
 def head_loss(model, window: mx.array, logits: mx.array, hidden: mx.array, target: str,
               weights: tuple[float, ...] = (1.0,)) -> mx.array:
     """window [B, T+1+D] for D = len(weights) draft depths, `logits`/`hidden` the trunk's over window[:, :-1].
     Depth d (1-based) runs the head as the draft loop does at its d-th step: slot j pairs embed(window[j+d]) with
     the hidden the step before produced (the trunk's hidden j at d = 1, else the head's own output of slot j at
-    depth d-1) and predicts window[j+d+1]. labels: cross-entropy to it; distill: KL from the trunk's own
-    distribution over that token (its logits at j+d). The depths' losses are summed with `weights`.
-
-    Depths > 1 are the unrolled recursion the draft loop runs for drafts 2..K, which one-step training never
-    shows the head. One approximation: the head's attention at depth d sees depth d's keys of earlier slots, where
-    the draft loop's cache holds depth 1's (the committed positions)."""
+    depth d-1), attends to what the loop's cache would hold then (`DepthKeys`), and predicts window[j+d+1].
+    labels: cross-entropy to it; distill: KL from the trunk's own distribution over that token (its logits at j+d).
+    The depths' losses are summed with `weights`. Depths > 1 are the recursion the draft loop runs for drafts 2..K,
+    which one-step training never shows the head."""
     head = model.mtp
     h = head.from_target(hidden)
+    n1 = hidden.shape[1] - 1
+    keys = [DepthKeys() for _ in head.layers]
     total = mx.array(0.0)
     for d, w in enumerate(weights, start=1):
         n = hidden.shape[1] - d
-        x = head(model.model.embed_tokens(window[:, d : d + n]), h[:, :n])
+        x = mx.concatenate([head.pre_fc_norm_embedding(model.model.embed_tokens(window[:, d : d + n])),
+                            head.pre_fc_norm_hidden(h[:, :n])], axis=-1)
+        x = head.fc(x)
+        for layer, c in zip(head.layers, keys):
+            c.offset = d - 1
+            x = layer(x, c, c.mask(d, n, n1))
         post = head.norm(x)
         out = model.lm_logits(head.to_target(post)).astype(mx.float32)  # [B, n, V]
         logp = out - mx.logsumexp(out, axis=-1, keepdims=True)

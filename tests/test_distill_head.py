@@ -28,30 +28,35 @@ def _log_softmax(x):
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("target", ["labels", "distill"])
-def test_depth_one_loss_is_the_draft_loops_first_step(demo, target):
-    model, window = demo  # [1, T + 2]
-    logits, hidden = dh.trunk(model, window)
-    T = window.shape[1] - 2
-    got = dh.head_loss(model, window, logits, hidden, target, (1.0,)).item()
+def _draft_loop_loss(model, window, logits, hidden, depth: int, target: str) -> float:
+    """The mean over slots of depth `depth`'s loss as the draft loop computes it: for each committed position j,
+    the head over slots 0..j (its cache), then steps 2..depth on the head's own hidden with the true tokens as the
+    accepted drafts (drafters.mtp_step, what MTPDrafter.propose runs)."""
+    T = hidden.shape[1] - depth  # slots at this depth
     h = model.mtp.from_target(hidden[0])
     per_slot = []
-    for j in range(T):  # slot j as the draft loop computes it: the head over slots 0..j, the last slot's logits
-        out, _ = mtp_step(model, window[0, 1 : j + 2], h[: j + 1], model.mtp.make_cache())
+    for j in range(T):
+        cache = model.mtp.make_cache()
+        out, hd = mtp_step(model, window[0, 1 : j + 2], h[: j + 1], cache)
+        for d in range(2, depth + 1):
+            out, hd = mtp_step(model, window[0, j + d : j + d + 1], hd, cache)
         logp = _log_softmax(out)
         if target == "labels":
-            per_slot.append(-logp[window[0, j + 2]].item())
+            per_slot.append(-logp[window[0, j + depth + 1]].item())
         else:
-            teacher = _log_softmax(logits[0, j + 1])
+            teacher = _log_softmax(logits[0, j + depth])
             per_slot.append((mx.exp(teacher) * (teacher - logp)).sum().item())
-    want = sum(per_slot) / T
-    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    return sum(per_slot) / T
 
 
-def test_deeper_depths_add_their_own_terms(demo):
-    """Depth 2 reads the head's own output: its term is finite, positive, and changes the loss."""
-    model, window = demo
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("target", ["labels", "distill"])
+def test_each_depths_loss_is_the_draft_loops_step(demo, target, depth):
+    """Depth d's term (weights one-hot at d) equals the loss of the draft loop's d-th step at every position: the
+    pairing of tokens and hiddens, the targets, the RoPE positions and the keys the head's cache holds then."""
+    model, window = demo  # [1, 11]: 10 - d slots at depth d
     logits, hidden = dh.trunk(model, window)
-    one = dh.head_loss(model, window, logits, hidden, "distill", (1.0, 0.0)).item()
-    both = dh.head_loss(model, window, logits, hidden, "distill", (1.0, 1.0)).item()
-    assert 0 < one < both < float("inf")
+    weights = tuple(1.0 if d == depth else 0.0 for d in range(1, 4))
+    got = dh.head_loss(model, window, logits, hidden, target, weights).item()
+    want = _draft_loop_loss(model, window, logits, hidden, depth, target)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
