@@ -160,14 +160,14 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(res, indent=1, default=str))
     if args.profile:  # after the timings are safe on disk
         profiler = bench.load_profiler(args.profile) if rank == 0 else None
-        by_leg = {}
+        by_leg, greedy = {}, None
         for leg in legs:
             if leg.name == "plain-aa":
                 continue
-            ref = None
-            if leg.p is not None:
+            if leg.p is not None and greedy is None:  # the oracle legs' recorded continuation, once for all of them
                 stream = generate_step(model, mx.array(prompts[0]), sampler=Sampler())
-                ref = [t for t, _ in zip(stream, range(lengths[1] + 24))]
+                greedy = [t for t, _ in zip(stream, range(lengths[1] + 24))]
+            ref = greedy if leg.p is not None else None
             by_leg[leg.name] = lockstep_profile(profiler, target, leg, prompts[0], n=lengths[1], reference=ref,
                                                 seed=0, rank=rank)
         if rank == 0:

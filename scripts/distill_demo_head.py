@@ -86,7 +86,8 @@ class DepthKeys:
         self.values.append(v)
         return mx.concatenate(self.keys, axis=2), mx.concatenate(self.values, axis=2)
 
-    def mask(self, d: int, n: int, n1: int) -> mx.array:
+    @staticmethod
+    def mask(d: int, n: int, n1: int) -> mx.array:
         """[n, n1 + sum of the deeper depths' slot counts] for the n slots of depth d."""
         j = mx.arange(n)[:, None]
         parts = [mx.arange(n1)[None, :] <= j]
@@ -111,12 +112,9 @@ def head_loss(model, window: mx.array, logits: mx.array, hidden: mx.array, targe
     total = mx.array(0.0)
     for d, w in enumerate(weights, start=1):
         n = hidden.shape[1] - d
-        x = mx.concatenate([head.pre_fc_norm_embedding(model.model.embed_tokens(window[:, d : d + n])),
-                            head.pre_fc_norm_hidden(h[:, :n])], axis=-1)
-        x = head.fc(x)
-        for layer, c in zip(head.layers, keys):
+        for c in keys:
             c.offset = d - 1
-            x = layer(x, c, c.mask(d, n, n1))
+        x = head(model.model.embed_tokens(window[:, d : d + n]), h[:, :n], keys, DepthKeys.mask(d, n, n1))
         post = head.norm(x)
         out = model.lm_logits(head.to_target(post)).astype(mx.float32)  # [B, n, V]
         logp = out - mx.logsumexp(out, axis=-1, keepdims=True)

@@ -95,10 +95,12 @@ class MTPHead(nn.Module):
             return u
         return (u / self.target_norm) @ self.rotation.T
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
-        """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]."""
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None,
+                 mask: mx.array | None = None) -> mx.array:
+        """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]. `mask`: an explicit
+        attention mask over the cache's keys and these slots (training the draft recursion: distill_demo_head.py)."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        return run_layers(self, self.layers, self.fc(x), cache)
+        return run_layers(self, self.layers, self.fc(x), cache, mask)
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
