@@ -8,7 +8,10 @@ set of held-out prompts of ordinary code (a function's first lines, not boilerpl
 Writes OUT/train.txt and OUT/heldout.txt (documents separated by <|endoftext|>), OUT/manifest.json (every file: its
 package, split, bytes and sha256) and OUT/summary.json (per package: split, files, bytes). A package is a
 top-level import name in site-packages, or `stdlib.<module>` for a top-level module of the standard library.
-Held out: packages whose sha256(name) % 100 < --heldout-percent, plus any named with --heldout.
+Held out: packages whose sha256(name) % 100 < --heldout-percent, plus any named with --heldout. The standard
+library files the first demo model held out (scripts/train_demo.py's path rule, `sha256(relative path) % 100 < 3`)
+are kept out of training whatever their package: OUT/legacy_heldout.txt holds them, so the new model's held-out
+loss can be compared with the first one's on the same files.
 """
 
 import argparse
@@ -47,6 +50,11 @@ def is_heldout(package: str, percent: int, named: set[str]) -> bool:
     return package in named or int(hashlib.sha256(package.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
+def legacy_heldout(rel_path: str, percent: int = 3) -> bool:
+    """scripts/train_demo.py's path rule for the standard library (the first demo model's held-out files)."""
+    return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
 def read_source(path: Path) -> str | None:
     """The file's text when it is ordinary source: UTF-8, under MAX_FILE_BYTES, not generated tables."""
     try:
@@ -83,10 +91,11 @@ def build(stdlib: Path, purelib: Path, out: Path, *, percent: int, named: set[st
           n_prompts: int, seed: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seen, manifest, summary = set(), [], {}
-    docs = {"train": [], "heldout": []}
+    docs = {"train": [], "heldout": [], "legacy_heldout": []}
     for package, files in sorted(package_files(stdlib, purelib).items()):
         split = "heldout" if is_heldout(package, percent, named) else "train"
-        row = summary.setdefault(package, {"split": split, "files": 0, "bytes": 0, "duplicates": 0})
+        row = summary.setdefault(package, {"split": split, "files": 0, "bytes": 0, "duplicates": 0,
+                                           "legacy_heldout": 0})
         for path in files:
             text = read_source(path)
             if text is None:
@@ -96,9 +105,15 @@ def build(stdlib: Path, purelib: Path, out: Path, *, percent: int, named: set[st
                 row["duplicates"] += 1
                 continue
             seen.add(digest)
-            docs[split].append((package, path, text))
-            manifest.append({"package": package, "split": split, "path": str(path), "bytes": len(text.encode()),
+            file_split = split
+            if split == "train" and package.startswith("stdlib.") and legacy_heldout(path.relative_to(stdlib).as_posix()):
+                file_split = "legacy_heldout"  # never trained on: the first demo's held-out files
+                row["legacy_heldout"] += 1
+            docs[file_split].append((package, path, text))
+            manifest.append({"package": package, "split": file_split, "path": str(path), "bytes": len(text.encode()),
                              "sha256": digest})
+            if file_split != split:
+                continue
             row["files"] += 1
             row["bytes"] += len(text.encode())
     for split, items in docs.items():
@@ -108,7 +123,9 @@ def build(stdlib: Path, purelib: Path, out: Path, *, percent: int, named: set[st
     (out / "manifest.json").write_text(json.dumps(manifest))
     totals = {s: {"packages": sum(1 for r in summary.values() if r["split"] == s and r["files"]),
                   "files": sum(r["files"] for r in summary.values() if r["split"] == s),
-                  "bytes": sum(r["bytes"] for r in summary.values() if r["split"] == s)} for s in docs}
+                  "bytes": sum(r["bytes"] for r in summary.values() if r["split"] == s)} for s in ("train", "heldout")}
+    totals["legacy_heldout"] = {"files": len(docs["legacy_heldout"]),
+                                "bytes": sum(len(t.encode()) for _, _, t in docs["legacy_heldout"])}
     (out / "summary.json").write_text(json.dumps({"totals": totals, "packages": summary}, indent=1))
     if prompts_path is not None:
         rng = random.Random(seed)

@@ -6,9 +6,12 @@ acceptance per position through the real decode loop on held-out prompts.
     python scripts/distill_demo_head.py --eval-only --out .demo-build/head_shipped
     python scripts/distill_demo_head.py --install-from RUN/head.safetensors --out .demo-build/head_installed
     python scripts/distill_demo_head.py --eval-only --head-q4 --out .demo-build/head_q4   # bf16 head vs its 4-bit twin
+    python scripts/distill_demo_head.py --eval-only --loss --heldout-text CORPUS/heldout.txt --out DIR  # + held-out loss
+    python scripts/distill_demo_head.py --model RUN/mlx --corpus CORPUS --target distill --out DIR  # another trunk
 
-The trunk is the shipped 4-bit one, so the head learns the distribution it drafts against at run time. Training
-text: the CPython standard library's training split (the demo's own held-out rule, scripts/train_demo.py); held-out
+The trunk is the shipped 4-bit one (or --model's), so the head learns the distribution it drafts against at run time.
+Training text: the CPython standard library's training split (the demo's own held-out rule, scripts/train_demo.py),
+or with --corpus the training split of scripts/build_corpus.py's package-split corpus; held-out
 evaluation: the demo's stdlib prompts (assets/prompts/demo_heldout.json) and the held-out-package prompts
 (assets/prompts/demo_heldout_packages.json). Writes head.safetensors (the head's tensors under the checkpoint's
 names, bf16) and result.json. `--install` writes the head into the embedded demo checkpoint.
@@ -46,8 +49,39 @@ def is_heldout(rel_path: str) -> bool:
     return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
 
 
-def training_tokens(tok, limit: int) -> list[int]:
-    """The standard library's training split, tokenized file by file (EOS between files), up to `limit` tokens."""
+# The first demo model's 14 held-out files on the H200 (train_demo.py's path rule over Ubuntu's Python 3.12 Lib/,
+# which ships no test/ package); scripts/build_corpus.py keeps them out of the next corpus's training split.
+LEGACY_HELDOUT = ("ast.py", "encodings/cp1254.py", "encodings/cp437.py", "encodings/cp932.py", "encodings/cp949.py",
+                  "encodings/iso8859_16.py", "encodings/mac_cyrillic.py", "encodings/mac_roman.py", "importlib/abc.py",
+                  "locale.py", "unittest/__init__.py", "unittest/loader.py", "venv/__init__.py", "xml/sax/__init__.py")
+SEPARATOR = "<|endoftext|>"
+
+
+def corpus_documents(path: Path, seed: int, max_bytes: int = 0) -> list[str]:
+    """scripts/build_corpus.py's documents in a split file, seeded order, up to about `max_bytes` (0: all)."""
+    docs = [d for d in path.read_text(encoding="utf-8").split(SEPARATOR) if d.strip()]
+    random.Random(seed).shuffle(docs)
+    if max_bytes:
+        total, keep = 0, []
+        for d in docs:
+            if total >= max_bytes:
+                break
+            keep.append(d)
+            total += len(d.encode())
+        docs = keep
+    return docs
+
+
+def training_tokens(tok, limit: int, corpus: Path | None = None) -> list[int]:
+    """The training split, tokenized file by file (EOS between files), up to `limit` tokens: the standard library's
+    (train_demo.py's path rule), or the package-split corpus's train.txt."""
+    if corpus is not None:
+        out: list[int] = []
+        for text in corpus_documents(corpus / "train.txt", seed=0):
+            out += tok.encode(text) + [tok.eos_token_id]
+            if len(out) >= limit:
+                break
+        return out
     root = Path(sysconfig.get_paths()["stdlib"])
     rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
                   if "site-packages" not in p.parts and "__pycache__" not in p.parts and p.stat().st_size <= MAX_FILE_BYTES)
@@ -161,6 +195,42 @@ def acceptance(model, tok, prompts: list[str], k: int, tokens: int, temp: float 
     return {"rounds": total.rounds, "per_position": [round(a, 4) for a in total.accepted_per_position()]}
 
 
+def heldout_loss(model, tok, texts: list[str], window: int = 512) -> dict:
+    """The trunk's teacher-forced loss over `texts` (each followed by EOS, concatenated, non-overlapping windows of
+    `window` + 1 tokens, as train_demo.py evaluates): nats per token and per byte of text. Per byte compares models
+    with different tokenizers."""
+    ids = []
+    for t in texts:
+        ids += tok.encode(t) + [tok.eos_token_id]
+    n_bytes = sum(len(t.encode()) for t in texts)
+    span = window + 1
+    nll, n = 0.0, 0
+    for s in range(0, len(ids) - span + 1, span):
+        w = mx.array(ids[s : s + span])[None]
+        logits = model(w[:, :-1]).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nll += -mx.take_along_axis(logp, w[:, 1:, None], axis=-1).sum().item()
+        n += window
+    per_token = nll / n
+    return {"tokens": n, "bytes_per_token": n_bytes / len(ids), "loss": round(per_token, 4),
+            "ppl": round(math.exp(per_token), 2), "nats_per_byte": round(per_token * len(ids) / n_bytes, 4)}
+
+
+def evaluate_loss(model, tok, args) -> dict:
+    """Held-out loss on the first demo's 14 held-out standard-library files (this interpreter's text) and on a
+    seeded sample of held-out packages' documents (--heldout-text)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sets = {"legacy_heldout_stdlib": [(root / r).read_text(encoding="utf-8") for r in LEGACY_HELDOUT
+                                      if (root / r).is_file()]}
+    if args.heldout_text:
+        sets["heldout_packages_sample"] = corpus_documents(Path(args.heldout_text), seed=1, max_bytes=400_000)
+    out = {}
+    for name, texts in sets.items():
+        out[name] = {"files": len(texts), **heldout_loss(model, tok, texts)}
+        print(name, out[name], flush=True)
+    return out
+
+
 def evaluate(model, tok, args) -> dict:
     sets = {"stdlib_heldout": "demo_heldout.json", "heldout_packages": "demo_heldout_packages.json"}
     out = {}
@@ -174,7 +244,7 @@ def evaluate(model, tok, args) -> dict:
 
 
 def train(model, tok, args) -> dict:
-    data = mx.array(training_tokens(tok, args.max_tokens))
+    data = mx.array(training_tokens(tok, args.max_tokens, Path(args.corpus) if args.corpus else None))
     model.freeze()
     model.mtp.unfreeze()
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
@@ -215,6 +285,11 @@ def main() -> None:
     p.add_argument("--target", choices=["labels", "distill"], default="distill")
     p.add_argument("--out", required=True)
     p.add_argument("--eval-only", action="store_true", help="measure the shipped head")
+    p.add_argument("--model", default=None, help="the trunk and head to start from (default: the embedded demo)")
+    p.add_argument("--corpus", default=None,
+                   help="scripts/build_corpus.py's output folder: train on its train.txt (default: the standard library)")
+    p.add_argument("--loss", action="store_true", help="also measure the trunk's held-out loss (nats per token and byte)")
+    p.add_argument("--heldout-text", default=None, help="with --loss: a held-out split file of build_corpus.py")
     p.add_argument("--install", action="store_true", help="write the trained head into the embedded demo checkpoint")
     p.add_argument("--seconds", type=float, default=600)
     p.add_argument("--seq-len", type=int, default=256)
@@ -226,7 +301,7 @@ def main() -> None:
                    help="loss weight per draft depth, e.g. 1,0.7,0.5: train drafts 2..K through the head's own "
                    "recursion too (default 1: the first draft only)")
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--eval-prompts", type=int, default=32, help="prompts per held-out set (0: no acceptance)")
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--temp", type=float, default=0.0, help="measure acceptance sampling at this temperature")
     p.add_argument("--install-from", default=None, metavar="HEAD",
@@ -243,12 +318,14 @@ def main() -> None:
     if not math.isfinite(args.temp) or args.temp < 0:
         p.error(f"--temp must be a finite number >= 0, got {args.temp}")
     if args.install_from:
-        install(mx.load(args.install_from))
+        install(mx.load(args.install_from), args.model)
         args.eval_only = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = load(dtype="float32")
+    model, tok = load(args.model, dtype="float32")
     result = {"args": vars(args)}
+    if args.loss:
+        result["heldout_loss"] = evaluate_loss(model, tok, args)
     if not args.eval_only:
         result["train"] = train(model, tok, args)
         model.eval()
@@ -256,20 +333,22 @@ def main() -> None:
         mx.save_safetensors(str(out / "head.safetensors"), head)
     # the embedded checkpoint holds the head in bf16: every head is measured rounded to it, as it ships
     model.mtp.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.mtp.parameters()))
-    result["acceptance"] = evaluate(model, tok, args)
-    if args.head_q4:  # the 4-bit twin: fewer launches and bytes per draft step (run 8: 1.27x vs 1.17x on the H200)
+    if args.eval_prompts:
+        result["acceptance"] = evaluate(model, tok, args)
+    if args.head_q4 and args.eval_prompts:  # the 4-bit twin: fewer launches and bytes per draft step (run 8: 1.27x vs 1.17x on the H200)
         bf16_head = model.mtp
         model.mtp = quantized_head(model, group_size=64)
         result["acceptance_head_q4_g64"] = evaluate(model, tok, args)
         model.mtp = bf16_head
     (out / "result.json").write_text(json.dumps(result, indent=1))
     if args.install and not args.eval_only:
-        install(head)
+        install(head, args.model)
 
 
-def install(head: dict[str, mx.array]) -> None:
-    """Writes the head's tensors into the embedded demo checkpoint (the rest of it unchanged), atomically."""
-    path = resolve_path(DEMO_MODEL) / "model.safetensors"
+def install(head: dict[str, mx.array], model: str | None = None) -> None:
+    """Writes the head's tensors into the embedded demo checkpoint, or `model`'s (the rest of it unchanged),
+    atomically."""
+    path = resolve_path(model or DEMO_MODEL) / "model.safetensors"
     weights, metadata = mx.load(str(path), return_metadata=True)
     own = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     wrong = sorted(set(head) ^ set(own)) + [k for k in head if k in own and

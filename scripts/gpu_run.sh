@@ -102,16 +102,34 @@ for mode in "$@"; do
     step mlxlm_demo 120 "${B[@]}" decode --model demo --reps 10 --lengths 16,64 --workloads code --temps 0 \
       --legs plain,plain-aa,batched,mlx-lm --k 2 --no-stock --out "$RES/mlxlm_demo" ;;
   demo-train)  # [demo-head]: the package-split corpus built on the device, the demo retrained with MTP_TARGET
-    # (labels, distill or both) for TRAIN_SECONDS; needs torch, transformers, tokenizers, safetensors there
-    step corpus 60 python3 scripts/build_corpus.py --out /tmp/corpus
-    step demo_train_"${MTP_TARGET:-distill}" 560 python3 scripts/train_demo.py --corpus-out /tmp/corpus \
-      --out-dir "$RES/demo_${MTP_TARGET:-distill}" --mtp-target "${MTP_TARGET:-distill}" \
-      --train-seconds "${TRAIN_SECONDS:-300}" --deadline-seconds "$((DEADLINE - SECONDS - 10))" ;;
-  demo-head)  # [demo-head]: the MTP head retrained alone on the shipped 4-bit trunk (starting from the installed head),
-    # labels vs self-distillation (MLX, no torch), each measured through the real greedy loop on both held-out prompt
-    # sets; HEAD_TARGETS picks targets, DEPTH_WEIGHTS trains drafts 2..K through the head's recursion too
+    # (labels, distill or both) for TRAIN_SECONDS on TRAIN_BYTES of text, converted to the shipped form (4-bit trunk,
+    # bf16 head) and measured (held-out loss, MTP acceptance); needs torch, transformers, tokenizers, safetensors
+    # there. The bf16 checkpoint stays on the device (the results carry the 4-bit one and the training log).
+    t=${MTP_TARGET:-distill} w=/tmp/demo_${MTP_TARGET:-distill}
+    [[ -f /tmp/corpus/train.txt ]] || step corpus 90 python3 scripts/build_corpus.py --out /tmp/corpus
+    [[ ${SHIPPED_LOSS:-0} == 1 ]] && step demo_eval_shipped 90 python3 scripts/distill_demo_head.py --eval-only --loss \
+      --heldout-text /tmp/corpus/heldout.txt --eval-prompts 0 --out "$RES/eval_shipped"
+    cp /tmp/corpus/summary.json "$RES/corpus_summary.json" 2>/dev/null
+    step demo_train_"$t" 560 python3 scripts/train_demo.py --corpus-out /tmp/corpus --out-dir "$w" --mtp-target "$t" \
+      --train-seconds "${TRAIN_SECONDS:-300}" --max-train-bytes "${TRAIN_BYTES:-200000000}" \
+      --tokenizer-bytes "${TOKENIZER_BYTES:-40000000}" --deadline-seconds "$((DEADLINE - SECONDS - 70))"
+    cp "$w"/train_log.json "$w"/loss_curve.png "$RES/" 2>/dev/null
+    step demo_convert_"$t" 40 python3 -m lattice_mlx.convert --hf-path "$w/hf" --mlx-path "$RES/mlx_$t" -q \
+      --q-group-size 64 --dtype float32
+    step demo_eval_"$t" 120 python3 scripts/distill_demo_head.py --model "$RES/mlx_$t" --eval-only --loss \
+      --heldout-text /tmp/corpus/heldout.txt --eval-prompts 16 --out "$RES/eval_$t" ;;
+  demo-head)  # [demo-head]: the MTP head retrained alone on the shipped 4-bit trunk or HEAD_MODEL's (starting from its
+    # head), labels vs self-distillation (MLX, no torch), each measured through the real greedy loop on both held-out
+    # prompt sets; HEAD_TARGETS picks targets, DEPTH_WEIGHTS trains drafts 2..K through the head's recursion too,
+    # HEAD_CORPUS trains on a build_corpus.py folder's train.txt (built here when it is /tmp/corpus and missing)
+    hm=() hc=()
+    [[ -n ${HEAD_MODEL:-} ]] && hm=(--model "$HEAD_MODEL")
+    if [[ -n ${HEAD_CORPUS:-} ]]; then
+      [[ -f $HEAD_CORPUS/train.txt ]] || step corpus 90 python3 scripts/build_corpus.py --out "$HEAD_CORPUS"
+      hc=(--corpus "$HEAD_CORPUS")
+    fi
     for t in ${HEAD_TARGETS:-labels distill}; do
-      step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/distill_demo_head.py --target "$t" \
+      step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/distill_demo_head.py --target "$t" "${hm[@]}" "${hc[@]}" \
         --seconds "${HEAD_SECONDS:-150}" --batch 32 --depth-weights "${DEPTH_WEIGHTS:-1}" --out "$RES/head_$t"
     done ;;
   oracle)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import platform
+import random
 import sys
 import sysconfig
 import time
@@ -140,6 +141,21 @@ def load_built_corpus(root: Path, *, max_files: int) -> Corpus:
     if not corpus.train or not corpus.heldout:
         sys.exit(f"error: {root} holds no train or no held-out documents")
     return corpus
+
+
+def subsample(docs: list[tuple[str, str]], max_bytes: int, seed: int) -> list[tuple[str, str]]:
+    """A seeded random subset of the documents, up to `max_bytes` of text (0: all of them, in their order)."""
+    if not max_bytes or sum(len(t) for _, t in docs) <= max_bytes:
+        return docs
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    out, total = [], 0
+    for i in order:
+        if total >= max_bytes:
+            break
+        out.append(docs[i])
+        total += len(docs[i][1])
+    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
@@ -557,7 +573,9 @@ def run(args: argparse.Namespace) -> None:
         root = Path(args.corpus_dir or sysconfig.get_paths()["stdlib"])
         corpus = load_corpus(root, percent=args.heldout_percent, max_bytes=args.max_file_bytes,
                              max_files=args.max_files)
-    tok = train_tokenizer([t for _, t in corpus.train], args.vocab_size)
+    corpus.train = subsample(corpus.train, args.max_train_bytes, args.seed)
+    tok = train_tokenizer([t for _, t in subsample(corpus.train, args.tokenizer_bytes, args.seed + 1)],
+                          args.vocab_size)
     train_ids = encode_stream(tok, [t for _, t in corpus.train]).to(device)
     heldout_ids = encode_stream(tok, [t for _, t in corpus.heldout]).to(device)
     t_data = time.time() - t_start
@@ -608,6 +626,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(self-distillation), or their mean")
     p.add_argument("--corpus-out", help="train on scripts/build_corpus.py's output folder (split by package) "
                    "instead of the standard library alone")
+    p.add_argument("--max-train-bytes", type=int, default=0,
+                   help="train on a seeded random subset of the training documents of about this much text (0: all)")
+    p.add_argument("--tokenizer-bytes", type=int, default=0,
+                   help="train the tokenizer on a seeded random subset of about this much text (0: all training text)")
     p.add_argument("--train-seconds", type=float, default=DEFAULT_TRAIN_SECONDS)
     p.add_argument(
         "--deadline-seconds",

@@ -25,6 +25,7 @@ def test_split_is_by_package_files_are_kept_once_and_prompts_come_from_heldout_c
     (stdlib / "json").mkdir(parents=True)
     (stdlib / "json" / "__init__.py").write_text(CODE.replace("area", "json_area"))
     (stdlib / "heapq.py").write_text(CODE.replace("area", "heap_area"))
+    (stdlib / "ast.py").write_text(CODE.replace("area", "ast_area"))  # held out by the first demo's path rule
     for pkg in ("alpha", "beta"):
         (site / pkg / "tests").mkdir(parents=True)
         (site / pkg / "core.py").write_text(CODE.replace("area", f"{pkg}_area"))
@@ -37,10 +38,13 @@ def test_split_is_by_package_files_are_kept_once_and_prompts_come_from_heldout_c
                       n_prompts=10, seed=0)
     summary = json.loads((out / "summary.json").read_text())["packages"]
     assert {k: v["split"] for k, v in summary.items()} == {
-        "alpha": "train", "beta": "heldout", "stdlib.heapq": "heldout", "stdlib.json": "train"}
+        "alpha": "train", "beta": "heldout", "stdlib.ast": "train", "stdlib.heapq": "heldout", "stdlib.json": "train"}
+    assert bc.legacy_heldout("ast.py") and not bc.legacy_heldout("heapq.py") and summary["stdlib.ast"]["files"] == 0
     assert summary["beta"]["duplicates"] == 1 and totals["train"]["files"] == 4 and totals["heldout"]["files"] == 3
     train, heldout = (out / "train.txt").read_text(), (out / "heldout.txt").read_text()
-    assert "beta_area" not in train and "heap_area" not in train and "alpha_area" in train
+    assert "beta_area" not in train and "heap_area" not in train and "ast_area" not in train + heldout
+    assert "alpha_area" in train and "ast_area" in (out / "legacy_heldout.txt").read_text()
+    assert totals["legacy_heldout"]["files"] == 1
     assert train.count(bc.SEPARATOR) == 4 and "ignored" not in train + heldout
     got = json.loads(prompts.read_text())["prompts"]
     assert sorted(p["package"] for p in got) == ["beta", "stdlib.heapq"]  # tests/ files give no prompts
