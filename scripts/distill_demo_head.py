@@ -178,21 +178,39 @@ def reference_ops():
             os.environ["LATTICE_KERNELS"] = before
 
 
+def repeated_ngrams(ids: list[int], n: int = 4) -> float:
+    """Share of the n-grams of `ids` seen before in it: ~0 for ordinary code, near 1 for a greedy loop."""
+    seen, repeated = set(), 0
+    for i in range(n, len(ids) + 1):
+        gram = tuple(ids[i - n : i])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / max(1, len(ids) - n + 1)
+
+
 def acceptance(model, tok, prompts: list[str], k: int, tokens: int, temp: float = 0.0) -> dict:
     """MTP through the real loop (fixed K), greedy or sampled at `temp` (seeded): per-position acceptance pooled
-    over the prompts."""
-    total = None
+    over the prompts; and, since a draft head predicts a loop perfectly, how much of each continuation repeats itself
+    (share of repeated 4-grams) and the acceptance pooled over the prompts whose continuation does not loop (at most
+    half of its 4-grams repeated)."""
+    total = ordinary = None
+    repeats = []
     mx.random.seed(0)
     for text in prompts:
         options = SpecOptions(draft_tokens=k, adaptive=False)
         stats = SpecStats.of(options)
         gen = speculative_step(model, mx.array(tok.encode(text)), sampler=Sampler(temp=temp), options=options,
                                stats=stats)
-        for _, _ in zip(range(tokens), gen):
-            pass
+        ids = [int(t) for _, t in zip(range(tokens), gen)]
         gen.close()
+        repeats.append(repeated_ngrams(ids))
         total = stats if total is None else total + stats
-    return {"rounds": total.rounds, "per_position": [round(a, 4) for a in total.accepted_per_position()]}
+        if repeats[-1] <= 0.5:
+            ordinary = stats if ordinary is None else ordinary + stats
+    return {"rounds": total.rounds, "per_position": [round(a, 4) for a in total.accepted_per_position()],
+            "repeated_4grams_mean": round(sum(repeats) / len(repeats), 4),
+            "looping_prompts": sum(r > 0.5 for r in repeats), "prompts": len(prompts),
+            "per_position_not_looping": [round(a, 4) for a in ordinary.accepted_per_position()] if ordinary else None}
 
 
 def heldout_loss(model, tok, texts: list[str], window: int = 512) -> dict:

@@ -553,7 +553,8 @@ def run_log(
             "heldout_files": len(corpus.heldout),
             "train_tokens": len(train_ids),
             "heldout_tokens": len(heldout_ids),
-            "heldout_paths": [r for r, _ in corpus.heldout],
+            # the standard library's held-out files by path; a built corpus's split is in its manifest.json
+            **({} if args.corpus_out else {"heldout_paths": [r for r, _ in corpus.heldout]}),
         },
         "params": count_params(model),
     }

@@ -262,3 +262,31 @@ def test_max_kv_size_bounds_the_attention_caches(checkpoints, monkeypatch):
         generate(model, tok, prompt, max_tokens=4, max_kv_size=48, speculation=SpecOptions())
     with pytest.raises(ValueError, match="must be an integer > 4"):
         generate(model, tok, prompt, max_tokens=4, max_kv_size=3)
+
+
+def test_cli_takes_sampling_defaults_from_the_checkpoint_generation_config(checkpoints, tmp_path):
+    """As vLLM's --generation-config auto: flags left out take generation_config.json's values when it sets
+    do_sample (Hugging Face's meaning; without it the file means greedy); given flags win; `none` is mlx-lm's
+    greedy default; a corrupt file ends in one line."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["tied"], path)
+    base = ["--model", str(path), "--prompt", "hello", "--max-tokens", "12", "--json"]
+
+    def tokens(*flags):
+        out = run_cli(*base, *flags)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])["tokens"], out.stderr
+
+    greedy, _ = tokens()
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 1.5, "top_k": 20}))
+    assert tokens()[0] == greedy  # no do_sample: greedy
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.5, "top_k": 20,
+                                                              "top_p": 0.9, "eos_token_id": 0}))
+    sampled, err = tokens()
+    assert "generation_config.json: temp 1.5, top_p 0.9, top_k 20" in err
+    assert sampled == tokens("--temp", "1.5", "--top-k", "20", "--top-p", "0.9", "--generation-config", "none")[0]
+    assert sampled != greedy
+    assert tokens("--generation-config", "none")[0] == greedy == tokens("--temp", "0")[0]
+    (path / "generation_config.json").write_text("{not json")
+    out = run_cli(*base)
+    assert out.returncode == 1 and out.stderr.strip().count("\n") == 0 and "generation_config.json" in out.stderr

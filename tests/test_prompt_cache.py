@@ -119,7 +119,7 @@ def test_cli_cache_prompt_then_generate_continues_it(tmp_path):
                         "--prompt-cache-file", str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--prompt-cache-file", str(path), "--prompt",
-                        "    if n < 2:\n", "--max-tokens", "16", "--mtp", "--json"],
+                        "    if n < 2:\n", "--max-tokens", "16", "--mtp", "--json", "--temp", "0"],  # the demo samples
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])

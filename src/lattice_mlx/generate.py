@@ -12,18 +12,21 @@ import mlx.core as mx
 
 from .cli import ArgumentParser, add_speculation_args, speculation_from_args
 from .decode import generate_step
-from .load import LoadError, load
+from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats, parse_tree
 from .speculative import check_split_model, speculative_step
 from .tree import tree_step
 
-DEFAULT_PROMPT = "def fibonacci(n):"
+DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_TEMP = 0.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
 DEFAULT_SEED = 0
+# CLI sampling flag -> (generation_config.json key, the default when neither the flag nor the checkpoint sets it)
+SAMPLING_FLAGS = {"temp": ("temperature", DEFAULT_TEMP), "top_p": ("top_p", DEFAULT_TOP_P),
+                  "top_k": ("top_k", DEFAULT_TOP_K), "min_p": ("min_p", 0.0)}
 
 
 @dataclass
@@ -177,6 +180,39 @@ def generate(model, tokenizer, prompt: str | list[int], *, on_text=None, **kwarg
     )
 
 
+def sampling_defaults(path) -> dict:
+    """The checkpoint's recommended sampling, from its generation_config.json (what vLLM's `--generation-config
+    auto` reads), as CLI flag names: {} without the file or with `do_sample` unset or false (Hugging Face's meaning:
+    greedy), else its temperature / top_p / top_k / min_p where it sets them."""
+    from pathlib import Path
+
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LoadError(f"cannot read {f} ({e}); fix it, or pass --generation-config none") from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"{f} is not a JSON object; fix it, or pass --generation-config none")
+    if cfg.get("do_sample") is not True:
+        return {}
+    return {arg: cfg[key] for arg, (key, _) in SAMPLING_FLAGS.items()
+            if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
+
+
+def fill_sampling(args: argparse.Namespace, checkpoint: dict) -> dict:
+    """Sets each sampling flag the user left out: the checkpoint's value, else the built-in default. Returns the
+    checkpoint's values that were used."""
+    used = {}
+    for arg, (_, default) in SAMPLING_FLAGS.items():
+        if getattr(args, arg) is None:
+            if arg in checkpoint:
+                used[arg] = checkpoint[arg]
+            setattr(args, arg, checkpoint.get(arg, default))
+    return used
+
+
 def _bool(v: str) -> bool:
     if v.lower() in ("true", "t", "1", "yes"):
         return True
@@ -193,10 +229,15 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--system-prompt", help="a system message before the prompt (with the chat template)")
     # ranges are checked once, by the API (check_max_tokens, Sampler, SpecOptions), for both
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=float, default=DEFAULT_TEMP)
-    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p x the top token's (0: off)")
+    p.add_argument("--temp", type=float, help=f"sampling temperature (default: the checkpoint's, else {DEFAULT_TEMP}: "
+                   "greedy)")
+    p.add_argument("--top-p", type=float, help=f"default: the checkpoint's, else {DEFAULT_TOP_P}")
+    p.add_argument("--top-k", type=int, help=f"default: the checkpoint's, else {DEFAULT_TOP_K} (off)")
+    p.add_argument("--min-p", type=float, help="keep tokens with p >= min_p x the top token's (default: the "
+                   "checkpoint's, else 0: off)")
+    p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto: sampling flags left out take the checkpoint's generation_config.json (when it sets "
+                   "do_sample, as vLLM does); none: mlx-lm's defaults (greedy)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's own dtype")
     p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
@@ -228,7 +269,8 @@ def speculation_line(s: dict) -> str:
 def run(args: argparse.Namespace) -> GenerationResult:
     speculation = speculation_from_args(args)
     check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
-    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    Sampler(**{arg: default if getattr(args, arg) is None else getattr(args, arg)
+               for arg, (_, default) in SAMPLING_FLAGS.items()})
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     group = distributed_group()
@@ -240,6 +282,9 @@ def run(args: argparse.Namespace) -> GenerationResult:
         if tid is None or tokenizer.convert_ids_to_tokens(tid) != token:  # (an unknown token maps to <unk>)
             raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
         tokenizer.add_eos_token(token)
+    checkpoint = sampling_defaults(resolve_path(args.model or DEMO_MODEL)) if args.generation_config == "auto" else {}
+    from_checkpoint = fill_sampling(args, checkpoint)
+    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)  # the checkpoint's values too
     prompt_cache, chat_template = None, not args.no_chat_template
     if args.prompt_cache_file:  # the prompt continues the cached one (raw text, no chat template)
         from .prompt_cache import PromptCache
@@ -264,6 +309,10 @@ def run(args: argparse.Namespace) -> GenerationResult:
     )
     if result.speculation:
         print(speculation_line(result.speculation), file=sys.stderr)
+    if from_checkpoint:
+        print("sampling from the checkpoint's generation_config.json: "
+              + ", ".join(f"{k} {v}" for k, v in from_checkpoint.items()) + " (--generation-config none: greedy)",
+              file=sys.stderr)
     return result
 
 
