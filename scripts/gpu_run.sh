@@ -23,6 +23,7 @@
 #   demo-head      [demo-head]: the MTP head retrained alone (trunk frozen), labels vs distill, MLX (HEAD_SECONDS,
 #                  HEAD_TARGETS, DEPTH_WEIGHTS=1,0.7,0.5 to train drafts 2..3 through the head's own recursion)
 #   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
+#   demo-speed     [demo-head]: the embedded demo's MTP (real head) against its plain decoding, greedy and at 0.7
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -132,6 +133,14 @@ for mode in "$@"; do
       step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/distill_demo_head.py --target "$t" "${hm[@]}" "${hc[@]}" \
         --seconds "${HEAD_SECONDS:-150}" --batch 32 --depth-weights "${DEPTH_WEIGHTS:-1}" --out "$RES/head_$t"
     done ;;
+  demo-speed)  # [demo-head]: the embedded demo (its real head, the checkpoint's dtype) with MTP against its own plain
+    # decoding, greedy and at temperature 0.7; fixed K on both verifiers, then adaptive (batched only)
+    step demo_speed "${DEMO_LIMIT:-200}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \
+      --workloads code --temps 0,0.7 --legs plain,plain-aa,batched,pipelined --k 2,3 --no-stock --profile .device-tools \
+      --out "$RES/demo_speed"
+    step demo_speed_adaptive "${DEMO_LIMIT:-120}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \
+      --workloads code --temps 0,0.7 --legs plain,plain-aa,batched --k adaptive --no-stock \
+      --out "$RES/demo_speed_adaptive" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
