@@ -4,6 +4,7 @@ import os
 # The equivalence tests compare fp32 paths and want fp32 arithmetic. No effect on the CPU backend.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import mlx.core as mx
 import pytest
 
 from lattice_mlx.synthetic import random_checkpoint
@@ -23,6 +24,16 @@ def compile_mode(request, monkeypatch):
     """Runs a test on both decode/verify paths: the compiled default and LATTICE_COMPILE=0 (layer by layer)."""
     monkeypatch.setenv("LATTICE_COMPILE", "1" if request.param == "compiled" else "0")
     return request.param
+
+
+@pytest.fixture
+def on_cpu():
+    """Runs a test on MLX's CPU device (float64, or behaviour specific to the CPU backend) wherever the suite runs;
+    on a GPU machine the default device is the GPU."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 @pytest.fixture(scope="session")

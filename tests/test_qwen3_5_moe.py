@@ -89,7 +89,7 @@ def test_moe_oracle_drafts_exercise_acceptance_and_rollback(moe_checkpoints):
         assert 0.3 < stats.to_dict()["acceptance_rate"] < 0.95
 
 
-def test_bf16_moe_runs_on_the_cpu(moe_checkpoints):
+def test_bf16_moe_runs_on_the_cpu(moe_checkpoints, on_cpu):
     """MLX's CPU gather_mm is fp32-only: unquantized experts are kept in fp32 there, the rest runs in bf16."""
     model, tok = load(moe_checkpoints["e6k2"], dtype="bfloat16")
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16

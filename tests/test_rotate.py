@@ -33,7 +33,7 @@ def test_rotation_is_orthogonal():
 
 
 @pytest.mark.parametrize("mode", ["post", "pre"])
-def test_rotated_model_and_mtp_head_compute_the_same_function(checkpoint, mode):
+def test_rotated_model_and_mtp_head_compute_the_same_function(checkpoint, mode, on_cpu):
     # float64 on the CPU (the GDN recurrence still runs in fp32): in fp32 these random models amplify the rounding
     # of the reordered sums to ~1e-4, which would hide a real error of that size.
     ref, _ = load(checkpoint)
