@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -184,8 +185,6 @@ def sampling_defaults(path) -> dict:
     """The checkpoint's recommended sampling, from its generation_config.json (what vLLM's `--generation-config
     auto` reads), as CLI flag names: {} without the file or with `do_sample` unset or false (Hugging Face's meaning:
     greedy), else its temperature / top_p / top_k / min_p where it sets them."""
-    from pathlib import Path
-
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return {}
