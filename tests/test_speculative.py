@@ -42,7 +42,7 @@ def test_adaptive_depth_is_exact_and_logs_its_decision(checkpoints):
     spec, stats = run_spec(model, PROMPTS[0], 60, draft_tokens=4, adaptive=True)
     assert spec == plain
     # A random MTP head accepts ~nothing, so the tuner must turn speculation off, and say so.
-    assert stats["decisions"][0].startswith("speculation off for 32 tokens after 8 rounds")
+    assert stats["decisions"][0].startswith("speculation off for 32 tokens after 4 rounds")
 
 
 def test_adaptive_probes_speculation_again_after_a_plain_stretch(checkpoints):
@@ -53,8 +53,8 @@ def test_adaptive_probes_speculation_again_after_a_plain_stretch(checkpoints):
     spec, stats = run_spec(model, PROMPTS[2], 240, draft_tokens=3, adaptive=True)
     assert spec == plain
     assert [d.split(": ")[0] for d in stats["decisions"]] == [
-        "speculation off for 32 tokens after 8 rounds", "speculation off for 64 tokens after 12 rounds",
-        "speculation off for 128 tokens after 16 rounds"]  # each stretch followed by 4 probe rounds
+        "speculation off for 32 tokens after 4 rounds", "speculation off for 64 tokens after 8 rounds",
+        "speculation off for 128 tokens after 12 rounds"]  # each stretch followed by 4 probe rounds
 
 
 @pytest.mark.parametrize("verify", ["batched", "sequential", "pipelined"])
