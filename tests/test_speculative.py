@@ -10,7 +10,7 @@ from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.rounds import DeviceOracle
 from lattice_mlx.sample import Sampler
 from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
+from lattice_mlx.speculative import ADAPTIVE_START_K, DepthTuner, speculative_step
 from lattice_mlx.synthetic import OracleDrafter
 
 PROMPTS = [[5, 9, 33, 21, 7, 100], [250], [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]]
@@ -43,6 +43,19 @@ def test_adaptive_depth_is_exact_and_logs_its_decision(checkpoints):
     assert spec == plain
     # A random MTP head accepts ~nothing, so the tuner must turn speculation off, and say so.
     assert stats["decisions"][0].startswith("speculation off for 32 tokens after 4 rounds")
+    # the warm-up rounds draft ADAPTIVE_START_K tokens, not draft_tokens: deeper positions only after a decision
+    at = stats["proposed_at"] + [0] * 4  # (positions never drafted are not listed)
+    assert at[ADAPTIVE_START_K] < at[0]
+
+
+def test_depth_tuner_costs_are_measured_ones():
+    """The cost priors give way to the first measured round, then a moving average of measured rounds."""
+    tuner = DepthTuner(4, t1=1.0)
+    tuner.observe(2, t_draft=1.0, t_verify=2.0)  # per drafted token: 0.5 of drafting, 0.5 of verify growth
+    assert (tuner.t_draft, tuner.slope) == (0.5, 0.5)
+    assert tuner.speedup(1, [1.0]) == pytest.approx(2.0 / 2.0)  # 2 tokens for 1 + 0.5 + 0.5
+    tuner.observe(2, t_draft=0.0, t_verify=1.0)
+    assert (tuner.t_draft, tuner.slope) == (pytest.approx(0.4), pytest.approx(0.4))
 
 
 def test_adaptive_probes_speculation_again_after_a_plain_stretch(checkpoints):
