@@ -200,16 +200,17 @@ def sampling_defaults(path) -> dict:
             if isinstance(cfg.get(key), (int, float)) and not isinstance(cfg.get(key), bool)}
 
 
-def fill_sampling(args: argparse.Namespace, checkpoint: dict) -> dict:
-    """Sets each sampling flag the user left out: the checkpoint's value, else the built-in default. Returns the
-    checkpoint's values that were used."""
-    used = {}
+def sampling_flags(args: argparse.Namespace, checkpoint: dict) -> tuple[dict, dict]:
+    """The sampling flags to run with: each one the user gave, else the checkpoint's value, else the built-in
+    default; and the checkpoint's values among them."""
+    values, used = {}, {}
     for arg, (_, default) in SAMPLING_FLAGS.items():
-        if getattr(args, arg) is None:
+        values[arg] = getattr(args, arg)
+        if values[arg] is None:
             if arg in checkpoint:
                 used[arg] = checkpoint[arg]
-            setattr(args, arg, checkpoint.get(arg, default))
-    return used
+            values[arg] = checkpoint.get(arg, default)
+    return values, used
 
 
 def _bool(v: str) -> bool:
@@ -268,22 +269,22 @@ def speculation_line(s: dict) -> str:
 def run(args: argparse.Namespace) -> GenerationResult:
     speculation = speculation_from_args(args)
     check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
-    Sampler(**{arg: default if getattr(args, arg) is None else getattr(args, arg)
-               for arg, (_, default) in SAMPLING_FLAGS.items()})
+    Sampler(**sampling_flags(args, {})[0])  # the flags given, before a checkpoint is fetched
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     mx.random.seed(args.seed)
     group = distributed_group()
     if args.pipeline and group is None:
         raise ValueError("--pipeline splits the model over several processes: launch with mlx.launch -n N")
-    model, tokenizer = load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
+    path = resolve_path(args.model) if args.model else None  # (once: a hub id is fetched here, not again in load)
+    model, tokenizer = load(path, dtype=args.dtype, group=group, pipeline=args.pipeline)
     for token in args.extra_eos_token:
         tid = tokenizer.convert_tokens_to_ids(token)
         if tid is None or tokenizer.convert_ids_to_tokens(tid) != token:  # (an unknown token maps to <unk>)
             raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
         tokenizer.add_eos_token(token)
-    checkpoint = sampling_defaults(resolve_path(args.model or DEMO_MODEL)) if args.generation_config == "auto" else {}
-    from_checkpoint = fill_sampling(args, checkpoint)
-    Sampler(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)  # the checkpoint's values too
+    checkpoint = sampling_defaults(path or DEMO_MODEL) if args.generation_config == "auto" else {}
+    sampling, from_checkpoint = sampling_flags(args, checkpoint)
+    Sampler(**sampling)  # the checkpoint's values too
     prompt_cache, chat_template = None, not args.no_chat_template
     if args.prompt_cache_file:  # the prompt continues the cached one (raw text, no chat template)
         from .prompt_cache import PromptCache
@@ -293,9 +294,8 @@ def run(args: argparse.Namespace) -> GenerationResult:
     else:
         prompt = encode_prompt(tokenizer, prompt, chat_template=chat_template, system_prompt=args.system_prompt)
     result = generate(
-        model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, chat_template=chat_template, speculation=speculation, prompt_cache=prompt_cache,
-        max_kv_size=args.max_kv_size,
+        model, tokenizer, prompt, max_tokens=args.max_tokens, **sampling, chat_template=chat_template,
+        speculation=speculation, prompt_cache=prompt_cache, max_kv_size=args.max_kv_size,
         on_text=lambda t: print(t, end="", flush=True),
     )
     print()
