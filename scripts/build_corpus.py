@@ -51,8 +51,29 @@ def is_heldout(package: str, percent: int, named: set[str]) -> bool:
 
 
 def legacy_heldout(rel_path: str, percent: int = 3) -> bool:
-    """scripts/train_demo.py's path rule for the standard library (the first demo model's held-out files)."""
+    """The first demo model's split of the standard library, by path (scripts/train_demo.py, distill_demo_head.py):
+    a file keeps its side across machines and Python versions."""
     return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
+def read_documents(path: Path) -> list[str]:
+    """The documents of a split file this script wrote."""
+    return [d for d in path.read_text(encoding="utf-8").split(SEPARATOR) if d.strip()]
+
+
+def sample_documents(docs: list, max_bytes: int, seed: int, text=lambda d: d) -> list:
+    """A seeded random subset of `docs` holding about `max_bytes` of text (`text(doc)`; 0: all of them, in order)."""
+    if not max_bytes:
+        return docs
+    order = list(docs)
+    random.Random(seed).shuffle(order)
+    out, total = [], 0
+    for d in order:
+        if total >= max_bytes:
+            break
+        out.append(d)
+        total += len(text(d).encode())
+    return out
 
 
 def read_source(path: Path) -> str | None:

@@ -19,11 +19,11 @@ names, bf16) and result.json. `--install` writes the head into the embedded demo
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
 import random
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -41,35 +41,17 @@ from lattice_mlx.sample import Sampler
 from lattice_mlx.spec import SpecOptions, SpecStats
 from lattice_mlx.speculative import speculative_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling build_corpus.py
+from build_corpus import legacy_heldout, read_documents, sample_documents  # noqa: E402
+
 PROMPTS = Path(__file__).resolve().parents[1] / "src" / "lattice_mlx" / "assets" / "prompts"
-HELDOUT_PERCENT, MAX_FILE_BYTES = 3, 400_000  # scripts/train_demo.py's split of the standard library
-
-
-def is_heldout(rel_path: str) -> bool:
-    return int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
-
+MAX_FILE_BYTES = 400_000  # scripts/train_demo.py's standard library files
 
 # The first demo model's 14 held-out files on the H200 (train_demo.py's path rule over Ubuntu's Python 3.12 Lib/,
 # which ships no test/ package); scripts/build_corpus.py keeps them out of the next corpus's training split.
 LEGACY_HELDOUT = ("ast.py", "encodings/cp1254.py", "encodings/cp437.py", "encodings/cp932.py", "encodings/cp949.py",
                   "encodings/iso8859_16.py", "encodings/mac_cyrillic.py", "encodings/mac_roman.py", "importlib/abc.py",
                   "locale.py", "unittest/__init__.py", "unittest/loader.py", "venv/__init__.py", "xml/sax/__init__.py")
-SEPARATOR = "<|endoftext|>"
-
-
-def corpus_documents(path: Path, seed: int, max_bytes: int = 0) -> list[str]:
-    """scripts/build_corpus.py's documents in a split file, seeded order, up to about `max_bytes` (0: all)."""
-    docs = [d for d in path.read_text(encoding="utf-8").split(SEPARATOR) if d.strip()]
-    random.Random(seed).shuffle(docs)
-    if max_bytes:
-        total, keep = 0, []
-        for d in docs:
-            if total >= max_bytes:
-                break
-            keep.append(d)
-            total += len(d.encode())
-        docs = keep
-    return docs
 
 
 def training_tokens(tok, limit: int, corpus: Path | None = None) -> list[int]:
@@ -77,7 +59,9 @@ def training_tokens(tok, limit: int, corpus: Path | None = None) -> list[int]:
     (train_demo.py's path rule), or the package-split corpus's train.txt."""
     if corpus is not None:
         out: list[int] = []
-        for text in corpus_documents(corpus / "train.txt", seed=0):
+        docs = read_documents(corpus / "train.txt")
+        random.Random(0).shuffle(docs)
+        for text in docs:
             out += tok.encode(text) + [tok.eos_token_id]
             if len(out) >= limit:
                 break
@@ -88,7 +72,7 @@ def training_tokens(tok, limit: int, corpus: Path | None = None) -> list[int]:
     random.Random(0).shuffle(rels)
     out: list[int] = []
     for rel in rels:
-        if is_heldout(rel):
+        if legacy_heldout(rel):
             continue
         try:
             text = (root / rel).read_text(encoding="utf-8")
@@ -241,7 +225,7 @@ def evaluate_loss(model, tok, args) -> dict:
     sets = {"legacy_heldout_stdlib": [(root / r).read_text(encoding="utf-8") for r in LEGACY_HELDOUT
                                       if (root / r).is_file()]}
     if args.heldout_text:
-        sets["heldout_packages_sample"] = corpus_documents(Path(args.heldout_text), seed=1, max_bytes=400_000)
+        sets["heldout_packages_sample"] = sample_documents(read_documents(Path(args.heldout_text)), 400_000, seed=1)
     out = {}
     for name, texts in sets.items():
         out[name] = {"files": len(texts), **heldout_loss(model, tok, texts)}

@@ -9,11 +9,9 @@ bf16 shards), a byte-level BPE tokenizer, and train_log.json with held-out metri
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 import platform
-import random
 import sys
 import sysconfig
 import time
@@ -27,6 +25,10 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling build_corpus.py
+from build_corpus import legacy_heldout as is_heldout  # noqa: E402  (the standard library's split, by path)
+from build_corpus import read_documents, sample_documents  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5DecoderLayer,
     Qwen3_5ForCausalLM,
@@ -94,12 +96,6 @@ class Corpus:
     heldout: list[tuple[str, str]] = field(default_factory=list)
 
 
-def is_heldout(rel_path: str, percent: int) -> bool:
-    """Path-based split, so a file keeps its side across machines and Python versions."""
-    digest = hashlib.sha256(rel_path.encode()).hexdigest()
-    return int(digest[:8], 16) % 100 < percent
-
-
 def list_stdlib_files(root: Path, max_bytes: int) -> list[str]:
     rels = []
     for path in root.rglob("*.py"):
@@ -133,7 +129,7 @@ def load_built_corpus(root: Path, *, max_files: int) -> Corpus:
     corpus = Corpus(root=str(root))
     for split in ("train", "heldout"):
         try:
-            docs = [d for d in (root / f"{split}.txt").read_text(encoding="utf-8").split(SPECIAL_TOKENS[0]) if d]
+            docs = read_documents(root / f"{split}.txt")
         except OSError as e:
             sys.exit(f"error: cannot read {root / split}.txt ({e}); run scripts/build_corpus.py --out {root}")
         docs = docs[:max_files] if max_files else docs
@@ -141,21 +137,6 @@ def load_built_corpus(root: Path, *, max_files: int) -> Corpus:
     if not corpus.train or not corpus.heldout:
         sys.exit(f"error: {root} holds no train or no held-out documents")
     return corpus
-
-
-def subsample(docs: list[tuple[str, str]], max_bytes: int, seed: int) -> list[tuple[str, str]]:
-    """A seeded random subset of the documents, up to `max_bytes` of text (0: all of them, in their order)."""
-    if not max_bytes or sum(len(t) for _, t in docs) <= max_bytes:
-        return docs
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    out, total = [], 0
-    for i in order:
-        if total >= max_bytes:
-            break
-        out.append(docs[i])
-        total += len(docs[i][1])
-    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
@@ -574,9 +555,9 @@ def run(args: argparse.Namespace) -> None:
         root = Path(args.corpus_dir or sysconfig.get_paths()["stdlib"])
         corpus = load_corpus(root, percent=args.heldout_percent, max_bytes=args.max_file_bytes,
                              max_files=args.max_files)
-    corpus.train = subsample(corpus.train, args.max_train_bytes, args.seed)
-    tok = train_tokenizer([t for _, t in subsample(corpus.train, args.tokenizer_bytes, args.seed + 1)],
-                          args.vocab_size)
+    corpus.train = sample_documents(corpus.train, args.max_train_bytes, args.seed, text=lambda d: d[1])
+    tok = train_tokenizer([t for _, t in sample_documents(corpus.train, args.tokenizer_bytes, args.seed + 1,
+                                                          text=lambda d: d[1])], args.vocab_size)
     train_ids = encode_stream(tok, [t for _, t in corpus.train]).to(device)
     heldout_ids = encode_stream(tok, [t for _, t in corpus.heldout]).to(device)
     t_data = time.time() - t_start

@@ -49,3 +49,16 @@ def test_split_is_by_package_files_are_kept_once_and_prompts_come_from_heldout_c
     got = json.loads(prompts.read_text())["prompts"]
     assert sorted(p["package"] for p in got) == ["beta", "stdlib.heapq"]  # tests/ files give no prompts
     assert all(p["prompt"].startswith("def ") and p["prompt"].count("\n") == 6 for p in got)
+
+
+def test_documents_read_back_and_sample_by_bytes(tmp_path):
+    """The split files' reader and the seeded sample train_demo.py and distill_demo_head.py take their text with."""
+    docs = [f"doc {i}\n" * (i + 1) for i in range(20)]
+    (tmp_path / "train.txt").write_text("".join(d + bc.SEPARATOR for d in docs))
+    assert bc.read_documents(tmp_path / "train.txt") == docs
+    assert bc.sample_documents(docs, 0, seed=3) == docs
+    a = bc.sample_documents(docs, 100, seed=3)
+    assert a == bc.sample_documents(docs, 100, seed=3) != bc.sample_documents(docs, 100, seed=4)
+    assert sum(len(d) for d in a[:-1]) < 100 <= sum(len(d) for d in a) and set(a) <= set(docs)
+    pairs = [(str(i), d) for i, d in enumerate(docs)]
+    assert [d for _, d in bc.sample_documents(pairs, 100, seed=3, text=lambda p: p[1])] == a
