@@ -24,6 +24,9 @@
 #                  HEAD_TARGETS, DEPTH_WEIGHTS=1,0.7,0.5 to train drafts 2..3 through the head's own recursion)
 #   demo-train     [demo-head]: build the package-split corpus, retrain the demo (MTP_TARGET=labels|distill|both)
 #   demo-speed     [demo-head]: the embedded demo's MTP (real head) against its plain decoding, greedy and at 0.7
+#   round-host     0.8B shape, bf16: a plain step's and a pipelined round's host time split into Python graph
+#                  building, MLX dispatch (async_eval) and waiting, and their graph nodes (scripts/round_host.py)
+#   demo-adaptive  the embedded demo at temperature 0.7: adaptive depth and fixed K against plain (REPS, 10)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -141,6 +144,13 @@ for mode in "$@"; do
     step demo_speed_adaptive "${DEMO_LIMIT:-120}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \
       --workloads code --temps 0,0.7 --legs plain,plain-aa,batched --k adaptive --no-stock \
       --out "$RES/demo_speed_adaptive" ;;
+  round-host)
+    step round_host "${HOST_LIMIT:-150}" python3 scripts/round_host.py --shape "$BIG" --k 2,3 --steps 64 --reps 3 \
+      --out "$RES/round_host.json" ;;
+  demo-adaptive)
+    step demo_adaptive "${DEMO_LIMIT:-150}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \
+      --workloads code --temps 0.7 --legs plain,plain-aa,batched --k 2,adaptive --no-stock \
+      --out "$RES/demo_adaptive" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
