@@ -344,3 +344,42 @@ def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_v
         monkeypatch.setattr(speculative, "accept_sampled", planted)
         wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
         assert min(wrong.values()) < 1e-4, (planted.__name__, wrong)
+
+
+def test_head_catches_up_a_plain_stretch_in_fixed_chunks(checkpoints, monkeypatch):
+    """A plain stretch (adaptive depth off) of 37 positions: the MTP head takes the slots in forwards of at most
+    CATCH_UP_ROWS rows as they come, never one forward of the stretch's length (a new row count compiles new kernels
+    on a GPU), and drafts what one forward over the whole stretch drafts."""
+    from lattice_mlx import drafters
+    from lattice_mlx.models.mtp import MTPHead
+
+    model, _ = load(checkpoints["untied"])
+    ids = mx.array(PROMPTS[2])
+    rows, real = [], MTPHead.__call__
+
+    def spy(self, x, *a, **k):
+        rows.append(x.shape[1])
+        return real(self, x, *a, **k)
+
+    def stretch(chunk_rows: int):
+        monkeypatch.setattr(drafters, "CATCH_UP_ROWS", chunk_rows)
+        cache = model.make_cache()
+        logits, hidden = prefill(model, ids, cache, return_hidden=True)
+        drafter = drafters.MTPDrafter(model, Sampler())
+        y = mx.argmax(logits).item()
+        drafter.start(PROMPTS[2], y, hidden, cache)
+        rows.clear()
+        for _ in range(37):  # plain steps, each position's hidden handed over as speculative.plain_steps does
+            logits, h = model(mx.array([[y]]), cache, return_hidden=True)
+            drafter.observe([y], h[0])
+            y = mx.argmax(logits[0, -1]).item()
+        drafts, _ = drafter.propose([], 3)
+        return drafts.tolist(), list(rows)
+
+    monkeypatch.setattr(MTPHead, "__call__", spy)
+    chunk_rows = drafters.CATCH_UP_ROWS
+    chunked, chunked_rows = stretch(chunk_rows)
+    whole, whole_rows = stretch(1 << 20)
+    assert max(chunked_rows) <= chunk_rows < 37, chunked_rows
+    assert whole_rows[0] == len(PROMPTS[2]) + 37  # the old way: one forward over the prompt's slots and the stretch
+    assert chunked == whole

@@ -15,6 +15,12 @@ from . import cache as caches
 from .decode import PREFILL_STEP
 from .sample import Sampler
 
+# Slots the MTP head takes per catch-up forward during a plain stretch (adaptive depth switched speculation off): one
+# row count however long the stretch. A forward over a row count not seen before compiles new kernels on a GPU (the
+# 4-bit matmul's template takes its rows; seconds under CUDA), and one piece of a stretch's length was a new count
+# at every stretch. <= the 4-bit kernel's MAX_ROWS and the compiled path's MAX_T.
+CATCH_UP_ROWS = 8
+
 
 def _pick(sampler: Sampler, logits: mx.array) -> tuple[mx.array, mx.array | None]:
     if sampler.greedy:
@@ -68,6 +74,17 @@ class MTPDrafter:
     def observe(self, tokens: list[int], hidden: mx.array) -> None:
         self.tokens += tokens
         self.hidden.append(hidden)
+        if len(self.tokens) <= CATCH_UP_ROWS:
+            return
+        # more slots than a round leaves: a plain stretch. Feed the head CATCH_UP_ROWS at a time as they come (queued
+        # behind the plain steps), keeping the newest for the next draft step, which needs its output.
+        hidden, head = mx.concatenate(self.hidden), self.model.mtp
+        while len(self.tokens) > CATCH_UP_ROWS:
+            chunk, hidden_chunk = mx.array(self.tokens[:CATCH_UP_ROWS]), hidden[:CATCH_UP_ROWS]
+            head(self.model.model.embed_tokens(chunk)[None], head.from_target(hidden_chunk)[None], self.cache)
+            self.tokens, hidden = self.tokens[CATCH_UP_ROWS:], hidden[CATCH_UP_ROWS:]
+        self.hidden = [hidden]
+        mx.async_eval([c.state for c in self.cache])
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
         tokens, h = mx.array(self.tokens), self.model.mtp.from_target(mx.concatenate(self.hidden))
