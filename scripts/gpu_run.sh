@@ -60,6 +60,11 @@ step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skip
 }
 for mode in "$@"; do
   case $mode in
+  tests-each)  # TESTS one pytest process each, EACH_LIMIT seconds apiece (a cut run keeps the others' tracebacks)
+    n=0; for t in ${TESTS:?}; do
+      step "test_$(basename "${t%%::*}" .py)_$((++n))" "${EACH_LIMIT:-60}" python3 -m pytest -q --tb=short \
+        -p no:cacheprovider "$t"
+    done ;;
   tests)
     # shellcheck disable=SC2086
     step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
@@ -145,7 +150,7 @@ for mode in "$@"; do
       --workloads code --temps 0,0.7 --legs plain,plain-aa,batched --k adaptive --no-stock \
       --out "$RES/demo_speed_adaptive" ;;
   round-host)
-    step round_host "${HOST_LIMIT:-150}" python3 scripts/round_host.py --shape "$BIG" --k 2,3 --steps 64 --reps 3 \
+    step round_host "${HOST_LIMIT:-240}" python3 scripts/round_host.py --shape "$BIG" --k "${HOST_K:-3}" --steps 64 --reps 3 \
       --out "$RES/round_host.json" ;;
   demo-adaptive)
     step demo_adaptive "${DEMO_LIMIT:-150}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \

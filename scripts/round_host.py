@@ -38,6 +38,13 @@ def graph_nodes(*outs: mx.array) -> dict:
     return {"total": len(labels), "by_primitive": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
+START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - START:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def median_us(xs: list[float]) -> float:
     return round(statistics.median(xs) * 1e6, 1)
 
@@ -120,22 +127,30 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
     mx.random.seed(0)
+    log(f"building {args.shape} on {mx.default_device()}")
     model = random_model(**SHAPES[args.shape], bits=args.bits or None, dtype=DTYPES[args.dtype])
+    log("built; warming up plain")
     ids = mx.random.randint(0, model.args.vocab_size, (32,)).tolist()
     sampler = Sampler(temp=0.0)
     result = {"shape": args.shape, "dtype": args.dtype, "bits": args.bits, "device": str(mx.default_device()),
               "plain": [], "rounds": []}
     _, reference = plain(model, ids, args.steps * 4 + 8, sampler)  # warm-up, and the oracle's greedy continuation
     for k in map(int, args.k.split(",")):
+        log(f"warming up rounds of K={k}")
         pipelined(model, ids, reference, 8, k, args.p)  # warm-up: traces of K + 1 rows
+    log("timing")
     for rep in range(args.reps):
         row, _ = plain(model, ids, args.steps, sampler)
         result["plain"].append(row)
         print("plain", json.dumps(row), flush=True)
+        if args.out:  # after every row: a run cut by its time limit keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=1))
         for k in map(int, args.k.split(",")):
             row = pipelined(model, ids, reference, args.steps // 2, k, args.p)
             result["rounds"].append(row)
             print("round", json.dumps(row), flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
