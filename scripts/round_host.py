@@ -76,7 +76,11 @@ def plain(model, ids: list[int], steps: int, sampler: Sampler) -> tuple[dict, li
             tokens)
 
 
-def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int, p: float) -> dict:
+def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int, p: float, *,
+              read: str = "whole") -> dict:
+    """`read`: how the host reads round r's tokens after dispatching round r + 1: "whole" (tokens.tolist(), then
+    sliced in Python) or "slice" (tokens[: n + 1].tolist(), what rounds.py did up to run 12: a new array, evaluated
+    on the stream behind round r + 1, so reading it waits for round r + 1)."""
     sampler = Sampler(temp=0.0)
     cache = model.make_cache()
     logits, hidden = prefill(model, mx.array(ids), cache, return_hidden=True)
@@ -101,7 +105,8 @@ def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int
         t3 = time.perf_counter()
         if pending is not None:
             n = pending[1].item()
-            verified += n + 1
+            toks = pending[0][: n + 1].tolist() if read == "slice" else pending[0].tolist()[: n + 1]
+            verified += len(toks)
             accepted.append(n)
         t4 = time.perf_counter()
         pending = out
@@ -109,7 +114,7 @@ def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int
             draft_b.append(t1 - t0), verify_b.append(t2 - t1), dispatch.append(t3 - t2), wait.append(t4 - t3)
     tokens_per_round = statistics.mean(accepted) + 1
     total = median_us([a + b + c + d for a, b, c, d in zip(draft_b, verify_b, dispatch, wait)])
-    return {"k": k, "p": p, "draft_build_us": median_us(draft_b), "verify_build_us": median_us(verify_b),
+    return {"k": k, "p": p, "read": read, "draft_build_us": median_us(draft_b), "verify_build_us": median_us(verify_b),
             "dispatch_us": median_us(dispatch), "wait_us": median_us(wait), "total_us": total,
             "tokens_per_round": round(tokens_per_round, 3), "us_per_token": round(total / tokens_per_round, 1),
             "graph_nodes": nodes}
@@ -146,11 +151,12 @@ def main() -> int:
         if args.out:  # after every row: a run cut by its time limit keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
         for k in map(int, args.k.split(",")):
-            row = pipelined(model, ids, reference, args.steps // 2, k, args.p)
-            result["rounds"].append(row)
-            print("round", json.dumps(row), flush=True)
-            if args.out:
-                Path(args.out).write_text(json.dumps(result, indent=1))
+            for read in ("whole", "slice"):
+                row = pipelined(model, ids, reference, args.steps // 2, k, args.p, read=read)
+                result["rounds"].append(row)
+                print("round", json.dumps({key: v for key, v in row.items() if key != "graph_nodes"}), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -176,9 +176,12 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
         out = rounds.verify(drafts, q)
         mx.async_eval(*out)
         if pending is not None:
+            # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
+            # array, evaluated on the stream behind round r + 1, so reading it waited for round r + 1 to finish and
+            # undid the pipelining (scripts/round_host.py measures both reads)
             tokens, n = pending
             n = n.item()
-            tokens = tokens[: n + 1].tolist()
+            tokens = tokens.tolist()[: n + 1]
         stats.draft_time_s += mid - tic
         stats.verify_time_s += time.perf_counter() - mid
         if pending is not None:
