@@ -1,6 +1,8 @@
 """Pipelined MTP rounds (rounds.py): device-side acceptance and cache advance give the synchronous loop's results.
 Greedy identity with plain decoding for K = 1..4 and the oracle extremes are in test_speculative.py."""
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -183,8 +185,7 @@ def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_f
         assert min(wrong.values()) < 1e-4, (name, wrong)
 
 
-@pytest.mark.parametrize("kw, flag", [({"adaptive": True}, "--no-adaptive"), ({"tree": "2-1"}, "--tree"),
-                                      ({"draft": "ngram"}, "--draft ngram")])
+@pytest.mark.parametrize("kw, flag", [({"tree": "2-1"}, "--tree"), ({"draft": "ngram"}, "--draft ngram")])
 def test_pipelined_refuses_what_it_cannot_run(kw, flag):
     with pytest.raises(ValueError, match=flag):
         SpecOptions(**{"verify": "pipelined", "adaptive": False, **kw})
@@ -212,3 +213,112 @@ def test_real_head_drafts_as_the_synchronous_loop():
         assert s1.rounds > 15 and s1.accepted_per_position()[1] > 0, s1.accepted_hist
         h1, h2 = s1.accepted_hist, s2.accepted_hist
         assert sum(abs(a - b) for a, b in zip(h1 + [0] * 4, h2 + [0] * 4)) <= 1, (text, h1, h2)
+
+
+# --- adaptive depth (PipelinedTuner): rounds of varying K, K = 0 being a plain step -----------------------------------
+
+# plain stretches of 3, 11 (a backlog piece of 8 and a remainder of 3), 8 (exactly one piece) and 1 between rounds of
+# depth 1..3: every way the head's backlog is fed
+SCHEDULE = [0] * 3 + [2, 2] + [0] * 11 + [3, 1] + [0] * 8 + [2] + [0] + [3] * 3 + [0] * 16 + [1, 2, 3]
+
+
+def _scheduled(monkeypatch, schedule):
+    ks = itertools.cycle(schedule)
+    monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, rates: next(ks))
+
+
+def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
+    options = SpecOptions(draft_tokens=k, verify="pipelined", adaptive=True)
+    stats = SpecStats.of(options)
+    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+                           drafter=drafter)
+    return [next(gen) for _ in range(n)], stats
+
+
+@pytest.mark.parametrize("name", ["untied", "pattern"])
+def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkeypatch, name):
+    """Greedy: rounds whose K moves between 0 (plain steps) and 3 give plain decoding's tokens, with oracle drafts
+    (mostly accepted) and with the model's own head; the head's statistics count only the speculative rounds."""
+    model, _ = load(checkpoints[name])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(140))]
+    _scheduled(monkeypatch, SCHEDULE)
+    oracle, stats = adaptive_tokens(model, PROMPT, 120,
+                                    drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 3, seed=2))
+    assert oracle == plain[:120]
+    assert stats.rounds > 10 and stats.accepted_per_position()[0] > 0.6
+    assert sum(stats.proposed_at) < 3 * stats.rounds  # rounds of K < 3 were among them
+    head, _ = adaptive_tokens(model, PROMPT, 120)
+    assert head == plain[:120]
+
+
+def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, monkeypatch):
+    """Sampled, the tuner keeping K = 0: one draw per token from the same logits as generate_step's, so under one seed
+    the very same tokens (the head's backlog work draws nothing)."""
+    model, _ = load(checkpoints["untied"])
+    sampler = Sampler(temp=0.8)
+    mx.random.seed(5)
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=sampler), range(40))]
+    _scheduled(monkeypatch, [0])
+    mx.random.seed(5)
+    spec, stats = adaptive_tokens(model, PROMPT, 40, sampler=sampler)
+    assert spec == plain and stats.rounds == 0
+
+
+def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
+    """The head's KV cache after rounds of K = 0 (its backlog fed in pieces of CATCH_UP_ROWS) and K = 2 holds, row
+    for row, what one forward of the head over all the verified slots writes (fp32): the drafts after a plain
+    stretch see the right past."""
+    from lattice_mlx.drafters import CATCH_UP_ROWS
+
+    model, _ = load(checkpoints["untied"])
+    cache = model.make_cache()
+    logits, hidden = prefill(model, mx.array(PROMPT), cache, return_hidden=True)
+    first = mx.argmax(logits).item()
+    pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
+    schedule = [0] * (CATCH_UP_ROWS + 5) + [2, 0, 0, 2]
+    verified, out_tokens = 0, [first]
+    for r, k in enumerate(schedule + [0]):
+        pr.bounds(r, verified)
+        out = pr.verify(*pr.draft(r, k))
+        mx.eval(*out)
+        tokens, n = out
+        out_tokens += tokens.tolist()[: n.item() + 1]
+        verified += n.item() + 1
+    # the reference: the target's hiddens over the whole sequence, every slot (token t+1, hidden t) through the head
+    ids = PROMPT + out_tokens
+    _, h_all = prefill(model, mx.array(ids), model.make_cache(), return_hidden=True)
+    ref = model.mtp.make_cache()
+    head = model.mtp
+    head(model.model.embed_tokens(mx.array(ids[1:]))[None], head.from_target(h_all[:-1])[None], ref)
+    got = pr.mcache[0]
+    rows = got.offset.item()  # the head's true rows: all slots but the ones still pending
+    assert rows >= len(ids) - 1 - (CATCH_UP_ROWS + 3)
+    assert mx.allclose(got.keys[..., :rows, :], ref[0].keys[..., :rows, :], atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-4, rtol=1e-4).item()
+
+
+def test_pipelined_tuner_decides_from_round_costs():
+    """cost(K) from the loop's passes (not the first SKIP after a change), tokens(K) from acceptance: a round
+    that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 32
+    plain steps, then probes again, and the next stretch is 64."""
+    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, FIRST_OFF_TOKENS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+
+    def run(tuner, rates, cost_of, n):
+        ks = []
+        for _ in range(n):
+            k = tuner.next_k(rates)
+            tuner.observe(k, cost_of(k))
+            ks.append(k)
+        return ks
+
+    cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
+    tuner = rounds.PipelinedTuner(3)
+    baseline = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
+    ks = run(tuner, [0.9, 0.8, 0.7], cost, baseline + ADAPTIVE_WARMUP_ROUNDS + 6)
+    assert ks[:baseline] == [0] * baseline and ks[baseline] == 2
+    assert tuner.cost[0] == pytest.approx(1.0) and tuner.estimate(3) == pytest.approx(1.75)
+    assert ks[-1] == 3 and not tuner.decisions  # 3.4 tokens for 1.75 steps beats 2.7 for 1.5
+    ks = run(tuner, [0.05, 0.0, 0.0], cost, 1 + FIRST_OFF_TOKENS + ADAPTIVE_WARMUP_ROUNDS + 1)
+    assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
+    assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
+    assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]

@@ -15,6 +15,7 @@ with the target hidden h_j at RoPE position j.
 """
 
 import functools
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -23,9 +24,21 @@ import mlx.core as mx
 
 from . import cache as caches
 from .decode import resume
-from .drafters import _pick, mtp_prefill
+from .drafters import CATCH_UP_ROWS, _pick, mtp_prefill
 from .sample import Sampler, accept_sampled_arrays
-from .spec import SpecOptions, SpecStats
+from .spec import (
+    ADAPTIVE_START_K,
+    ADAPTIVE_WARMUP_ROUNDS,
+    FIRST_OFF_TOKENS,
+    MAX_OFF_TOKENS,
+    PLAIN_TIMED_STEPS,
+    PLAIN_WARMUP_STEPS,
+    SpecOptions,
+    SpecStats,
+    expected_tokens,
+)
+
+log = logging.getLogger("lattice_mlx")
 
 # A device-side draft override for benchmarks and tests (DeviceOracle): (the head's drafts [K], their q [K, V] or
 # None, the PipelinedRounds (its y [1], the newest token, and gen, y's generated index, are device arrays), the round
@@ -38,6 +51,9 @@ def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Samp
     [scalar int32], tokens [K+1] whose first n + 1 are the round's output). Greedy: leading drafts equal to the
     argmax. Sampled: sample.accept_sampled_arrays, the rule the synchronous verifiers read back."""
     K = drafts.shape[0]
+    if K == 0:  # a plain step inside the loop (adaptive depth chose no drafts): the token as plain decoding picks it
+        token = sampler(logits[0]).astype(mx.int32)
+        return mx.array(0, dtype=mx.int32), token, token.reshape(1)
     if sampler.greedy:
         targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         n = mx.cumprod((targets[:K] == drafts).astype(mx.int32)).sum()
@@ -86,6 +102,9 @@ class PipelinedRounds:
             c.begin()  # every verify records its steps; pick() keeps the accepted ones
         self.p = prompt_len if prompt_len is not None else len(prompt)
         self.tail = len(tail)
+        self.last_k = k  # the depth of the round dispatched last (its unread rows bound the caches' offsets)
+        # plain steps (K = 0 rounds) leave their slot to the head in a backlog, fed CATCH_UP_ROWS at a time
+        self.backlog: list[tuple[mx.array, mx.array]] = []
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
         # the generated index of y
         self.y = mx.array([first], dtype=mx.int32)
@@ -100,22 +119,64 @@ class PipelinedRounds:
         for c in self.mcache:
             c.bound = head
         for c in self.kv:
-            c.bound = self.p + verified + (self.k + 1 if r else 0)
+            c.bound = self.p + verified + (self.last_k + 1 if r else 0)
 
-    def draft(self, r: int) -> tuple[mx.array, mx.array | None]:
-        """K drafts [K] (and q [K, V] when sampling) from the pending slots; the head's cache keeps the true rows."""
-        model, head, embed = self.model, self.model.mtp, self.model.model.embed_tokens
-        vocab, V = head.draft_vocab, model.args.vocab_size
-        R = self.ptok.shape[0]
+    def _feed_backlog(self, rows: int) -> None:
+        """The head takes the first `rows` backlog slots (plain steps' tokens and hiddens, all valid) into its cache."""
+        (tok, hid), self.backlog = self._joined(self.backlog[:rows]), self.backlog[rows:]
+        head = self.model.mtp
+        head(self.model.model.embed_tokens(tok)[None], head.from_target(hid)[None], self.mcache)
+        for c in self.mcache:
+            c.offset = c.offset + rows
+        mx.async_eval([c.state for c in self.mcache])
+
+    @staticmethod
+    def _joined(slots: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+        return mx.concatenate([t for t, _ in slots]), mx.concatenate([h for _, h in slots])
+
+    def plain(self) -> tuple[mx.array, None]:
+        """A K = 0 round's (no) drafts: a plain step. A speculative round's slot (n + 1 of its rows valid, n on the
+        device) goes to the head now, as the next draft would take it; a plain step's slot (one valid row) joins the
+        backlog, which the head takes in pieces of CATCH_UP_ROWS (one row count: a new one compiles new kernels on a
+        GPU)."""
+        if self.last_k:
+            self._draft_rows(0)
+        else:
+            self.backlog.append((self.ptok, self.phid))
+        while len(self.backlog) >= CATCH_UP_ROWS:
+            self._feed_backlog(CATCH_UP_ROWS)
+        self.last_k = 0
+        return mx.zeros((0,), dtype=mx.int32), None
+
+    def _draft_rows(self, k: int):
+        """The head over the pending slots (the last round's rows, or the backlog's remainder): returns its output at
+        the newest token's slot [1, 1, H] and the offsets of the scratch rows of k draft steps."""
+        if self.last_k == 0 and self.backlog:  # after plain steps: the backlog's remainder, then the newest slot
+            self.backlog.append((self.ptok, self.phid))
+            self.ptok, self.phid = self._joined(self.backlog)
+            self.pn, self.backlog = mx.array(self.ptok.shape[0] - 1, dtype=mx.int32), []
+        head, embed = self.model.mtp, self.model.model.embed_tokens
         x = head(embed(self.ptok)[None], head.from_target(self.phid)[None], self.mcache)  # [1, R, H]
         x = mx.take(x, self.pn.reshape(1), axis=1)  # the slot of the newest token
         base, offsets = [], []
         for c in self.mcache:
-            offsets.append(_head_offsets(self.k)(c.offset, self.pn))
+            offsets.append(_head_offsets(max(k, 1))(c.offset, self.pn))
             c.offset = offsets[-1][0]
             base.append((c.offset, c.bound))
+        return x, base, offsets
+
+    def draft(self, r: int, k: int | None = None) -> tuple[mx.array, mx.array | None]:
+        """k drafts [k] (default: the K it was built with; and q [k, V] when sampling) from the pending slots; the
+        head's cache keeps the true rows. k = 0: a plain step (`plain`)."""
+        k = self.k if k is None else k
+        if k == 0:
+            return self.plain()
+        model, head, embed = self.model, self.model.mtp, self.model.model.embed_tokens
+        vocab, V = head.draft_vocab, model.args.vocab_size
+        x, base, offsets = self._draft_rows(k)
+        R = self.ptok.shape[0]
         drafts, qs = [], []
-        for i in range(self.k):
+        for i in range(k):
             post = head.norm(x)
             u = head.to_target(post)
             logits = (vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u))[0, -1]
@@ -124,7 +185,7 @@ class PipelinedRounds:
                 d, q = vocab.to_full(d, q, V)
             drafts.append(d.astype(mx.int32))
             qs += [q] if q is not None else []
-            if i + 1 < self.k:  # a scratch row past the true ones (overwritten by the next round)
+            if i + 1 < k:  # a scratch row past the true ones (overwritten by the next round)
                 for c, offs, (_, bound) in zip(self.mcache, offsets, base):
                     c.offset, c.bound = offs[i], bound + R + i
                 x = head(embed(d.reshape(1, 1)), post if head.input_hidden == "post" else x, self.mcache)
@@ -133,6 +194,7 @@ class PipelinedRounds:
         drafts, q = mx.stack(drafts), (mx.stack(qs) if qs else None)
         if self.override is not None:
             drafts, q = self.override(drafts, q, self, r)
+        self.last_k = k
         return drafts, q
 
     def verify(self, drafts: mx.array, q: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -152,26 +214,95 @@ class PipelinedRounds:
         return tokens, n
 
 
+class PipelinedTuner:
+    """Adaptive depth for pipelined rounds. In the loop's steady state the host builds and dispatches round r while
+    the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
+    cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
+    per-position acceptance (spec.expected_tokens), and the depth picked is the K within one of the current one
+    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change of K are not timed (the pipeline refills, and a
+    verify shape's first use compiles it). The schedule: plain steps first (the baseline), then ADAPTIVE_START_K for
+    ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every round. Plain wins: plain steps for a stretch (32
+    tokens, doubling while speculation still cannot pay) and speculation is probed again."""
+
+    SKIP = 2  # passes after a change of K that are not timed
+
+    def __init__(self, k_max: int):
+        self.k_max, self.cost = k_max, {}
+        self.k, self.left, self.since = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS, 0
+        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
+
+    def observe(self, k: int, seconds: float) -> None:
+        """One pass of the loop that dispatched a round of depth k."""
+        self.since = self.since + 1 if k == self.k else 0
+        if self.since < self.SKIP:
+            return
+        old = self.cost.get(k)
+        self.cost[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def estimate(self, k: int) -> float | None:
+        """cost(k): measured, or on the line through cost(0) and the deepest measured depth."""
+        if k in self.cost:
+            return self.cost[k]
+        known = [d for d in self.cost if d > 0]
+        if 0 not in self.cost or not known:
+            return None
+        m = max(known)
+        return self.cost[0] + (self.cost[m] - self.cost[0]) * k / m
+
+    def speedup(self, k: int, rates: list[float]) -> float | None:
+        cost, plain = self.estimate(k), self.cost.get(0)
+        return None if cost is None or plain is None else expected_tokens(k, rates) * plain / cost
+
+    def next_k(self, rates: list[float]) -> int:
+        """The depth of the next round."""
+        if self.left > 0:
+            self.left -= 1
+            return self.k
+        if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            return self.k
+        # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
+        near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
+        gains = {k: self.speedup(k, rates) for k in near}
+        k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, 1.0))
+        if gain >= 1.0:
+            self.k = self.probe_k = k
+            return k
+        self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")
+        log.info(self.decisions[-1])
+        self.probe_k = k
+        self.k, self.left = 0, self.off_tokens - 1
+        self.off_tokens = min(2 * self.off_tokens, MAX_OFF_TOKENS)
+        return 0
+
+
 def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
                           override: DraftOverride | None = None, prompt_cache=None) -> Iterator[int]:
     """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
-    of fixed K pipelined one deep. Fills `stats` (draft_time_s: building the drafts' graph; verify_time_s: building
-    the verify's graph and waiting for the previous round). `prompt_cache` (prompt_cache.PromptCache): its prefix
-    of `ids` is not prefilled again (target and MTP head)."""
+    pipelined one deep: of fixed K, or with options.adaptive of the depth PipelinedTuner picks (up to K; 0 = plain
+    steps, pipelined the same way). Fills `stats` (draft_time_s: building the drafts' graph; verify_time_s: building
+    the verify's graph and waiting for the previous round; plain steps are not counted as rounds). `prompt_cache`
+    (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
     if not model.has_mtp:
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
+    tuner = PipelinedTuner(k) if options.adaptive else None
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
     first = sampler(logits).item()
     yield first
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
-    verified, pending, r = 0, None, 0
+    verified, pending, r, last = 0, None, 0, None
     while True:
         tic = time.perf_counter()
+        if tuner is not None:
+            if last is not None:
+                tuner.observe(last[0], tic - last[1])
+            k = tuner.next_k(stats.accepted_per_position())
+            last = (k, tic)
         rounds.bounds(r, verified)
-        drafts, q = rounds.draft(r)
+        drafts, q = rounds.draft(r, k)
         mid = time.perf_counter()
         out = rounds.verify(drafts, q)
         mx.async_eval(*out)
@@ -179,16 +310,20 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
             # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
             # array, evaluated on the stream behind round r + 1, so reading it waited for round r + 1 to finish and
             # undid the pipelining (scripts/round_host.py measures both reads)
-            tokens, n = pending
+            tokens, n, pk = pending
             n = n.item()
             tokens = tokens.tolist()[: n + 1]
-        stats.draft_time_s += mid - tic
-        stats.verify_time_s += time.perf_counter() - mid
+        if k:
+            stats.draft_time_s += mid - tic
+            stats.verify_time_s += time.perf_counter() - mid
         if pending is not None:
-            stats.record(k, n)
+            if pk:
+                stats.record(pk, n)
             verified += n + 1
+            if tuner is not None and len(tuner.decisions) > len(stats.decisions):
+                stats.decisions += tuner.decisions[len(stats.decisions):]
             yield from tokens
-        pending, r = out, r + 1
+        pending, r = (*out, k), r + 1
 
 
 class DeviceOracle:
@@ -203,12 +338,18 @@ class DeviceOracle:
         self.rng = random.Random(seed)
         # the synthetic overhead in as few launches as the real drafts' none (a gather and two fused kernels): the
         # benchmark measures the round, not the oracle
-        steps, last = mx.arange(1, k + 1, dtype=mx.int32), self.last
-        self._index = mx.compile(lambda gen: mx.minimum(gen + steps, last))
         # + 0 * drafts: the head's drafts stay in the graph, so their cost is paid
         self._pick = mx.compile(lambda right, truth, drafts: mx.where(right, truth, (truth + 1) % vocab) + 0 * drafts)
+        self._indices: dict = {}  # per K (adaptive rounds vary it): gen -> the reference rows of its drafts
+
+    def _index(self, k: int):
+        if k not in self._indices:
+            steps, last = mx.arange(1, k + 1, dtype=mx.int32), self.last
+            self._indices[k] = mx.compile(lambda gen: mx.minimum(gen + steps, last))
+        return self._indices[k]
 
     def __call__(self, drafts: mx.array, q, rounds: PipelinedRounds, r: int) -> tuple[mx.array, None]:
-        truth = self.ref[self._index(rounds.gen)]
-        right = mx.array([self.rng.random() < self.p for _ in range(self.k)])
+        k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
+        truth = self.ref[self._index(k)(rounds.gen)]
+        right = mx.array([self.rng.random() < self.p for _ in range(k)])
         return self._pick(right, truth, drafts.astype(mx.int32)), None

@@ -20,6 +20,29 @@ def parse_tree(spec: str) -> tuple[int, ...]:
     return shape
 
 
+# Adaptive depth (speculative.DepthTuner for the host loop, rounds.PipelinedTuner for pipelined rounds)
+ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
+# Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
+# deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
+ADAPTIVE_START_K = 2
+PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
+PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
+FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
+
+
+def expected_tokens(k: int, rates: list[float]) -> float:
+    """Tokens a round of depth k yields: rates[i] is the share of rounds whose draft i was accepted, i.e. P(the first
+    i + 1 drafts all accepted); depths not measured yet continue the last measured conditional rate."""
+    expected, last, ratio = 1.0, 1.0, 0.0
+    for i in range(k):
+        if i < len(rates):
+            ratio, last = (rates[i] / last if last > 0 else 0.0), rates[i]
+        else:
+            last *= ratio
+        expected += last
+    return expected
+
+
 @dataclass(frozen=True)
 class SpecOptions:
     """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
@@ -47,8 +70,6 @@ class SpecOptions:
             if self.draft != "mtp" or self.tree is not None:
                 raise ValueError("--verify pipelined drafts with the MTP head in chains: drop "
                                  + ("--tree" if self.tree is not None else f"--draft {self.draft}"))
-            if self.adaptive:
-                raise ValueError("--verify pipelined runs a fixed K (no adaptive tuning yet): add --no-adaptive")
         if self.tree is not None:
             parse_tree(self.tree)
             if self.draft != "mtp":

@@ -18,16 +18,20 @@ from .decode import resume
 from .drafters import HybridDrafter, MTPDrafter, make_drafter
 from .rounds import speculative_pipelined
 from .sample import Sampler, accept_greedy, accept_sampled
-from .spec import SpecOptions, SpecStats
+from .spec import (  # noqa: F401
+    ADAPTIVE_START_K,
+    ADAPTIVE_WARMUP_ROUNDS,
+    FIRST_OFF_TOKENS,
+    MAX_OFF_TOKENS,
+    PLAIN_TIMED_STEPS,
+    PLAIN_WARMUP_STEPS,
+    PROBE_ROUNDS,
+    SpecOptions,
+    SpecStats,
+    expected_tokens,
+)
 
 log = logging.getLogger("lattice_mlx")
-ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
-# Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
-# deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
-ADAPTIVE_START_K = 2
-PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
-PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
-FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
 
 
 @dataclass
@@ -111,15 +115,8 @@ class DepthTuner:
     def speedup(self, k: int, rates: list[float]) -> float:
         """rates[i]: share of rounds whose draft i was accepted, i.e. P(the first i+1 drafts all accepted); depths
         not measured yet continue the last measured conditional rate."""
-        expected, last, ratio = 1.0, 1.0, 0.0
-        for i in range(k):
-            if i < len(rates):
-                ratio, last = (rates[i] / last if last > 0 else 0.0), rates[i]
-            else:
-                last *= ratio
-            expected += last
         cost = self.t1 + self.slope * k + self.t_draft * k
-        return expected * self.t1 / cost
+        return expected_tokens(k, rates) * self.t1 / cost
 
     def best(self, rates: list[float]) -> tuple[int, float]:
         return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
