@@ -325,3 +325,17 @@ def test_pipelined_tuner_decides_from_round_costs():
     assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
     assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
     assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]
+
+
+def test_pipelined_tuner_does_not_time_the_passes_after_a_change_of_depth():
+    """The first SKIP passes at a new K (a new verify shape compiling: seconds on a GPU; the pipeline refilling) are
+    not timed: a 100x spike there leaves the costs as the steady passes say, and speculation stays on."""
+    tuner = rounds.PipelinedTuner(2)
+    ks, since_change = [], 0
+    for _ in range(40):
+        k = tuner.next_k([0.9, 0.8])
+        since_change = since_change + 1 if ks and k == ks[-1] else 0
+        tuner.observe(k, (100.0 if since_change == 0 else 1.0) * (1.0 + 0.25 * k))
+        ks.append(k)
+    assert tuner.cost[0] == pytest.approx(1.0) and tuner.cost[2] == pytest.approx(1.5)
+    assert not tuner.decisions and ks[-1] == 2

@@ -69,26 +69,32 @@ class MTPDrafter:
         self.tokens, self.hidden, self.drafted = [], [], 0
 
     def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
-        self.observe(*mtp_prefill(self.model, [*prompt[1:], first], hidden, self.cache))
+        tokens, hidden = mtp_prefill(self.model, [*prompt[1:], first], hidden, self.cache)
+        self.tokens, self.hidden, self.tail = list(tokens), [hidden], len(tokens)
+
+    # slots of the prompt's last chunk still pending: they go with the first forward (a draft's or a catch-up piece's)
+    tail = 0
 
     def observe(self, tokens: list[int], hidden: mx.array) -> None:
         self.tokens += tokens
         self.hidden.append(hidden)
-        if len(self.tokens) <= CATCH_UP_ROWS:
+        if len(self.tokens) <= self.tail + CATCH_UP_ROWS:
             return
-        # more slots than a round leaves: a plain stretch. Feed the head CATCH_UP_ROWS at a time as they come (queued
-        # behind the plain steps), keeping the newest for the next draft step, which needs its output.
+        # more slots than a round leaves: a plain stretch (adaptive depth). Feed the head CATCH_UP_ROWS at a time as
+        # they come (queued behind the plain steps; the first piece also takes the prompt's pending slots), keeping
+        # the newest for the next draft step, which needs its output.
         hidden, head = mx.concatenate(self.hidden), self.model.mtp
-        while len(self.tokens) > CATCH_UP_ROWS:
-            chunk, hidden_chunk = mx.array(self.tokens[:CATCH_UP_ROWS]), hidden[:CATCH_UP_ROWS]
+        while len(self.tokens) > self.tail + CATCH_UP_ROWS:
+            rows, self.tail = self.tail + CATCH_UP_ROWS, 0
+            chunk, hidden_chunk = mx.array(self.tokens[:rows]), hidden[:rows]
             head(self.model.model.embed_tokens(chunk)[None], head.from_target(hidden_chunk)[None], self.cache)
-            self.tokens, hidden = self.tokens[CATCH_UP_ROWS:], hidden[CATCH_UP_ROWS:]
+            self.tokens, hidden = self.tokens[rows:], hidden[rows:]
         self.hidden = [hidden]
         mx.async_eval([c.state for c in self.cache])
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
         tokens, h = mx.array(self.tokens), self.model.mtp.from_target(mx.concatenate(self.hidden))
-        self.tokens, self.hidden = [], []
+        self.tokens, self.hidden, self.tail = [], [], 0
         drafts, qs = [], []
         vocab = self.model.mtp.draft_vocab
         for _ in range(k):

@@ -1,7 +1,7 @@
 """Pipelined MTP rounds (`--verify pipelined`): every decision of a round on the device, and round r + 1 dispatched
 before round r is read, so the host builds the next round while the GPU runs this one.
 
-A round of fixed shape K: the MTP head drafts K tokens; the target verifies [y, d1..dK] (always K + 1 rows);
+A round of shape K (fixed, or picked per round by PipelinedTuner; K = 0 is a plain step): the MTP head drafts K tokens; the target verifies [y, d1..dK] (always K + 1 rows);
 acceptance picks n (leading matches when greedy; min(1, p/q) with the residual and bonus draws when sampling) and
 the next token with array ops; the caches keep n + 1 rows: attention caches hold their length as a device scalar
 (cache.FixedKVCache), GDN layers take the state and conv window of step n from the verify's recorded steps
@@ -114,7 +114,8 @@ class PipelinedRounds:
 
     def bounds(self, r: int, verified: int) -> None:
         """Host-side upper bounds of the caches' offsets before round r, `verified` = rows kept by rounds 0..r-2
-        (read). The head's start offset is exact; the target's misses only round r-1's unread count."""
+        (read). The head's is exact but for its backlog (< CATCH_UP_ROWS plain steps' slots not fed yet); the
+        target's misses only round r-1's unread count."""
         head = self.m0 + (self.tail + verified if r else 0)
         for c in self.mcache:
             c.bound = head
@@ -149,8 +150,9 @@ class PipelinedRounds:
         return mx.zeros((0,), dtype=mx.int32), None
 
     def _draft_rows(self, k: int):
-        """The head over the pending slots (the last round's rows, or the backlog's remainder): returns its output at
-        the newest token's slot [1, 1, H] and the offsets of the scratch rows of k draft steps."""
+        """The head over the pending slots (the last round's rows, or the backlog's remainder and the newest slot):
+        returns its output at the newest token's slot [1, 1, H], the head caches' (true end, bound) and the offsets
+        of the scratch rows of k draft steps."""
         if self.last_k == 0 and self.backlog:  # after plain steps: the backlog's remainder, then the newest slot
             self.backlog.append((self.ptok, self.phid))
             self.ptok, self.phid = self._joined(self.backlog)
@@ -228,12 +230,14 @@ class PipelinedTuner:
 
     def __init__(self, k_max: int):
         self.k_max, self.cost = k_max, {}
-        self.k, self.left, self.since = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS, 0
+        self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
+        self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
         self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
 
     def observe(self, k: int, seconds: float) -> None:
         """One pass of the loop that dispatched a round of depth k."""
-        self.since = self.since + 1 if k == self.k else 0
+        self.since = self.since + 1 if k == self.prev else 0
+        self.prev = k
         if self.since < self.SKIP:
             return
         old = self.cost.get(k)
@@ -293,7 +297,7 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
-    verified, pending, r, last = 0, None, 0, None
+    verified, pending, r, last, logged = 0, None, 0, None, 0
     while True:
         tic = time.perf_counter()
         if tuner is not None:
@@ -320,8 +324,9 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
             if pk:
                 stats.record(pk, n)
             verified += n + 1
-            if tuner is not None and len(tuner.decisions) > len(stats.decisions):
-                stats.decisions += tuner.decisions[len(stats.decisions):]
+            if tuner is not None and len(tuner.decisions) > logged:
+                stats.decisions += tuner.decisions[logged:]
+                logged = len(tuner.decisions)
             yield from tokens
         pending, r = (*out, k), r + 1
 
