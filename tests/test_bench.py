@@ -322,3 +322,21 @@ def test_timings_survive_a_run_stopped_while_profiling(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "decode.json").exists() and not (out / "decode.partial.json").exists()
+
+
+def test_adaptive_leg_warms_up_every_depth_it_may_reach(tmp_path, monkeypatch):
+    """A verify shape's first use compiles it (seconds under CUDA), and an adaptive leg may reach any depth up to its
+    K inside a timed run: its warm-up runs each fixed depth 1..K once before itself (run 12's adaptive legs had
+    repetitions at 0.005-0.011x plain)."""
+    seen, real = [], bench.token_stream
+
+    def spy(target, leg, *a, **k):
+        seen.append(leg.name)
+        return real(target, leg, *a, **k)
+
+    monkeypatch.setattr(bench, "token_stream", spy)
+    assert bench.main(["decode", "--model", "tiny", "--dtype", "float32", "--reps", "1", "--lengths", "4,12",
+                       "--temps", "0", "--legs", "plain,pipelined", "--k", "adaptive", "--no-stock",
+                       "--out", str(tmp_path / "w")]) == 0
+    warm = seen[: seen.index("pipelined-adaptive-oracle0.8") + 1]
+    assert warm == ["plain", *[f"pipelined-K{k}-oracle0.8" for k in range(1, 5)], "pipelined-adaptive-oracle0.8"]

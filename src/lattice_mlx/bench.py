@@ -494,8 +494,12 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
 
     for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
         log(f"[{label}] warming up {leg.name}")
-        stream, _ = token_stream(target, leg, prompts[0], temp, n_max=n_max, reference=reference(leg, 0), seed=seed)
-        timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=leg.compiled)
+        # an adaptive leg may reach any depth up to its K inside a timed run, and a verify shape's first use compiles
+        # it (seconds under CUDA: run 12's adaptive legs had 0.005-0.011x repetitions): every depth is run once first
+        warm = [dataclasses.replace(leg, adaptive=False, k=k) for k in range(1, leg.k + 1)] if leg.adaptive else []
+        for w in [*warm, leg]:
+            stream, _ = token_stream(target, w, prompts[0], temp, n_max=n_max, reference=reference(w, 0), seed=seed)
+            timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=w.compiled)
     records = {leg.name: LegRecord(leg) for leg in legs}
     for rep in range(reps):
         i = rep % len(prompts)
