@@ -27,6 +27,8 @@
 #   round-host     0.8B shape, bf16: a plain step's and a pipelined round's host time split into Python graph
 #                  building, MLX dispatch (async_eval) and waiting, and their graph nodes (scripts/round_host.py)
 #   demo-adaptive  the embedded demo at temperature 0.7: adaptive depth and fixed K against plain (REPS, 10)
+#   rounds-adaptive  adaptive depth, the batched loop's DepthTuner vs pipelined rounds' PipelinedTuner: 0.8B shape at
+#                  oracle 0.8 and 0.3, and the demo's real head greedy and at 0.7 (REPS, 10)
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -156,6 +158,14 @@ for mode in "$@"; do
     step demo_adaptive "${DEMO_LIMIT:-150}" "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 \
       --workloads code --temps 0.7 --legs plain,plain-aa,batched --k 2,adaptive --no-stock \
       --out "$RES/demo_adaptive" ;;
+  rounds-adaptive)
+    step adaptive_0.8b 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,batched,pipelined --k 3,adaptive --oracle-p "${ORACLE_P:-0.8}" --no-stock \
+      --out "$RES/adaptive_0.8b"
+    step adaptive_0.8b_p03 150 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
+    step adaptive_demo 150 "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 --workloads code \
+      --temps 0,0.7 --legs plain,plain-aa,batched,pipelined --k adaptive --no-stock --out "$RES/adaptive_demo" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
