@@ -41,14 +41,16 @@ def mtp_step(model, tokens: mx.array, hidden: mx.array, cache: list) -> tuple[mx
     return logits, (post if head.input_hidden == "post" else x)[0]
 
 
-def feed_head(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP) -> None:
+def feed_head(model, tokens: list[int] | mx.array, hidden: mx.array, cache: list, *, step: int = PREFILL_STEP,
+              wait: bool = True) -> None:
     """The MTP head's slots pairing tokens [T] with the target hiddens [T, H] before them, written to its cache in
-    chunks of `step` (memory bounded by the chunk, as the target's prefill)."""
+    chunks of `step` (memory bounded by the chunk, as the target's prefill). wait=False queues each chunk behind the
+    work already dispatched instead of waiting for it (catch-up inside the decode loop)."""
     for start in range(0, len(tokens), step):
         chunk = mx.array(tokens[start : start + step])
         h = model.mtp.from_target(hidden[start : start + step])
         model.mtp(model.model.embed_tokens(chunk)[None], h[None], cache)
-        mx.eval([c.state for c in cache])
+        (mx.eval if wait else mx.async_eval)([c.state for c in cache])
 
 
 def mtp_prefill(model, tokens: list[int], hidden: mx.array, cache: list, *, step: int = PREFILL_STEP):
@@ -83,14 +85,12 @@ class MTPDrafter:
         # more slots than a round leaves: a plain stretch (adaptive depth). Feed the head CATCH_UP_ROWS at a time as
         # they come (queued behind the plain steps; the first piece also takes the prompt's pending slots), keeping
         # the newest for the next draft step, which needs its output.
-        hidden, head = mx.concatenate(self.hidden), self.model.mtp
+        hidden = mx.concatenate(self.hidden)
         while len(self.tokens) > self.tail + CATCH_UP_ROWS:
             rows, self.tail = self.tail + CATCH_UP_ROWS, 0
-            chunk, hidden_chunk = mx.array(self.tokens[:rows]), hidden[:rows]
-            head(self.model.model.embed_tokens(chunk)[None], head.from_target(hidden_chunk)[None], self.cache)
+            feed_head(self.model, self.tokens[:rows], hidden[:rows], self.cache, step=rows, wait=False)
             self.tokens, hidden = self.tokens[rows:], hidden[rows:]
         self.hidden = [hidden]
-        mx.async_eval([c.state for c in self.cache])
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], mx.array | None]:
         tokens, h = mx.array(self.tokens), self.model.mtp.from_target(mx.concatenate(self.hidden))

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from . import cache as caches
 from .decode import resume
-from .drafters import CATCH_UP_ROWS, _pick, mtp_prefill
+from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
 from .sample import Sampler, accept_sampled_arrays
 from .spec import (
     ADAPTIVE_START_K,
@@ -125,11 +125,9 @@ class PipelinedRounds:
     def _feed_backlog(self, rows: int) -> None:
         """The head takes the first `rows` backlog slots (plain steps' tokens and hiddens, all valid) into its cache."""
         (tok, hid), self.backlog = self._joined(self.backlog[:rows]), self.backlog[rows:]
-        head = self.model.mtp
-        head(self.model.model.embed_tokens(tok)[None], head.from_target(hid)[None], self.mcache)
-        for c in self.mcache:
+        feed_head(self.model, tok, hid, self.mcache, step=rows, wait=False)
+        for c in self.mcache:  # a fixed-capacity cache writes at its offset without moving it
             c.offset = c.offset + rows
-        mx.async_eval([c.state for c in self.mcache])
 
     @staticmethod
     def _joined(slots: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:

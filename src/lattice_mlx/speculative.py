@@ -18,7 +18,7 @@ from .decode import resume
 from .drafters import HybridDrafter, MTPDrafter, make_drafter
 from .rounds import speculative_pipelined
 from .sample import Sampler, accept_greedy, accept_sampled
-from .spec import (  # noqa: F401
+from .spec import (
     ADAPTIVE_START_K,
     ADAPTIVE_WARMUP_ROUNDS,
     FIRST_OFF_TOKENS,
