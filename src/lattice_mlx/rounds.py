@@ -1,9 +1,10 @@
 """Pipelined MTP rounds (`--verify pipelined`): every decision of a round on the device, and round r + 1 dispatched
 before round r is read, so the host builds the next round while the GPU runs this one.
 
-A round of shape K (fixed, or picked per round by PipelinedTuner; K = 0 is a plain step): the MTP head drafts K tokens; the target verifies [y, d1..dK] (always K + 1 rows);
-acceptance picks n (leading matches when greedy; min(1, p/q) with the residual and bonus draws when sampling) and
-the next token with array ops; the caches keep n + 1 rows: attention caches hold their length as a device scalar
+A round of shape K (fixed, or picked per round by PipelinedTuner; K = 0 is a plain step): the MTP head drafts K
+tokens; the target verifies [y, d1..dK] (always K + 1 rows); acceptance picks n (leading matches when greedy;
+min(1, p/q) with the residual and bonus draws when sampling) and the next token with array ops; the caches keep n + 1
+rows: attention caches hold their length as a device scalar
 (cache.FixedKVCache), GDN layers take the state and conv window of step n from the verify's recorded steps
 (GDNCache.pick). The MTP head's next round feeds all K + 1 verified rows (rows past n are stale and are
 overwritten) and reads its first draft at row n. No `.item()` inside a round: the host reads a round's tokens
