@@ -249,7 +249,7 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     assert sum(stats.proposed_at) < 3 * stats.rounds  # rounds of K < 3 were among them
     head, _ = adaptive_tokens(model, PROMPT, 120)
     assert head == plain[:120]
-    monkeypatch.undo()  # the tuner's own decisions (from this machine's timings): the tokens are plain's whatever they are
+    monkeypatch.undo()  # the tuner's own decisions (this machine's timings): whatever they are, plain's tokens
     tuned, _ = adaptive_tokens(model, PROMPT, 120, drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 3))
     assert tuned == plain[:120]
 

@@ -220,8 +220,8 @@ class PipelinedTuner:
     the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
     cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
     per-position acceptance (spec.expected_tokens), and the depth picked is the K within one of the current one
-    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change of K are not timed (the pipeline refills, and a
-    verify shape's first use compiles it). The schedule: plain steps first (the baseline), then ADAPTIVE_START_K for
+    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
+    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps first (the baseline), then ADAPTIVE_START_K for
     ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every round. Plain wins: plain steps for a stretch (32
     tokens, doubling while speculation still cannot pay) and speculation is probed again."""
 

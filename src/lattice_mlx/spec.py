@@ -48,7 +48,8 @@ class SpecOptions:
     """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
     lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
     tokens), 'pipelined' (batched, every decision on the device and the next round dispatched before this one is
-    read; MTP chains: rounds.py) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured acceptance and cost
+    read; MTP chains: rounds.py) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured
+    acceptance and cost
     and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per depth ('2-2-1')."""
 
     draft: str = "mtp"
