@@ -49,8 +49,8 @@ class SpecOptions:
     lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
     tokens), 'pipelined' (batched, every decision on the device and the next round dispatched before this one is
     read; MTP chains: rounds.py) or 'sequential' (one per token, the A/B reference); adaptive: tune K from measured
-    acceptance and cost
-    and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per depth ('2-2-1')."""
+    acceptance and cost and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per
+    depth ('2-2-1')."""
 
     draft: str = "mtp"
     draft_tokens: int = 2
