@@ -32,6 +32,7 @@
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
+#                  (LEGS, default plain,plain-aa,pipelined), CUPTI
 #   decode-35b     Qwen3.5-35B-A3B MoE shape (random, Q4, ~18 GB), bf16: stock vs plain vs MTP K=1..3 at oracle 0.8
 #   distributed    [distributed], kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES,
 #                  default "4b 27b") one GPU vs two (tensor, pipeline), plain and MTP at oracle 0.8, CUPTI on rank 0;
@@ -174,8 +175,8 @@ for mode in "$@"; do
       --legs stock,plain,plain-aa,batched --k 2 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_4b" ;;
   draft-vocab)
     step draft_vocab 200 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps 10 --lengths 16,96 --temps 0 \
-      --legs plain,plain-aa,batched --k 2,3 --oracle-p 0.8 --draft-vocab-ab 32768 --no-stock \
-      --out "$RES/draft_vocab" ;;
+      --legs "${LEGS:-plain,plain-aa,pipelined}" --k 2,3 --oracle-p 0.8 --draft-vocab-ab 32768 --no-stock \
+      --profile .device-tools --out "$RES/draft_vocab" ;;
   decode-35b)
     step decode_35b "${MOE_LIMIT:-420}" "${B[@]}" decode --model 35b-a3b --dtype bfloat16 --reps 10 --lengths 16,64 --temps 0 \
       --legs stock,plain,plain-aa,batched --k 1,2,3 --oracle-p 0.8 --profile .device-tools --out "$RES/decode_35b" ;;
