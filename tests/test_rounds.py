@@ -339,3 +339,62 @@ def test_pipelined_tuner_does_not_time_the_passes_after_a_change_of_depth():
         ks.append(k)
     assert tuner.cost[0] == pytest.approx(1.0) and tuner.cost[2] == pytest.approx(1.5)
     assert not tuner.decisions and ks[-1] == 2
+
+
+@pytest.mark.parametrize("name,k", [("pattern", 3), ("tied", 2)])
+def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch, name, k):
+    """Steady-state rounds replay one mx.compile trace (the Python round is built only when MLX traces it) and give
+    the tokens, acceptance and round count of rounds built op by op, and plain decoding's tokens; across a KV buffer
+    growth (a new shape: one more trace) too."""
+    model, _ = load(checkpoints[name])
+    n = 90
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(n + 10))]
+    built = {"traced": 0, "eager": 0}
+    draft = rounds.PipelinedRounds.draft
+
+    def counting(self, r, k=None):
+        built["traced" if isinstance(self.y, mx.array) and _tracing() else "eager"] += 1
+        return draft(self, r, k)
+
+    def _tracing():  # a draft built while MLX traces a round has a slot's rounds set
+        return any(slot.rounds is not None for _, slot in model.__dict__.get("_round_traces", {}).values())
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "draft", counting)
+    monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)  # PROMPT + 90 tokens crosses one growth
+    out = {}
+    for on in (False, True):
+        model.__dict__.pop("_round_traces", None)
+        built.update(traced=0, eager=0)
+        with rounds.tracing(on):
+            out[on] = spec_tokens(model, PROMPT, n, verify="pipelined", k=k,
+                                  drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, k, seed=5))
+        out[on] = (*out[on], dict(built))
+    (eager, s0, b0), (traced, s1, b1) = out[False], out[True]
+    assert eager == traced == plain[:n]
+    assert s0.accepted_hist == s1.accepted_hist and s0.rounds == s1.rounds > 20
+    assert b0["traced"] == 0 and b0["eager"] >= s0.rounds
+    # traced: the first round is built op by op (its pending rows differ), then one trace per pair of buffer
+    # capacities (the head's buffer and the target's grow at different rounds)
+    assert b1["eager"] == 1 and 1 <= b1["traced"] <= 3, b1
+
+
+def test_traced_rounds_are_off_when_sampling_or_disabled(checkpoints, monkeypatch):
+    model, _ = load(checkpoints["pattern"])
+    sampler = Sampler(temp=0.8)
+    hidden_run = []
+    real = rounds.PipelinedRounds.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        hidden_run.append(self.traced)
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "__init__", spy)
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2, sampler=sampler)
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "0")
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "1")
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    assert hidden_run == [False, False, True]
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "2")
+    with pytest.raises(ValueError, match="LATTICE_TRACE_ROUNDS"):
+        rounds.tracing_enabled()

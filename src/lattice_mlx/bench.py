@@ -50,6 +50,7 @@ from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, qua
 from .models import compiled
 from .models.fuse import hf_parameters
 from .models.mtp import DraftVocab
+from . import rounds as rounds_mod
 from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats
@@ -151,6 +152,7 @@ class Leg:
     compiled: bool | None = None  # --compile-ab: the compiled path forced on / off while the leg runs; None: as set
     draft_vocab: int | None = None  # --draft-vocab-ab: the MTP head drafts from ids 0..N-1 only; None: as loaded
     head_q4: bool = False  # --head-q4-ab: the MTP head's linears in 4 bits (as convert --quantize-mtp makes them)
+    traced: bool | None = None  # --trace-ab: pipelined rounds traced (rounds.py) forced on / off; None: as set
 
     @property
     def name(self) -> str:
@@ -160,6 +162,7 @@ class Leg:
         name += f"-oracle{self.p:g}" if self.p is not None else ""
         name += f"+dv{self.draft_vocab}" if self.draft_vocab else ""
         name += "+headq4" if self.head_q4 else ""
+        name += "+untraced" if self.traced is False else ""
         return name + ("+compile" if self.compiled else "")
 
 
@@ -192,6 +195,21 @@ def with_head_q4_ab(legs: list[Leg], on: bool) -> list[Leg]:
     """With `on`, every MTP leg is followed by its twin whose MTP head runs in 4 bits (the head's fused kernels
     instead of bf16 matmuls and separate norms): what quantizing the head saves per round."""
     return _with_mtp_twins(legs, head_q4=True) if on else legs
+
+
+def with_trace_ab(legs: list[Leg], on: bool) -> list[Leg]:
+    """With `on`, every pipelined leg is followed by its twin whose rounds are built op by op in Python every round
+    instead of replaying one trace (LATTICE_TRACE_ROUNDS=0): what tracing a round saves."""
+    if not on:
+        return legs
+    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, traced=False)]
+                                              if leg.kind == "mtp" and leg.verify == "pipelined" else [leg])]
+
+
+def _tracing_during(on: bool, stream):
+    """Runs `stream` with traced rounds forced on or off."""
+    with rounds_mod.tracing(on):
+        yield from stream
 
 
 def quantized_head(model, *, group_size: int):
@@ -359,6 +377,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         stream = _draft_vocab_during(target.model, vocab, stream)
     if leg.head_q4:
         stream = _head_during(target.model, target.head_q4, stream)
+    if leg.traced is not None:
+        stream = _tracing_during(leg.traced, stream)
     return stream, stats
 
 
@@ -620,8 +640,9 @@ def experiment_decode(target: Target, args, lock: dict) -> dict:
                     legs += [Leg(name)] if (name != "stock" or target.stock is not None) else []
                 else:
                     legs += mtp_legs([name], args.k.split(","), p=p)
-            legs = with_head_q4_ab(with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab), args.draft_vocab_ab),
-                                   args.head_q4_ab)
+            legs = with_trace_ab(with_head_q4_ab(with_draft_vocab_ab(with_compile_ab(legs, args.compile_ab),
+                                                                     args.draft_vocab_ab), args.head_q4_ab),
+                                 args.trace_ab)
             label = f"decode {workload} temp={temp:g}"
             group = {"workload": workload, "temp": temp, "oracle_p": p}
 
@@ -780,6 +801,8 @@ def setup_arg_parser() -> ArgumentParser:
                    help="decode: every MTP leg also as a twin whose head drafts from token ids 0..N-1 only")
     p.add_argument("--head-q4-ab", action="store_true",
                    help="decode: every MTP leg also as a twin whose MTP head runs in 4 bits (convert --quantize-mtp)")
+    p.add_argument("--trace-ab", action="store_true",
+                   help="decode: every pipelined leg also as a twin whose rounds are built op by op (not traced)")
     p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
                    "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")

@@ -66,6 +66,10 @@ class FixedKVCache:
         self.offset = mx.array(offset, dtype=mx.int32)
         self.bound = offset
         self.length: mx.array | None = None
+        # attention reads the whole buffer (masked to `length` on the device) instead of its first bound + T rows:
+        # the shapes of a round then do not change from round to round, so one trace of it serves them all
+        # (rounds.py, traced rounds)
+        self.whole = False
 
     @classmethod
     def from_kv(cls, kv: KVCache) -> "FixedKVCache":
@@ -76,12 +80,19 @@ class FixedKVCache:
 
     def _reserve(self, k: mx.array) -> None:
         """Room for k's rows past `bound`: a bigger buffer (old rows copied) only when the capacity is short."""
+        self.reserve(k.shape[2], like=k)
+
+    def reserve(self, rows: int, like: mx.array | None = None) -> None:
+        """Room for `rows` rows past `bound`. The capacity is a multiple of GROW (the same shapes for every prompt
+        length up to it: a traced round is reused across requests); `like` gives [B, Hkv, _, D] and the dtype when
+        the cache is still empty."""
         have = 0 if self.keys is None else self.keys.shape[2]
-        need = self.bound + k.shape[2] - have
-        if need <= 0:
+        if self.bound + rows <= have:
             return
-        shape = (*k.shape[:2], -(-need // self.GROW) * self.GROW, k.shape[3])
-        grow = lambda a: mx.zeros(shape, k.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
+        ref = like if self.keys is None else self.keys
+        cap = -(-(self.bound + rows) // self.GROW) * self.GROW
+        shape = (*ref.shape[:2], cap - have, ref.shape[3])
+        grow = lambda a: mx.zeros(shape, ref.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
         self.keys, self.values = grow(self.keys), grow(self.values)
 
     # (offset, capacity, T, start, length) of the last write: the target's attention layers share one offset array
@@ -102,6 +113,8 @@ class FixedKVCache:
         start, self.length = self._positions(T)
         self.keys = mx.slice_update(self.keys, k, start, axes=(2,))
         self.values = mx.slice_update(self.values, v, start, axes=(2,))
+        if self.whole:
+            return self.keys, self.values
         view = self.bound + T
         return self.keys[..., :view, :], self.values[..., :view, :]
 

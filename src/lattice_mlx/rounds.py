@@ -17,15 +17,20 @@ with the target hidden h_j at RoPE position j.
 
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import cache as caches
 from .decode import resume
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
+from .metal import use_kernels
+from .models import compiled
 from .sample import Sampler, accept_sampled_arrays
 from .spec import (
     ADAPTIVE_START_K,
@@ -80,6 +85,59 @@ def _head_offsets(k: int):
     return mx.compile(lambda offset, n: tuple(offset + n + (1 + i) for i in range(max(k - 1, 1))))
 
 
+# Traced rounds: a steady-state round (greedy, the same K as the round before, no plain-step backlog) is one
+# mx.compile trace, replayed every round. Building a round in Python took ~1.15 ms on the H200 host (of a ~3 ms
+# round; run 12, scripts/round_host.py); a replay hands MLX the same graph for the cost of flattening its inputs.
+# The caches' arrays, the newest token and the head's pending slots go in and out of the trace; the weights are
+# constants of it (a trace is kept per set of weight arrays). LATTICE_TRACE_ROUNDS=0 builds every round in Python.
+_trace_forced: bool | None = None
+MAX_TRACES = 4  # traced rounds kept per model (each holds its weights alive)
+
+
+def tracing_enabled() -> bool:
+    if _trace_forced is not None:
+        return _trace_forced
+    value = os.environ.get("LATTICE_TRACE_ROUNDS", "1")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"LATTICE_TRACE_ROUNDS={value!r}: use 1 (traced rounds, the default) or 0 (built per round)")
+    return value != "0"
+
+
+@contextmanager
+def tracing(on: bool | None):
+    """Traced rounds on / off inside the block whatever LATTICE_TRACE_ROUNDS says (None: as it says); A/B legs."""
+    global _trace_forced
+    before, _trace_forced = _trace_forced, on
+    try:
+        yield
+    finally:
+        _trace_forced = before
+
+
+class _Slot:
+    """The PipelinedRounds a cached trace builds on when MLX (re)traces it (only while a call is in progress)."""
+    rounds: "PipelinedRounds | None" = None
+
+
+def _traced_round(slot: _Slot, k: int):
+    """The function MLX traces: (state arrays, the override's device inputs) -> (state arrays, tokens, n)."""
+
+    def fn(state: list, extras: list):
+        rounds = slot.rounds
+        rounds._set_state(state)
+        override = rounds.override
+        if override is not None:
+            rounds.override = lambda d, q, rr, r: override.apply(d, q, rr, extras)
+        try:
+            drafts, q = rounds.draft(0, k)
+            tokens, n = rounds.verify(drafts, q)
+        finally:
+            rounds.override = override
+        return rounds._state(), tokens, n
+
+    return mx.compile(fn)
+
+
 class PipelinedRounds:
     """The device state between rounds and the graph of one round; `speculative_pipelined` drives it."""
 
@@ -112,6 +170,11 @@ class PipelinedRounds:
         self.ptok, self.phid = mx.array(tail, dtype=mx.int32), tail_hidden
         self.pn = mx.array(len(tail) - 1, dtype=mx.int32)
         self.gen = mx.array(0, dtype=mx.int32)
+        self.traced = tracing_enabled() and sampler.greedy and \
+            (override is None or hasattr(override, "apply"))
+        for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
+            c.whole = self.traced
+        self._trace_key = None  # computed at the first traced round (the weights' identities)
 
     def bounds(self, r: int, verified: int) -> None:
         """Host-side upper bounds of the caches' offsets before round r, `verified` = rows kept by rounds 0..r-2
@@ -197,6 +260,81 @@ class PipelinedRounds:
             drafts, q = self.override(drafts, q, self, r)
         self.last_k = k
         return drafts, q
+
+    def _state(self) -> list[mx.array]:
+        """The arrays a round reads and writes (a traced round's inputs and outputs)."""
+        out = [self.y, self.ptok, self.phid, self.pn, self.gen]
+        for c in self.mcache:
+            out += [c.keys, c.values, c.offset]
+        out += [self.kv[0].offset] if self.kv else []
+        for c in self.kv:
+            out += [c.keys, c.values]
+        for c in self.gdn:
+            out += [c.conv, c.ssm, c.window_pick]
+        return out
+
+    def _set_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        self.y, self.ptok, self.phid, self.pn, self.gen = next(it), next(it), next(it), next(it), next(it)
+        for c in self.mcache:
+            c.keys, c.values, c.offset = next(it), next(it), next(it)
+        if self.kv:
+            offset = next(it)
+            for c in self.kv:
+                c.offset = offset
+        for c in self.kv:
+            c.keys, c.values = next(it), next(it)
+        for c in self.gdn:
+            c.conv, c.ssm, c.window_pick = next(it), next(it), next(it)
+
+    def _can_trace(self, k: int) -> bool:
+        """A steady-state round: same K as the last one, its K + 1 rows pending for the head, no backlog, every
+        cache written once already."""
+        return (self.traced and k > 0 and k == self.last_k and not self.backlog and self.ptok.shape[0] == k + 1
+                and all(c.keys is not None for c in (*self.mcache, *self.kv))
+                and all(c.window_pick is not None for c in self.gdn))
+
+    def _trace(self, k: int):
+        """The cached trace for this model, K and weights (made on first use; MLX traces it on its first call)."""
+        if self._trace_key is None:
+            head = self.model.mtp
+            vocab = head.draft_vocab
+            if vocab is not None:
+                vocab._lm_rows(self.model)  # gathered outside the trace (a constant of it)
+            weights = tuple(id(a) for _, a in tree_flatten(self.model.parameters()))
+            self._trace_key = (weights, id(vocab), id(vocab._rows) if vocab is not None else None,
+                               type(self.override).__name__, use_kernels(), compiled.enabled())
+        traces = self.model.__dict__.setdefault("_round_traces", {})
+        key = (self._trace_key, k)
+        if key not in traces:
+            while len(traces) >= MAX_TRACES:
+                traces.pop(next(iter(traces)))
+            slot = _Slot()
+            traces[key] = (_traced_round(slot, k), slot)
+        return traces[key]
+
+    def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
+        """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
+        Returns (tokens [k + 1], n) as `verify`."""
+        if not self._can_trace(k):
+            return self.verify(*self.draft(r, k))
+        fn, slot = self._trace(k)
+        for c in self.kv:
+            c.reserve(k + 1)
+        for c in self.mcache:
+            c.reserve(2 * k)  # the head's k + 1 pending rows and k - 1 scratch rows past its bound
+        extras = self.override.device_inputs(k) if self.override is not None else []
+        slot.rounds = self
+        try:
+            state, tokens, n = fn(self._state(), extras)
+        finally:
+            slot.rounds = None
+            caches.FixedKVCache._memo = None
+            for c in (*self.mcache, *self.kv):
+                c.length = None
+        self._set_state(state)
+        self.last_k = k
+        return tokens, n
 
     def verify(self, drafts: mx.array, q: mx.array | None) -> tuple[mx.array, mx.array]:
         """The target over [y, d1..dK]; acceptance, cache advance and the next round's inputs on the device.
@@ -305,9 +443,8 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
             k = tuner.next_k(stats.accepted_per_position())
             last = (k, tic)
         rounds.bounds(r, verified)
-        drafts, q = rounds.draft(r, k)
+        out = rounds.round(r, k)
         mid = time.perf_counter()
-        out = rounds.verify(drafts, q)
         mx.async_eval(*out)
         if pending is not None:
             # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
@@ -355,5 +492,18 @@ class DeviceOracle:
     def __call__(self, drafts: mx.array, q, rounds: PipelinedRounds, r: int) -> tuple[mx.array, None]:
         k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
         truth = self.ref[self._index(k)(rounds.gen)]
-        right = mx.array([self.rng.random() < self.p for _ in range(k)])
-        return self._pick(right, truth, drafts.astype(mx.int32)), None
+        return self._pick(self._right(k), truth, drafts.astype(mx.int32)), None
+
+    def _right(self, k: int) -> mx.array:
+        return mx.array([self.rng.random() < self.p for _ in range(k)])
+
+    # A traced round (PipelinedRounds.round) takes the host's draws and the reference as inputs, not constants of
+    # its trace: device_inputs once per round, apply inside the trace.
+    def device_inputs(self, k: int) -> list[mx.array]:
+        return [self._right(k), self.ref]
+
+    def apply(self, drafts: mx.array, q, rounds: PipelinedRounds, extras: list) -> tuple[mx.array, None]:
+        right, ref = extras
+        k = drafts.shape[0]
+        truth = ref[mx.minimum(rounds.gen + mx.arange(1, k + 1, dtype=mx.int32), ref.shape[0] - 1)]
+        return mx.where(right, truth, (truth + 1) % self.vocab) + 0 * drafts.astype(mx.int32), None
