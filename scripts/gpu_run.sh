@@ -29,6 +29,8 @@
 #   demo-adaptive  the embedded demo at temperature 0.7: adaptive depth and fixed K against plain (REPS, 10)
 #   rounds-adaptive  adaptive depth, the batched loop's DepthTuner vs pipelined rounds' PipelinedTuner: 0.8B shape at
 #                  oracle 0.8 and 0.3, and the demo's real head greedy and at 0.7 (REPS, 10)
+#   rounds-traced  0.8B shape, bf16: pipelined rounds replaying one mx.compile trace vs built per round (--trace-ab)
+#   traced-more    traced rounds at oracle 1.0, with a draft vocabulary and the 4-bit head (K=3), at the 4B shape
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
 #   draft-vocab    0.8B shape, bf16: MTP K=2,3 at oracle 0.8 with the whole vocabulary vs a 32,768-id draft vocabulary
@@ -167,6 +169,18 @@ for mode in "$@"; do
       --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
     step adaptive_demo 150 "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 --workloads code \
       --temps 0,0.7 --legs plain,plain-aa,batched,pipelined --k adaptive --no-stock --out "$RES/adaptive_demo" ;;
+  rounds-traced)  # pipelined rounds replaying one mx.compile trace vs built op by op (--trace-ab), CUPTI
+    step rounds_traced 240 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock --trace-ab --profile .device-tools \
+      --out "$RES/rounds_traced" ;;
+  traced-more)  # traced rounds: oracle 1.0; a 32,768-id draft vocabulary and the 4-bit head (K=3); the 4B shape
+    step traced_p1 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 1.0 --no-stock --out "$RES/traced_p1"
+    step traced_dv_q4 220 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3 --oracle-p 0.8 --no-stock --draft-vocab-ab 32768 --head-q4-ab \
+      --profile .device-tools --out "$RES/traced_dv_q4"
+    step traced_4b 200 "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 --temps 0 \
+      --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock --profile .device-tools --out "$RES/traced_4b" ;;
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;

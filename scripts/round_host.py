@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from lattice_mlx.bench import DTYPES, SHAPES
 from lattice_mlx.decode import prefill
-from lattice_mlx.rounds import DeviceOracle, PipelinedRounds
+from lattice_mlx.rounds import DeviceOracle, PipelinedRounds, tracing
 from lattice_mlx.sample import Sampler
 from lattice_mlx.synthetic import random_model
 
@@ -50,7 +50,7 @@ def median_us(xs: list[float]) -> float:
 
 
 def plain(model, ids: list[int], steps: int, sampler: Sampler) -> tuple[dict, list[int]]:
-    cache = model.make_cache()
+    cache = model.make_cache(trimmable=False)  # as generate_step makes it (runs before f4dbf81: trimmable)
     logits, _ = prefill(model, mx.array(ids), cache)
     y = sampler(logits)
     mx.eval(y)
@@ -77,12 +77,18 @@ def plain(model, ids: list[int], steps: int, sampler: Sampler) -> tuple[dict, li
 
 
 def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int, p: float, *,
-              read: str = "whole") -> dict:
+              read: str = "whole", traced: bool = False) -> dict:
     """`read`: how the host reads round r's tokens after dispatching round r + 1: "whole" (tokens.tolist(), then
     sliced in Python) or "slice" (tokens[: n + 1].tolist(), what rounds.py did up to run 12: a new array, evaluated
-    on the stream behind round r + 1, so reading it waits for round r + 1)."""
+    on the stream behind round r + 1, so reading it waits for round r + 1). `traced`: steady-state rounds replay
+    one mx.compile trace (PipelinedRounds.round; its build time is then all in draft_build_us)."""
+    with tracing(traced):
+        return _pipelined(model, ids, reference, rounds_n, k, p, read=read, traced=traced)
+
+
+def _pipelined(model, ids, reference, rounds_n, k, p, *, read, traced):
     sampler = Sampler(temp=0.0)
-    cache = model.make_cache()
+    cache = model.make_cache(trimmable=False)
     logits, hidden = prefill(model, mx.array(ids), cache, return_hidden=True)
     first = sampler(logits).item()
     oracle = DeviceOracle(reference, p, model.args.vocab_size, k, seed=0)
@@ -93,9 +99,13 @@ def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int
     for r in range(rounds_n):
         t0 = time.perf_counter()
         rounds.bounds(r, verified)
-        drafts, q = rounds.draft(r)
-        t1 = time.perf_counter()
-        out = rounds.verify(drafts, q)
+        if traced:
+            out = rounds.round(r, k)
+            t1 = time.perf_counter()
+        else:
+            drafts, q = rounds.draft(r)
+            t1 = time.perf_counter()
+            out = rounds.verify(drafts, q)
         t2 = time.perf_counter()
         if nodes is None and r == rounds_n // 2:
             nodes = graph_nodes(*out)
@@ -114,7 +124,7 @@ def pipelined(model, ids: list[int], reference: list[int], rounds_n: int, k: int
             draft_b.append(t1 - t0), verify_b.append(t2 - t1), dispatch.append(t3 - t2), wait.append(t4 - t3)
     tokens_per_round = statistics.mean(accepted) + 1
     total = median_us([a + b + c + d for a, b, c, d in zip(draft_b, verify_b, dispatch, wait)])
-    return {"k": k, "p": p, "read": read, "draft_build_us": median_us(draft_b), "verify_build_us": median_us(verify_b),
+    return {"k": k, "p": p, "read": read, "traced": traced, "draft_build_us": median_us(draft_b), "verify_build_us": median_us(verify_b),
             "dispatch_us": median_us(dispatch), "wait_us": median_us(wait), "total_us": total,
             "tokens_per_round": round(tokens_per_round, 3), "us_per_token": round(total / tokens_per_round, 1),
             "graph_nodes": nodes}
@@ -142,7 +152,8 @@ def main() -> int:
     _, reference = plain(model, ids, args.steps * 4 + 8, sampler)  # warm-up, and the oracle's greedy continuation
     for k in map(int, args.k.split(",")):
         log(f"warming up rounds of K={k}")
-        pipelined(model, ids, reference, 8, k, args.p)  # warm-up: traces of K + 1 rows
+        pipelined(model, ids, reference, 8, k, args.p)  # warm-up: kernels of K + 1 rows
+        pipelined(model, ids, reference, 8, k, args.p, traced=True)  # and the round's trace
     log("timing")
     for rep in range(args.reps):
         row, _ = plain(model, ids, args.steps, sampler)
@@ -151,8 +162,8 @@ def main() -> int:
         if args.out:  # after every row: a run cut by its time limit keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
         for k in map(int, args.k.split(",")):
-            for read in ("whole", "slice"):
-                row = pipelined(model, ids, reference, args.steps // 2, k, args.p, read=read)
+            for read, traced in (("whole", False), ("whole", True)):
+                row = pipelined(model, ids, reference, args.steps // 2, k, args.p, read=read, traced=traced)
                 result["rounds"].append(row)
                 print("round", json.dumps({key: v for key, v in row.items() if key != "graph_nodes"}), flush=True)
                 if args.out:

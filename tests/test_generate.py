@@ -59,7 +59,7 @@ def test_cli_mtp_json_stats_and_exactness(checkpoints):
     for key in ("acceptance_rate", "accepted_per_position", "mean_accepted_length", "draft_tokens", "verify",
                 "rounds", "proposed_at", "accepted_at", "accepted_hist", "draft_time_s", "verify_time_s"):
         assert key in stats
-    assert stats["draft"] == "mtp" and stats["draft_tokens"] == 3 and stats["verify"] == "batched"
+    assert stats["draft"] == "mtp" and stats["draft_tokens"] == 3 and stats["verify"] == "pipelined"  # auto
     assert sum(stats["accepted_hist"]) == stats["rounds"] and stats["proposed_at"] == [stats["rounds"]] * 3
     by_env = json.loads(run_cli(*base, "--draft-tokens", "3", "--no-adaptive", env={"LATTICE_MTP": "1"})
                         .stdout.splitlines()[-1])

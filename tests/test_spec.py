@@ -22,12 +22,21 @@ def test_bad_options_are_refused(kwargs, message):
 def test_options_are_frozen_and_name_what_they_need():
     options = SpecOptions()
     assert (options.draft, options.draft_tokens, options.verify, options.adaptive, options.tree) == \
-        ("mtp", 2, "batched", True, None)
+        ("mtp", 2, "auto", True, None)
     with pytest.raises(AttributeError):
         options.draft_tokens = 3
     assert options.needs_mtp and SpecOptions(draft="mtp+ngram").needs_mtp
     assert not SpecOptions(draft="self:first:2").needs_mtp and not SpecOptions(draft="ngram").needs_mtp
     assert parse_tree("2-2-1") == (2, 2, 1)
+
+
+def test_auto_verifier_is_pipelined_for_mtp_chains_only():
+    assert SpecOptions().resolved().verify == "pipelined"
+    assert SpecOptions(verify="batched").resolved().verify == "batched"  # an explicit choice stays
+    for options, kw in [(SpecOptions(draft="ngram"), {}), (SpecOptions(draft="mtp+ngram"), {}),
+                        (SpecOptions(draft="self:first:2"), {}), (SpecOptions(tree="2-1"), {}),
+                        (SpecOptions(), dict(split=True)), (SpecOptions(), dict(host_drafter=True))]:
+        assert options.resolved(**kw).verify == "batched", (options, kw)
 
 
 def test_stats_record_sum_and_rates():

@@ -17,8 +17,9 @@ PROMPTS = [[5, 9, 33, 21, 7, 100], [250], [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 25
 
 
 def run_spec(model, prompt, n, *, sampler=None, drafter=None, **options):
-    """n tokens of speculative decoding (fixed K unless adaptive=True is asked for) and the stats as the JSON has them."""
-    options = SpecOptions(**{"adaptive": False, **options})
+    """n tokens of speculative decoding (fixed K unless adaptive=True is asked for) and the stats as the JSON has them.
+    The batched host loop unless `verify` names another (this file tests it; rounds.py has test_rounds.py)."""
+    options = SpecOptions(**{"adaptive": False, "verify": "batched", **options})
     stats = SpecStats.of(options)
     gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
                            drafter=drafter)

@@ -156,9 +156,9 @@ def check_split_model(model, options: SpecOptions | None) -> None:
     self-speculation would let ranks diverge and deadlock, so they are refused."""
     if getattr(model, "sharding_group", None) is None or options is None:
         return
-    if options.tree or options.verify != "batched" or options.draft.startswith("self"):
-        flag = "--tree" if options.tree else (f"--verify {options.verify}" if options.verify != "batched" else
-                                              "--draft self")
+    if options.tree or options.verify not in ("batched", "auto") or options.draft.startswith("self"):
+        flag = "--tree" if options.tree else (f"--verify {options.verify}" if options.verify not in ("batched", "auto")
+                                              else "--draft self")
         raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
                          f"verifier only: drop {flag}")
 
@@ -168,6 +168,9 @@ def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOpt
     """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
     The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names.
     `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
+    options = options.resolved(split=getattr(model, "sharding_group", None) is not None,
+                               host_drafter=hasattr(drafter, "propose"))
+    stats.verify = options.verify
     check_split_model(model, options)
     if options.verify == "pipelined":  # every decision on the device (rounds.py); `drafter` is a DraftOverride
         return (yield from speculative_pipelined(model, ids, sampler=sampler, options=options, stats=stats,
