@@ -3,6 +3,7 @@
 # Usage (on the device machine, repo root, PYTHONPATH holding MLX's CUDA wheel and src/):
 #   bash scripts/gpu_run.sh MODE [MODE ...]
 # Modes, named by what they measure:
+#   suite          tests/metal and the rest side by side with pytest-xdist (the final-revision run)
 #   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt;
 #                  TESTS="tests/metal/test_x.py ..." runs those files only, TEST_LIMIT seconds at most (480)
 #   invariance     whether verify rows are bitwise decode steps: the first differing op over 40 positions, whole
@@ -70,6 +71,13 @@ for mode in "$@"; do
       step "test_$(basename "${t%%::*}" .py)_$((++n))" "${EACH_LIMIT:-60}" python3 -m pytest -q --tb=short \
         -p no:cacheprovider "$t"
     done ;;
+  suite)  # the whole suite on one GPU: tests/metal (pytest -n 4) beside the rest (-n 8), SUITE_LIMIT s each (500)
+    ( timeout --signal=INT --kill-after=10 "${SUITE_LIMIT:-500}" python3 -m pytest -q -n 4 -rfE --tb=line \
+        -p no:cacheprovider tests/metal > "$RES/suite_metal.out" 2>&1; echo "rc=$?" >> "$RES/suite_metal.out" ) &
+    timeout --signal=INT --kill-after=10 "${SUITE_LIMIT:-500}" python3 -m pytest -q -n 8 -rfE --tb=line \
+      -p no:cacheprovider $(ls tests/test_*.py) > "$RES/suite_rest.out" 2>&1; echo "rc=$?" >> "$RES/suite_rest.out"
+    wait
+    for f in suite_metal suite_rest; do echo "== $f"; tail -n 4 "$RES/$f.out"; done | tee -a "$RES/steps.txt" ;;
   tests)
     # shellcheck disable=SC2086
     step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
