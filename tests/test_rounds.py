@@ -378,23 +378,41 @@ def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch,
     assert b1["eager"] == 1 and 1 <= b1["traced"] <= 3, b1
 
 
-def test_traced_rounds_are_off_when_sampling_or_disabled(checkpoints, monkeypatch):
+def test_sampled_traced_rounds_draw_what_rounds_built_op_by_op_draw(checkpoints):
+    """Sampled rounds trace too: the PRNG key goes in and out of the trace, so under one seed the traced loop draws
+    the very tokens of the loop built op by op (and so keeps its distribution, tested on that loop)."""
     model, _ = load(checkpoints["pattern"])
-    sampler = Sampler(temp=0.8)
-    hidden_run = []
+    sampler = Sampler(temp=0.8, top_p=0.95)
+    out = {}
+    for on in (False, True):
+        model.__dict__.pop("_round_traces", None)
+        mx.random.seed(11)
+        with rounds.tracing(on):
+            out[on] = spec_tokens(model, PROMPT, 60, verify="pipelined", k=3, sampler=sampler)
+    (eager, s0), (traced, s1) = out[False], out[True]
+    assert eager == traced and s0.accepted_hist == s1.accepted_hist
+    assert len(model.__dict__["_round_traces"]) == 1  # the sampled round was traced (one K, one sampler)
+
+
+def test_traced_rounds_follow_the_switch(checkpoints, monkeypatch):
+    model, _ = load(checkpoints["pattern"])
+    seen = []
     real = rounds.PipelinedRounds.__init__
 
     def spy(self, *a, **kw):
         real(self, *a, **kw)
-        hidden_run.append(self.traced)
+        seen.append(self.traced)
 
     monkeypatch.setattr(rounds.PipelinedRounds, "__init__", spy)
-    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2, sampler=sampler)
     monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "0")
     spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
     monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "1")
     spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
-    assert hidden_run == [False, False, True]
+    with rounds.tracing(False):
+        spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    # a host-side override (no device_inputs/apply) cannot go into a trace
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2, drafter=lambda d, q, rr, r: (d, q))
+    assert seen == [False, True, False, False]
     monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "2")
     with pytest.raises(ValueError, match="LATTICE_TRACE_ROUNDS"):
         rounds.tracing_enabled()

@@ -85,7 +85,7 @@ def _head_offsets(k: int):
     return mx.compile(lambda offset, n: tuple(offset + n + (1 + i) for i in range(max(k - 1, 1))))
 
 
-# Traced rounds: a steady-state round (greedy, the same K as the round before, no plain-step backlog) is one
+# Traced rounds: a steady-state round (the same K as the round before, no plain-step backlog) is one
 # mx.compile trace, replayed every round. Building a round in Python took ~1.15 ms on the H200 host (of a ~3 ms
 # round; run 12, scripts/round_host.py); a replay hands MLX the same graph for the cost of flattening its inputs.
 # The caches' arrays, the newest token and the head's pending slots go in and out of the trace; the weights are
@@ -129,13 +129,19 @@ def _traced_round(slot: _Slot, k: int):
         if override is not None:
             rounds.override = lambda d, q, rr, r: override.apply(d, q, rr, extras)
         try:
-            drafts, q = rounds.draft(0, k)
-            tokens, n = rounds.verify(drafts, q)
+            # layer by layer inside the trace: the per-layer traces (models/compiled.py) would add nothing to this
+            # one, and tracing them again inside it swaps their weight arrays for new Python objects (their ids, the
+            # key of the round's trace, would then change at every generation)
+            with compiled.forced(False):
+                drafts, q = rounds.draft(0, k)
+                tokens, n = rounds.verify(drafts, q)
         finally:
             rounds.override = override
         return rounds._state(), tokens, n
 
-    return mx.compile(fn)
+    # the global PRNG key goes in and out (sampled rounds draw with it as rounds built op by op do, in the same order:
+    # one seed gives the same tokens traced or not)
+    return mx.compile(fn, inputs=mx.random.state, outputs=mx.random.state)
 
 
 class PipelinedRounds:
@@ -170,8 +176,7 @@ class PipelinedRounds:
         self.ptok, self.phid = mx.array(tail, dtype=mx.int32), tail_hidden
         self.pn = mx.array(len(tail) - 1, dtype=mx.int32)
         self.gen = mx.array(0, dtype=mx.int32)
-        self.traced = tracing_enabled() and sampler.greedy and \
-            (override is None or hasattr(override, "apply"))
+        self.traced = tracing_enabled() and (override is None or hasattr(override, "apply"))
         for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
             c.whole = self.traced
         self._trace_key = None  # computed at the first traced round (the weights' identities)
@@ -303,7 +308,7 @@ class PipelinedRounds:
                 vocab._lm_rows(self.model)  # gathered outside the trace (a constant of it)
             weights = tuple(id(a) for _, a in tree_flatten(self.model.parameters()))
             self._trace_key = (weights, id(vocab), id(vocab._rows) if vocab is not None else None,
-                               type(self.override).__name__, use_kernels(), compiled.enabled())
+                               type(self.override).__name__, self.sampler, use_kernels(), compiled.enabled())
         traces = self.model.__dict__.setdefault("_round_traces", {})
         key = (self._trace_key, k)
         if key not in traces:
