@@ -416,3 +416,24 @@ def test_traced_rounds_follow_the_switch(checkpoints, monkeypatch):
     monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "2")
     with pytest.raises(ValueError, match="LATTICE_TRACE_ROUNDS"):
         rounds.tracing_enabled()
+
+
+def test_traced_rounds_see_replaced_weights(checkpoints):
+    """The weights are constants of a round's trace: replacing them makes a new trace (fails with a trace keyed on the
+    model alone), and the old one is dropped (it would hold the old weights alive)."""
+    model, _ = load(checkpoints["pattern"])
+
+    def both():
+        plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(40))]
+        spec, _ = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2,
+                              drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 2, seed=2))
+        return plain, spec
+
+    first, spec = both()
+    assert spec == first
+    norm = model.model.norm
+    norm.weight = norm.weight * -1.5  # a different model: other greedy tokens
+    second, spec = both()
+    assert second != first and spec == second
+    weights = {key[0][0] for key in model.__dict__["_round_traces"]}
+    assert len(weights) == 1

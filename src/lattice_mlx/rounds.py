@@ -91,7 +91,7 @@ def _head_offsets(k: int):
 # The caches' arrays, the newest token and the head's pending slots go in and out of the trace; the weights are
 # constants of it (a trace is kept per set of weight arrays). LATTICE_TRACE_ROUNDS=0 builds every round in Python.
 _trace_forced: bool | None = None
-MAX_TRACES = 4  # traced rounds kept per model (each holds its weights alive)
+MAX_TRACES = 8  # traced rounds kept per model (per K, sampler, draft vocabulary; one set of weights)
 
 
 def tracing_enabled() -> bool:
@@ -312,6 +312,8 @@ class PipelinedRounds:
         traces = self.model.__dict__.setdefault("_round_traces", {})
         key = (self._trace_key, k)
         if key not in traces:
+            for old in [t for t in traces if t[0][0] != self._trace_key[0]]:
+                del traces[old]  # traces of replaced weights (each holds its weights alive)
             while len(traces) >= MAX_TRACES:
                 traces.pop(next(iter(traces)))
             slot = _Slot()
