@@ -125,7 +125,7 @@ def test_compiled_greedy_mtp_equals_plain_greedy(checkpoints, monkeypatch, k):
     plain = generate_step(model, mx.array(PROMPT), sampler=Sampler())
     ref = [next(plain) for _ in range(40)]
     monkeypatch.setenv("LATTICE_COMPILE", "1")
-    options = SpecOptions(draft_tokens=k, adaptive=False)
+    options = SpecOptions(draft_tokens=k, verify="batched", adaptive=False)  # (pipelined rounds trace whole)
     gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert [next(gen) for _ in range(40)] == ref
     assert model.mtp.__dict__.get("_compiled") is not None
@@ -141,7 +141,7 @@ def test_compiled_demo_greedy_mtp_and_sampling_match(monkeypatch):
     prompt = "def fibonacci(n):\n"
     ref = generate(model, tok, prompt, max_tokens=48, chat_template=False)
     mx.random.seed(7)
-    mtp = SpecOptions(adaptive=False)
+    mtp = SpecOptions(verify="batched", adaptive=False)  # the per-layer traces (pipelined rounds trace whole)
     sampled_ref = generate(model, tok, prompt, max_tokens=32, temp=0.7, speculation=mtp, chat_template=False)
     monkeypatch.setenv("LATTICE_COMPILE", "1")
     assert generate(model, tok, prompt, max_tokens=48, speculation=mtp, chat_template=False).tokens == ref.tokens

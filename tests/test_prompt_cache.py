@@ -17,7 +17,7 @@ def _run(model, tok, ids, **kw):
     return r.tokens, (r.speculation or {}).get("accepted_at")
 
 
-@pytest.mark.parametrize("spec", [None, SpecOptions(draft_tokens=2, adaptive=False),
+@pytest.mark.parametrize("spec", [None, SpecOptions(draft_tokens=2, verify="batched", adaptive=False),
                                   SpecOptions(draft="mtp+ngram", draft_tokens=3, adaptive=False),
                                   SpecOptions(draft_tokens=3, verify="pipelined", adaptive=False)],
                          ids=["plain", "mtp", "mtp+ngram", "mtp-pipelined"])
@@ -35,7 +35,7 @@ def test_generation_from_a_cached_prefix_is_the_generation_from_scratch(checkpoi
 def test_demo_mtp_accepts_the_same_drafts_from_a_cached_prefix():
     model, tok = load(dtype="float32")
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return")
-    spec = SpecOptions(draft_tokens=2, adaptive=False)
+    spec = SpecOptions(draft_tokens=2, verify="batched", adaptive=False)
     want = _run(model, tok, ids, speculation=spec)
     got = _run(model, tok, ids, speculation=spec, prompt_cache=PromptCache.build(model, ids[:-4]))
     assert got == want and sum(want[1]) > 5

@@ -418,9 +418,9 @@ def test_traced_rounds_follow_the_switch(checkpoints, monkeypatch):
         rounds.tracing_enabled()
 
 
-def test_traced_rounds_see_replaced_weights(checkpoints):
-    """The weights are constants of a round's trace: replacing them makes a new trace (fails with a trace keyed on the
-    model alone), and the old one is dropped (it would hold the old weights alive)."""
+def test_traced_rounds_see_replaced_and_edited_weights(checkpoints):
+    """The weights are captured inputs of a round's trace, read at every call: a weight replaced, or changed in place
+    (the same array object), is what the next traced round computes with (fails with weights as trace constants)."""
     model, _ = load(checkpoints["pattern"])
 
     def both():
@@ -432,8 +432,47 @@ def test_traced_rounds_see_replaced_weights(checkpoints):
     first, spec = both()
     assert spec == first
     norm = model.model.norm
-    norm.weight = norm.weight * -1.5  # a different model: other greedy tokens
+    norm.weight = norm.weight * -1.5  # a new array: another model, other greedy tokens
     second, spec = both()
     assert second != first and spec == second
-    weights = {key[0][0] for key in model.__dict__["_round_traces"]}
-    assert len(weights) == 1
+    w = norm.weight
+    w *= -0.5  # in place: the same array object
+    assert norm.weight is w
+    third, spec = both()
+    assert third != second and spec == third
+    assert len(model.__dict__["_round_traces"]) == 1  # one trace served all three
+
+
+def test_a_failing_trace_leaves_the_model_and_the_prng_usable(checkpoints, monkeypatch):
+    """MLX puts a trace's captured inputs (the weights, the PRNG key) back only when the traced function returns; a
+    round that raises while it is traced must not leave them as placeholders (plain sampling failed after one)."""
+    model, _ = load(checkpoints["pattern"])
+    verify = rounds.PipelinedRounds.verify
+
+    def failing(self, drafts, q):
+        if any(slot.rounds is self for _, slot in model.__dict__.get("_round_traces", {}).values()):
+            raise RuntimeError("planted")
+        return verify(self, drafts, q)
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "verify", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        spec_tokens(model, PROMPT, 30, verify="pipelined", k=2)
+    assert not model.__dict__["_round_traces"]  # the failed trace is not kept
+    monkeypatch.setattr(rounds.PipelinedRounds, "verify", verify)
+    mx.random.seed(3)
+    sampled = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler(temp=1.0)), range(8))]
+    mx.random.seed(3)
+    assert sampled == [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler(temp=1.0)), range(8))]
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(30))]
+    assert spec_tokens(model, PROMPT, 30, verify="pipelined", k=2)[0] == plain
+
+
+def test_traced_round_is_reused_across_generations_and_prompt_lengths(checkpoints):
+    model, _ = load(checkpoints["tied"])
+    for n in (13, 5, 9, 13):
+        prompt = PROMPT[:n]
+        plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(30))]
+        spec, _ = spec_tokens(model, prompt, 30, verify="pipelined", k=2,
+                              drafter=rounds.DeviceOracle(plain, 0.8, model.args.vocab_size, 2, seed=n))
+        assert spec == plain
+    assert len(model.__dict__["_round_traces"]) == 1

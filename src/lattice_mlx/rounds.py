@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from . import cache as caches
 from .decode import resume
@@ -86,12 +85,13 @@ def _head_offsets(k: int):
 
 
 # Traced rounds: a steady-state round (the same K as the round before, no plain-step backlog) is one
-# mx.compile trace, replayed every round. Building a round in Python took ~1.15 ms on the H200 host (of a ~3 ms
-# round; run 12, scripts/round_host.py); a replay hands MLX the same graph for the cost of flattening its inputs.
-# The caches' arrays, the newest token and the head's pending slots go in and out of the trace; the weights are
-# constants of it (a trace is kept per set of weight arrays). LATTICE_TRACE_ROUNDS=0 builds every round in Python.
+# mx.compile trace, replayed every round. Building a round in Python took ~1.4 ms on the H200 host (of a ~3.7 ms
+# round; run 13, scripts/round_host.py); a replay hands MLX the same graph for ~0.45 ms. The caches' arrays, the
+# newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
+# key are captured inputs (read at every call: weights changed in place are what the next round computes with).
+# LATTICE_TRACE_ROUNDS=0 builds every round in Python.
 _trace_forced: bool | None = None
-MAX_TRACES = 8  # traced rounds kept per model (per K, sampler, draft vocabulary; one set of weights)
+MAX_TRACES = 16  # traced rounds kept per model: one per K, sampler, draft vocabulary, head (oldest dropped first)
 
 
 def tracing_enabled() -> bool:
@@ -115,33 +115,40 @@ def tracing(on: bool | None):
 
 
 class _Slot:
-    """The PipelinedRounds a cached trace builds on when MLX (re)traces it (only while a call is in progress)."""
+    """The PipelinedRounds a cached trace builds on when MLX (re)traces it (only while a call is in progress), and
+    the exception a trace raised (the traced function returns instead of raising: MLX puts its captured inputs, the
+    weights and the PRNG key, back only when the function returns)."""
     rounds: "PipelinedRounds | None" = None
+    error: BaseException | None = None
 
 
-def _traced_round(slot: _Slot, k: int):
+def _traced_round(slot: _Slot, model, k: int):
     """The function MLX traces: (state arrays, the override's device inputs) -> (state arrays, tokens, n)."""
 
     def fn(state: list, extras: list):
         rounds = slot.rounds
-        rounds._set_state(state)
-        override = rounds.override
-        if override is not None:
-            rounds.override = lambda d, q, rr, r: override.apply(d, q, rr, extras)
+        override, vocab = rounds.override, rounds.model.mtp.draft_vocab
         try:
+            rounds._set_state(state)
+            if override is not None:
+                rounds.override = lambda d, q, rr, r: override.apply(d, q, rr, extras)
+            if vocab is not None:
+                vocab.pinned = True  # its lm_head rows, gathered before the call, are constants of the trace
             # layer by layer inside the trace: the per-layer traces (models/compiled.py) would add nothing to this
-            # one, and tracing them again inside it swaps their weight arrays for new Python objects (their ids, the
-            # key of the round's trace, would then change at every generation)
+            # one, and tracing them inside it would swap tracers into their captured weights
             with compiled.forced(False):
                 drafts, q = rounds.draft(0, k)
                 tokens, n = rounds.verify(drafts, q)
+            return rounds._state(), tokens, n
+        except BaseException as e:  # noqa: BLE001 (re-raised by PipelinedRounds.round once MLX has restored)
+            slot.error = e
+            return list(state), mx.zeros((k + 1,), dtype=mx.int32), mx.array(0, dtype=mx.int32)
         finally:
             rounds.override = override
-        return rounds._state(), tokens, n
+            if vocab is not None:
+                vocab.pinned = False
 
-    # the global PRNG key goes in and out (sampled rounds draw with it as rounds built op by op do, in the same order:
-    # one seed gives the same tokens traced or not)
-    return mx.compile(fn, inputs=mx.random.state, outputs=mx.random.state)
+    return mx.compile(fn, inputs=[mx.random.state, model.state], outputs=mx.random.state)
 
 
 class PipelinedRounds:
@@ -179,7 +186,6 @@ class PipelinedRounds:
         self.traced = tracing_enabled() and (override is None or hasattr(override, "apply"))
         for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
             c.whole = self.traced
-        self._trace_key = None  # computed at the first traced round (the weights' identities)
 
     def bounds(self, r: int, verified: int) -> None:
         """Host-side upper bounds of the caches' offsets before round r, `verified` = rows kept by rounds 0..r-2
@@ -294,51 +300,54 @@ class PipelinedRounds:
 
     def _can_trace(self, k: int) -> bool:
         """A steady-state round: same K as the last one, its K + 1 rows pending for the head, no backlog, every
-        cache written once already."""
+        cache written once already; and no hidden tap (make_draft_model's, which would keep the trace's arrays)."""
         return (self.traced and k > 0 and k == self.last_k and not self.backlog and self.ptok.shape[0] == k + 1
                 and all(c.keys is not None for c in (*self.mcache, *self.kv))
-                and all(c.window_pick is not None for c in self.gdn))
+                and all(c.window_pick is not None for c in self.gdn)
+                and "_hidden_tap" not in self.model.__dict__)
 
-    def _trace(self, k: int):
-        """The cached trace for this model, K and weights (made on first use; MLX traces it on its first call)."""
-        if self._trace_key is None:
-            head = self.model.mtp
-            vocab = head.draft_vocab
-            if vocab is not None:
-                vocab._lm_rows(self.model)  # gathered outside the trace (a constant of it)
-            weights = tuple(id(a) for _, a in tree_flatten(self.model.parameters()))
-            self._trace_key = (weights, id(vocab), id(vocab._rows) if vocab is not None else None,
-                               type(self.override).__name__, self.sampler, use_kernels(), compiled.enabled())
+    def _trace(self, k: int) -> tuple:
+        """The cached trace for this model and what its graph depends on besides its inputs: K, the sampler, the
+        draft vocabulary, the head and how it reads the target's hidden, the override's kind, the kernels switch."""
+        head = self.model.mtp
+        key = (k, self.sampler, id(head.draft_vocab), id(head), head.input_hidden, type(self.override), use_kernels())
         traces = self.model.__dict__.setdefault("_round_traces", {})
-        key = (self._trace_key, k)
         if key not in traces:
-            for old in [t for t in traces if t[0][0] != self._trace_key[0]]:
-                del traces[old]  # traces of replaced weights (each holds its weights alive)
             while len(traces) >= MAX_TRACES:
                 traces.pop(next(iter(traces)))
             slot = _Slot()
-            traces[key] = (_traced_round(slot, k), slot)
-        return traces[key]
+            traces[key] = (_traced_round(slot, self.model, k), slot)
+        return key, traces
 
     def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
         """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
         Returns (tokens [k + 1], n) as `verify`."""
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
-        fn, slot = self._trace(k)
+        key, traces = self._trace(k)
+        fn, slot = traces[key]
         for c in self.kv:
             c.reserve(k + 1)
         for c in self.mcache:
             c.reserve(2 * k)  # the head's k + 1 pending rows and k - 1 scratch rows past its bound
+        vocab = self.model.mtp.draft_vocab
+        if vocab is not None:
+            vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
         extras = self.override.device_inputs(k) if self.override is not None else []
-        slot.rounds = self
+        before = self._state()
+        slot.rounds, slot.error = self, None
         try:
-            state, tokens, n = fn(self._state(), extras)
+            state, tokens, n = fn(before, extras)
         finally:
             slot.rounds = None
             caches.FixedKVCache._memo = None
             for c in (*self.mcache, *self.kv):
                 c.length = None
+        if slot.error is not None:  # the trace failed: drop it, keep the state from before the round, raise
+            error, slot.error = slot.error, None
+            traces.pop(key, None)
+            self._set_state(before)
+            raise error
         self._set_state(state)
         self.last_k = k
         return tokens, n

@@ -27,10 +27,13 @@ class DraftVocab:
         self.ids = mx.array(ids, dtype=mx.int32)
         self.size = len(ids)
         self._rows, self._key = None, None
+        self.pinned = False  # inside a traced round (rounds.py): the rows gathered before it, no identity check
 
     def _lm_rows(self, model) -> dict:
         """The lm_head's rows of the subset (tied: the embedding's), gathered on first use and again if the weights
         were replaced."""
+        if self.pinned and self._rows is not None:
+            return self._rows
         lin = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         key = id(lin["weight"])
         if self._key != key:
