@@ -32,6 +32,7 @@ from mlx_lm.models import qwen3_5_moe as mlx_lm_qwen3_5_moe
 from mlx_lm.sample_utils import make_sampler
 
 from . import bench_stats as bs
+from . import rounds as rounds_mod
 from .bench_report import (
     SYNTHETIC,
     device_name,
@@ -50,7 +51,6 @@ from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, qua
 from .models import compiled
 from .models.fuse import hf_parameters
 from .models.mtp import DraftVocab
-from . import rounds as rounds_mod
 from .rounds import DeviceOracle
 from .sample import Sampler
 from .spec import SpecOptions, SpecStats

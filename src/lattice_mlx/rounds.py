@@ -17,11 +17,9 @@ with the target hidden h_j at RoPE position j.
 
 import functools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -42,6 +40,7 @@ from .spec import (
     SpecStats,
     expected_tokens,
 )
+from .switches import Switch
 
 log = logging.getLogger("lattice_mlx")
 
@@ -90,28 +89,10 @@ def _head_offsets(k: int):
 # newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
 # key are captured inputs (read at every call: weights changed in place are what the next round computes with).
 # LATTICE_TRACE_ROUNDS=0 builds every round in Python.
-_trace_forced: bool | None = None
 MAX_TRACES = 16  # traced rounds kept per model: one per K, sampler, draft vocabulary, head (oldest dropped first)
-
-
-def tracing_enabled() -> bool:
-    if _trace_forced is not None:
-        return _trace_forced
-    value = os.environ.get("LATTICE_TRACE_ROUNDS", "1")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"LATTICE_TRACE_ROUNDS={value!r}: use 1 (traced rounds, the default) or 0 (built per round)")
-    return value != "0"
-
-
-@contextmanager
-def tracing(on: bool | None):
-    """Traced rounds on / off inside the block whatever LATTICE_TRACE_ROUNDS says (None: as it says); A/B legs."""
-    global _trace_forced
-    before, _trace_forced = _trace_forced, on
-    try:
-        yield
-    finally:
-        _trace_forced = before
+_SWITCH = Switch("LATTICE_TRACE_ROUNDS", "traced rounds", "built per round")
+tracing_enabled = _SWITCH.enabled
+tracing = _SWITCH.forced  # traced rounds on / off inside a block (A/B legs)
 
 
 class _Slot:

@@ -23,8 +23,6 @@ changed LATTICE_KERNELS gets its own traces. Not detected: a submodule swapped f
 the very same arrays (retrace by deleting the owner's `_compiled`).
 """
 
-import os
-from contextlib import contextmanager
 from functools import partial
 
 import mlx.core as mx
@@ -32,32 +30,14 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from ..metal import use_kernels
 from ..metal.attention import sdpa
+from ..switches import Switch
 
 MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
 
 
-_forced: bool | None = None
-
-
-def enabled() -> bool:
-    """On unless LATTICE_COMPILE=0 (the layer-by-layer reference path) or `forced(False)` is in effect."""
-    if _forced is not None:
-        return _forced
-    value = os.environ.get("LATTICE_COMPILE", "1")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"LATTICE_COMPILE={value!r}: use 1 (compiled, the default) or 0 (layer by layer)")
-    return value != "0"
-
-
-@contextmanager
-def forced(on: bool | None):
-    """Compiled path on / off inside the block whatever LATTICE_COMPILE says (None: as it says); for A/B legs."""
-    global _forced
-    before, _forced = _forced, on
-    try:
-        yield
-    finally:
-        _forced = before
+_SWITCH = Switch("LATTICE_COMPILE", "compiled", "layer by layer")
+enabled = _SWITCH.enabled  # on unless LATTICE_COMPILE=0 (the layer-by-layer reference path) or forced(False)
+forced = _SWITCH.forced  # the compiled path on / off inside a block (A/B legs)
 
 
 class _GDNState:
