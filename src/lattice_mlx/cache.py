@@ -82,15 +82,24 @@ class FixedKVCache:
         """Room for k's rows past `bound`: a bigger buffer (old rows copied) only when the capacity is short."""
         self.reserve(k.shape[2], like=k)
 
-    def reserve(self, rows: int, like: mx.array | None = None) -> None:
-        """Room for `rows` rows past `bound`. The capacity is a multiple of GROW (the same shapes for every prompt
-        length up to it: a traced round is reused across requests); `like` gives [B, Hkv, _, D] and the dtype when
-        the cache is still empty."""
-        have = 0 if self.keys is None else self.keys.shape[2]
-        if self.bound + rows <= have:
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def needed(self, rows: int) -> int:
+        """The capacity that holds `rows` rows past `bound`: a multiple of GROW (the same shapes for every prompt
+        length up to it: a traced round is reused across requests), at least the current one."""
+        have, end = self.capacity(), self.bound + rows
+        return have if end <= have else -(-end // self.GROW) * self.GROW
+
+    def reserve(self, rows: int, like: mx.array | None = None, *, capacity: int = 0) -> None:
+        """Room for `rows` rows past `bound`, and at least `capacity` rows in all (pipelined rounds grow the head's
+        and the target's buffers together: one new shape of a traced round, not two); `like` gives
+        [B, Hkv, _, D] and the dtype when the cache is still empty."""
+        have = self.capacity()
+        cap = max(self.needed(rows), capacity)
+        if cap <= have:
             return
         ref = like if self.keys is None else self.keys
-        cap = -(-(self.bound + rows) // self.GROW) * self.GROW
         shape = (*ref.shape[:2], cap - have, ref.shape[3])
         grow = lambda a: mx.zeros(shape, ref.dtype) if a is None else mx.concatenate([a, mx.zeros(shape, a.dtype)], 2)  # noqa: E731
         self.keys, self.values = grow(self.keys), grow(self.values)

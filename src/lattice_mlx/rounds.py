@@ -307,10 +307,13 @@ class PipelinedRounds:
             return self.verify(*self.draft(r, k))
         key, traces = self._trace(k)
         fn, slot = traces[key]
-        for c in self.kv:
-            c.reserve(k + 1)
-        for c in self.mcache:
-            c.reserve(2 * k)  # the head's k + 1 pending rows and k - 1 scratch rows past its bound
+        # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
+        # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
+        need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache]
+        if any(c.needed(rows) > c.capacity() for c, rows in need):
+            cap = max(c.needed(rows) for c, rows in need)
+            for c, rows in need:
+                c.reserve(rows, capacity=cap)
         vocab = self.model.mtp.draft_vocab
         if vocab is not None:
             vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
