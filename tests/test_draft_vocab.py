@@ -81,6 +81,32 @@ def test_greedy_mtp_with_a_draft_vocab_equals_plain(small_vocab_ckpt, k, compile
                 assert drafted and {t.item() for t in drafted} <= set(ids)
 
 
+def test_traced_rounds_draft_from_the_current_rows_and_vocabulary(small_vocab_ckpt):
+    """A traced round takes the draft vocabulary's ids and gathered rows as captured inputs: rows gathered again
+    after the lm_head changed, and another vocabulary object, are what the next traced round drafts with (under one
+    seed, traced and untraced rounds draw the same tokens; with the rows as trace constants they did not)."""
+    model, tok = _with_vocab(small_vocab_ckpt, range(0, 320, 2))
+    spec = SpecOptions(draft_tokens=3, adaptive=False)
+
+    def both():
+        out = []
+        for traced in (False, True):
+            with rounds.tracing(traced):
+                mx.random.seed(5)
+                out.append(generate(model, tok, [5, 6, 7, 8], max_tokens=40, temp=1.0, speculation=spec).tokens)
+        return out
+
+    untraced, traced = both()
+    assert untraced == traced
+    lin = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    lin.weight = lin.weight[::-1]  # the lm_head (or tied embedding) replaced: other rows for the same ids
+    untraced, traced = both()
+    assert untraced == traced
+    model.mtp.draft_vocab = DraftVocab(range(1, 320, 2))  # another vocabulary
+    untraced, traced = both()
+    assert untraced == traced
+
+
 def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
     """Tokens 2..5 of a generation at temperature 1 (the first comes from prefill); with spec one K=3 MTP round and
     its bonus when all drafts are accepted."""

@@ -101,6 +101,7 @@ class _Slot:
     weights and the PRNG key, back only when the function returns)."""
     rounds: "PipelinedRounds | None" = None
     error: BaseException | None = None
+    failed = False  # a trace that raised holds a placeholder graph: never replayed, whatever happens after
 
 
 def _traced_round(slot: _Slot, model, k: int):
@@ -122,14 +123,16 @@ def _traced_round(slot: _Slot, model, k: int):
                 tokens, n = rounds.verify(drafts, q)
             return rounds._state(), tokens, n
         except BaseException as e:  # noqa: BLE001 (re-raised by PipelinedRounds.round once MLX has restored)
-            slot.error = e
+            slot.error, slot.failed = e, True
             return list(state), mx.zeros((k + 1,), dtype=mx.int32), mx.array(0, dtype=mx.int32)
         finally:
             rounds.override = override
             if vocab is not None:
                 vocab.pinned = False
 
-    return mx.compile(fn, inputs=[mx.random.state, model.state], outputs=mx.random.state)
+    vocab = model.mtp.draft_vocab
+    captured = [mx.random.state, model.state] + ([vocab.arrays] if vocab is not None else [])
+    return mx.compile(fn, inputs=captured, outputs=mx.random.state)
 
 
 class PipelinedRounds:
@@ -291,8 +294,10 @@ class PipelinedRounds:
         """The cached trace for this model and what its graph depends on besides its inputs: K, the sampler, the
         draft vocabulary, the head and how it reads the target's hidden, the override's kind, the kernels switch."""
         head = self.model.mtp
-        key = (k, self.sampler, id(head.draft_vocab), id(head), head.input_hidden, type(self.override), use_kernels())
+        key = (k, self.sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
         traces = self.model.__dict__.setdefault("_round_traces", {})
+        if key in traces and traces[key][1].failed:
+            del traces[key]
         if key not in traces:
             while len(traces) >= MAX_TRACES:
                 traces.pop(next(iter(traces)))
@@ -327,9 +332,10 @@ class PipelinedRounds:
             caches.FixedKVCache._memo = None
             for c in (*self.mcache, *self.kv):
                 c.length = None
-        if slot.error is not None:  # the trace failed: drop it, keep the state from before the round, raise
+            if slot.failed:
+                traces.pop(key, None)
+        if slot.error is not None:  # the trace failed: its caches' arrays as before the round, and raise
             error, slot.error = slot.error, None
-            traces.pop(key, None)
             self._set_state(before)
             raise error
         self._set_state(state)

@@ -26,24 +26,29 @@ class DraftVocab:
         ids = sorted({int(i) for i in ids})
         self.ids = mx.array(ids, dtype=mx.int32)
         self.size = len(ids)
-        self._rows, self._key = None, None
-        self.pinned = False  # inside a traced round (rounds.py): the rows gathered before it, no identity check
+        # every array it computes with (the ids, the gathered rows): a traced round's captured input (rounds.py), so
+        # rows gathered again after the weights changed are what the trace computes with
+        self.arrays: dict = {"ids": self.ids}
+        self._meta, self._key = None, None
+        self.pinned = False  # inside a traced round: the rows in `arrays` as they are, no identity check
 
     def _lm_rows(self, model) -> dict:
         """The lm_head's rows of the subset (tied: the embedding's), gathered on first use and again if the weights
         were replaced."""
-        if self.pinned and self._rows is not None:
-            return self._rows
-        lin = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
-        key = id(lin["weight"])
-        if self._key != key:
-            rows = {name: mx.take(lin[name], self.ids, axis=0) for name in ("weight", "scales", "biases")
-                    if name in lin and lin[name] is not None}
-            if "scales" in rows:
-                rows.update(bits=lin.bits, group_size=lin.group_size, mode=getattr(lin, "mode", "affine"))
-            mx.eval({k: v for k, v in rows.items() if isinstance(v, mx.array)})
-            self._rows, self._key = rows, key
-        return self._rows
+        if not (self.pinned and self._meta is not None):
+            lin = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+            key = id(lin["weight"])
+            if self._key != key:
+                rows = {name: mx.take(lin[name], self.ids, axis=0) for name in ("weight", "scales", "biases")
+                        if name in lin and lin[name] is not None}
+                mx.eval(rows)
+                for name in ("weight", "scales", "biases"):
+                    self.arrays.pop(name, None)
+                self.arrays.update(rows)  # in place: a trace holding this dict reads the new rows
+                self._meta = dict(bits=lin.bits, group_size=lin.group_size, mode=getattr(lin, "mode", "affine")) \
+                    if "scales" in rows else {}
+                self._key = key
+        return {**{k: v for k, v in self.arrays.items() if k != "ids"}, **self._meta}
 
     def lm_logits(self, model, h: mx.array) -> mx.array:
         """Logits [.., |ids|] of h (in the target lm_head's basis) over the subset."""
@@ -58,10 +63,11 @@ class DraftVocab:
     def to_full(self, draft: mx.array, q: mx.array | None, vocab: int) -> tuple[mx.array, mx.array | None]:
         """A draft picked over the subset (an index into it) and its distribution [|ids|] -> the token id and q over
         the whole vocabulary (zero outside the subset)."""
-        token = self.ids[draft]
+        ids = self.arrays["ids"]
+        token = ids[draft]
         if q is None:
             return token, None
-        return token, mx.zeros((vocab,), dtype=q.dtype).at[self.ids].add(q)
+        return token, mx.zeros((vocab,), dtype=q.dtype).at[ids].add(q)
 
 
 class MTPHead(nn.Module):
