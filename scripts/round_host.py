@@ -124,7 +124,8 @@ def _pipelined(model, ids, reference, rounds_n, k, p, *, read, traced):
             draft_b.append(t1 - t0), verify_b.append(t2 - t1), dispatch.append(t3 - t2), wait.append(t4 - t3)
     tokens_per_round = statistics.mean(accepted) + 1
     total = median_us([a + b + c + d for a, b, c, d in zip(draft_b, verify_b, dispatch, wait)])
-    return {"k": k, "p": p, "read": read, "traced": traced, "draft_build_us": median_us(draft_b), "verify_build_us": median_us(verify_b),
+    return {"k": k, "p": p, "read": read, "traced": traced, "draft_build_us": median_us(draft_b),
+            "verify_build_us": median_us(verify_b),
             "dispatch_us": median_us(dispatch), "wait_us": median_us(wait), "total_us": total,
             "tokens_per_round": round(tokens_per_round, 3), "us_per_token": round(total / tokens_per_round, 1),
             "graph_nodes": nodes}

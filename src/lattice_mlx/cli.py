@@ -30,7 +30,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft source: mtp, self[:LAYERS], ngram, mtp+ngram")
     g.add_argument("--draft-tokens", type=int, default=defaults.draft_tokens,
                    help=f"draft depth K, 1..{MAX_DRAFT_TOKENS} (the largest, when adaptive)")
-    g.add_argument("--verify", default=defaults.verify, help=f"verifier: auto (pipelined for MTP chains, batched otherwise) or {' or '.join(VERIFIERS)}")
+    g.add_argument("--verify", default=defaults.verify,
+                   help=f"verifier: auto (pipelined for MTP chains, batched otherwise) or {' or '.join(VERIFIERS)}")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=defaults.adaptive,
                    help="tune K from acceptance and turn speculation off when it cannot pay (--no-adaptive keeps K "
                         "fixed, e.g. for benchmarks)")

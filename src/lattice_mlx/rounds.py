@@ -365,9 +365,10 @@ class PipelinedTuner:
     cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
     per-position acceptance (spec.expected_tokens), and the depth picked is the K within one of the current one
     with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
-    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps first (the baseline), then ADAPTIVE_START_K for
-    ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every round. Plain wins: plain steps for a stretch (32
-    tokens, doubling while speculation still cannot pay) and speculation is probed again."""
+    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
+    first (the baseline), then ADAPTIVE_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
+    round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
+    speculation is probed again."""
 
     SKIP = 2  # passes after a change of K that are not timed
 
@@ -496,20 +497,14 @@ class DeviceOracle:
         return self._indices[k]
 
     def __call__(self, drafts: mx.array, q, rounds: PipelinedRounds, r: int) -> tuple[mx.array, None]:
-        k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
-        truth = self.ref[self._index(k)(rounds.gen)]
-        return self._pick(self._right(k), truth, drafts.astype(mx.int32)), None
-
-    def _right(self, k: int) -> mx.array:
-        return mx.array([self.rng.random() < self.p for _ in range(k)])
+        return self.apply(drafts, q, rounds, self.device_inputs(drafts.shape[0]))
 
     # A traced round (PipelinedRounds.round) takes the host's draws and the reference as inputs, not constants of
-    # its trace: device_inputs once per round, apply inside the trace.
+    # its trace: device_inputs once per round, apply inside the trace (a round built op by op calls both).
     def device_inputs(self, k: int) -> list[mx.array]:
-        return [self._right(k), self.ref]
+        return [mx.array([self.rng.random() < self.p for _ in range(k)]), self.ref]
 
     def apply(self, drafts: mx.array, q, rounds: PipelinedRounds, extras: list) -> tuple[mx.array, None]:
         right, ref = extras
-        k = drafts.shape[0]
-        truth = ref[mx.minimum(rounds.gen + mx.arange(1, k + 1, dtype=mx.int32), ref.shape[0] - 1)]
-        return mx.where(right, truth, (truth + 1) % self.vocab) + 0 * drafts.astype(mx.int32), None
+        k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
+        return self._pick(right, ref[self._index(k)(rounds.gen)], drafts.astype(mx.int32)), None
