@@ -31,6 +31,9 @@
 #   rounds-adaptive  adaptive depth, the batched loop's DepthTuner vs pipelined rounds' PipelinedTuner: 0.8B shape at
 #                  oracle 0.8 and 0.3, and the demo's real head greedy and at 0.7 (REPS, 10)
 #   rounds-traced  0.8B shape, bf16: pipelined rounds replaying one mx.compile trace vs built per round (--trace-ab)
+#   steps-traced   0.8B shape, bf16: traced plain steps and rounds vs built op by op, with mlx-lm stock (CUPTI); the
+#                  host split of a plain step and a round, traced and not (scripts/round_host.py)
+#   steps-traced-4b  the same legs at the 4B shape; CUPTI cost of a forward over T = 1..8 (scripts/profile_kernels.py)
 #   traced-more    traced rounds at oracle 1.0, with a draft vocabulary and the 4-bit head (K=3), at the 4B shape
 #   oracle         0.8B shape: MTP speedup over the synthetic acceptance grid
 #   decode-4b      4B shape, bf16: stock vs plain vs MTP at oracle acceptance 0.8
@@ -181,6 +184,17 @@ for mode in "$@"; do
     step rounds_traced 240 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
       --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock --trace-ab --profile .device-tools \
       --out "$RES/rounds_traced" ;;
+  steps-traced)  # traced plain steps and rounds vs built op by op (--trace-ab) against mlx-lm stock, CUPTI; host split
+    step steps_traced "${STEPS_LIMIT:-330}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --trace-ab \
+      --profile .device-tools --out "$RES/steps_traced"
+    step round_host "${HOST_LIMIT:-150}" python3 scripts/round_host.py --shape "$BIG" --k 3 --steps 64 --reps 3 \
+      --out "$RES/round_host.json" ;;
+  steps-traced-4b)  # the same at the 4B shape (K=2,3), then CUPTI cost of a forward over T = 1..8 (0.8B)
+    step steps_traced_4b "${STEPS_LIMIT:-300}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --trace-ab \
+      --profile .device-tools --out "$RES/steps_traced_4b"
+    step kernels_per_forward 200 python3 scripts/profile_kernels.py --out "$RES/kernels_per_forward" ;;
   traced-more)  # traced rounds: oracle 1.0; a 32,768-id draft vocabulary and the 4-bit head (K=3); the 4B shape
     step traced_p1 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 --temps 0 \
       --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 1.0 --no-stock --out "$RES/traced_p1"

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx.bench import DTYPES, SHAPES
-from lattice_mlx.decode import prefill
+from lattice_mlx.decode import TracedSteps, prefill
 from lattice_mlx.rounds import DeviceOracle, PipelinedRounds, tracing
 from lattice_mlx.sample import Sampler
 from lattice_mlx.synthetic import random_model
@@ -49,16 +49,18 @@ def median_us(xs: list[float]) -> float:
     return round(statistics.median(xs) * 1e6, 1)
 
 
-def plain(model, ids: list[int], steps: int, sampler: Sampler) -> tuple[dict, list[int]]:
+def plain(model, ids: list[int], steps: int, sampler: Sampler, *, traced: bool = False) -> tuple[dict, list[int]]:
+    """`traced`: each step one replay of decode.TracedSteps's trace (generate_step's default since run 14)."""
     cache = model.make_cache(trimmable=False)  # as generate_step makes it (runs before f4dbf81: trimmable)
     logits, _ = prefill(model, mx.array(ids), cache)
     y = sampler(logits)
     mx.eval(y)
+    traced_steps = TracedSteps(model, sampler, cache) if traced else None
     build, dispatch, wait, tokens = [], [], [], []
     nodes = None
     for i in range(steps):
         t0 = time.perf_counter()
-        nxt = sampler(model(y.reshape(1, 1), cache)[0, -1])
+        nxt = traced_steps.step(y) if traced else sampler(model(y.reshape(1, 1), cache)[0, -1])
         t1 = time.perf_counter()
         if nodes is None and i == steps // 2:
             nodes = graph_nodes(nxt)
@@ -71,7 +73,8 @@ def plain(model, ids: list[int], steps: int, sampler: Sampler) -> tuple[dict, li
         y = nxt
         if i >= 4:
             build.append(t1 - t0), dispatch.append(t2 - t1), wait.append(t3 - t2)
-    return ({"build_us": median_us(build), "dispatch_us": median_us(dispatch), "wait_us": median_us(wait),
+    return ({"traced": traced, "build_us": median_us(build), "dispatch_us": median_us(dispatch),
+             "wait_us": median_us(wait),
              "total_us": median_us([a + b + c for a, b, c in zip(build, dispatch, wait)]), "graph_nodes": nodes},
             tokens)
 
@@ -151,15 +154,17 @@ def main() -> int:
     result = {"shape": args.shape, "dtype": args.dtype, "bits": args.bits, "device": str(mx.default_device()),
               "plain": [], "rounds": []}
     _, reference = plain(model, ids, args.steps * 4 + 8, sampler)  # warm-up, and the oracle's greedy continuation
+    plain(model, ids, 8, sampler, traced=True)  # and the traced step's trace
     for k in map(int, args.k.split(",")):
         log(f"warming up rounds of K={k}")
         pipelined(model, ids, reference, 8, k, args.p)  # warm-up: kernels of K + 1 rows
         pipelined(model, ids, reference, 8, k, args.p, traced=True)  # and the round's trace
     log("timing")
     for rep in range(args.reps):
-        row, _ = plain(model, ids, args.steps, sampler)
-        result["plain"].append(row)
-        print("plain", json.dumps(row), flush=True)
+        for traced in (False, True):
+            row, _ = plain(model, ids, args.steps, sampler, traced=traced)
+            result["plain"].append(row)
+            print("plain", json.dumps({key: v for key, v in row.items() if key != "graph_nodes"}), flush=True)
         if args.out:  # after every row: a run cut by its time limit keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
         for k in map(int, args.k.split(",")):

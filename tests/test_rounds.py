@@ -357,7 +357,7 @@ def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch,
         return draft(self, r, k)
 
     def _tracing():  # a draft built while MLX traces a round has a slot's rounds set
-        return any(slot.rounds is not None for _, slot in model.__dict__.get("_round_traces", {}).values())
+        return any(slot.owner is not None for _, slot in model.__dict__.get("_round_traces", {}).values())
 
     monkeypatch.setattr(rounds.PipelinedRounds, "draft", counting)
     monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)  # PROMPT + 90 tokens crosses one growth
@@ -450,7 +450,7 @@ def test_a_failing_trace_leaves_the_model_and_the_prng_usable(checkpoints, monke
     verify = rounds.PipelinedRounds.verify
 
     def failing(self, drafts, q):
-        if any(slot.rounds is self for _, slot in model.__dict__.get("_round_traces", {}).values()):
+        if any(slot.owner is self for _, slot in model.__dict__.get("_round_traces", {}).values()):
             raise RuntimeError("planted")
         return verify(self, drafts, q)
 

@@ -32,6 +32,7 @@ from mlx_lm.models import qwen3_5_moe as mlx_lm_qwen3_5_moe
 from mlx_lm.sample_utils import make_sampler
 
 from . import bench_stats as bs
+from . import decode as decode_mod
 from . import rounds as rounds_mod
 from .bench_report import (
     SYNTHETIC,
@@ -152,12 +153,12 @@ class Leg:
     compiled: bool | None = None  # --compile-ab: the compiled path forced on / off while the leg runs; None: as set
     draft_vocab: int | None = None  # --draft-vocab-ab: the MTP head drafts from ids 0..N-1 only; None: as loaded
     head_q4: bool = False  # --head-q4-ab: the MTP head's linears in 4 bits (as convert --quantize-mtp makes them)
-    traced: bool | None = None  # --trace-ab: pipelined rounds traced (rounds.py) forced on / off; None: as set
+    traced: bool | None = None  # --trace-ab: traced plain steps / pipelined rounds forced on / off; None: as set
 
     @property
     def name(self) -> str:
         if self.kind != "mtp":
-            return self.kind + ("+compile" if self.compiled else "")
+            return self.kind + ("+untraced" if self.traced is False else "") + ("+compile" if self.compiled else "")
         name = f"{self.verify}-{'adaptive' if self.adaptive else f'K{self.k}'}"
         name += f"-oracle{self.p:g}" if self.p is not None else ""
         name += f"+dv{self.draft_vocab}" if self.draft_vocab else ""
@@ -198,17 +199,19 @@ def with_head_q4_ab(legs: list[Leg], on: bool) -> list[Leg]:
 
 
 def with_trace_ab(legs: list[Leg], on: bool) -> list[Leg]:
-    """With `on`, every pipelined leg is followed by its twin whose rounds are built op by op in Python every round
-    instead of replaying one trace (LATTICE_TRACE_ROUNDS=0): what tracing a round saves."""
+    """With `on`, the plain leg and every pipelined leg are followed by their twins whose steps / rounds are built op
+    by op in Python every time instead of replaying one trace (LATTICE_TRACE_STEPS=0, LATTICE_TRACE_ROUNDS=0): what
+    tracing saves."""
     if not on:
         return legs
     return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, traced=False)]
-                                              if leg.kind == "mtp" and leg.verify == "pipelined" else [leg])]
+                                              if leg.kind == "plain" or (leg.kind == "mtp" and leg.verify == "pipelined")
+                                              else [leg])]
 
 
 def _tracing_during(on: bool, stream):
-    """Runs `stream` with traced rounds forced on or off."""
-    with rounds_mod.tracing(on):
+    """Runs `stream` with traced plain steps and rounds forced on or off."""
+    with rounds_mod.tracing(on), decode_mod.tracing(on):
         yield from stream
 
 
@@ -361,7 +364,8 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
                                               sampler=make_sampler(temp=temp))
         return (token for token, _ in steps), None
     if leg.kind in ("plain", "plain-aa"):
-        return generate_step(target.model, mx.array(ids), sampler=sampler), None
+        stream = generate_step(target.model, mx.array(ids), sampler=sampler)
+        return (_tracing_during(leg.traced, stream) if leg.traced is not None else stream), None
     if leg.verify == "mlx-lm":  # mlx-lm's own speculative loop, the MTP head as its draft model
         return mlx_lm_spec_stream(target, leg, ids, temp, n_max=n_max, reference=reference, seed=seed)
     options = SpecOptions(draft_tokens=leg.k, verify=leg.verify, adaptive=leg.adaptive)
@@ -802,7 +806,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--head-q4-ab", action="store_true",
                    help="decode: every MTP leg also as a twin whose MTP head runs in 4 bits (convert --quantize-mtp)")
     p.add_argument("--trace-ab", action="store_true",
-                   help="decode: every pipelined leg also as a twin whose rounds are built op by op (not traced)")
+                   help="decode: the plain leg and every pipelined leg also as a twin whose steps / rounds are built op "
+                        "by op (not traced)")
     p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
                    "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")

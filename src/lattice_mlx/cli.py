@@ -40,9 +40,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
 
 def speculation_from_args(args: argparse.Namespace) -> SpecOptions | None:
     """SpecOptions from the flags above (ValueError for a bad combination), or None for plain decoding."""
-    from .rounds import tracing_enabled
+    from . import decode, rounds
 
-    tracing_enabled()  # LATTICE_TRACE_ROUNDS checked up front, speculation on or not, as LATTICE_MTP is
+    rounds.tracing_enabled()  # LATTICE_TRACE_ROUNDS and LATTICE_TRACE_STEPS checked up front, speculation on or
+    decode.tracing_enabled()  # not, as LATTICE_MTP is
     if args.mtp and args.draft not in (None, "mtp"):
         raise ValueError(f"--mtp and --draft {args.draft} name two draft sources: pass one")
     draft = args.draft or ("mtp" if args.mtp or args.tree or env_mtp() else None)

@@ -4,9 +4,22 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from . import cache as caches
+from . import traces
+from .metal import use_kernels
+from .models import compiled
 from .sample import Sampler
+from .switches import Switch
 
 PREFILL_STEP = 512
+
+# Traced plain steps: a decode step (forward, sampling, cache writes) is one mx.compile trace, replayed every step.
+# Python building a 0.8B step's graph took ~0.8 ms of a ~1.9 ms step on the H200 host even with the per-layer
+# traces of models/compiled.py (run 12, scripts/round_host.py), and the GPU then idled (span / busy 1.8).
+# LATTICE_TRACE_STEPS=0 builds every step in Python (layer by layer, or per-layer traces).
+_SWITCH = Switch("LATTICE_TRACE_STEPS", "traced plain steps", "built per step")
+tracing_enabled = _SWITCH.enabled
+tracing = _SWITCH.forced  # traced plain steps on / off inside a block (A/B legs)
 
 
 def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, return_hidden: bool = False):
@@ -38,6 +51,81 @@ def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):
     return cache, mtp, logits, hidden, n
 
 
+class TracedSteps:
+    """Plain decoding's state between steps and the trace of one step. The attention caches become fixed-capacity
+    buffers read whole and masked on the device (cache.FixedKVCache: a step's shapes stay the same from step to
+    step, and as pipelined MTP rounds read them); the GDN caches are read and written as they are."""
+
+    def __init__(self, model, sampler: Sampler, cache: list):
+        self.model, self.sampler = model, sampler
+        self.cache = [caches.FixedKVCache.from_kv(c) if type(c) is caches.KVCache else c for c in cache]
+        self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
+        self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        self.bound = self.kv[0].bound if self.kv else 0  # positions written: exact (every step keeps its one row)
+        for c in self.kv:
+            c.offset, c.whole = self.kv[0].offset, True  # one offset array for every attention layer
+
+    @staticmethod
+    def applies(model, cache: list) -> bool:
+        """Whether a step over `cache` can be traced: every cache a plain KV or GDN cache (not a rotating window,
+        a pipeline stage's NullCache), every one written by the prefill, no rank agreement (tensor parallel) and no
+        hidden tap (make_draft_model's)."""
+        return (tracing_enabled() and getattr(model, "sharding_group", None) is None and "_hidden_tap" not in model.__dict__
+                and all(type(c) in (caches.KVCache, caches.GDNCache) for c in cache)
+                and all(c.keys is not None if type(c) is caches.KVCache else c.ssm is not None for c in cache))
+
+    def _state(self) -> list[mx.array]:
+        out = [self.kv[0].offset] if self.kv else []
+        for c in self.kv:
+            out += [c.keys, c.values]
+        for c in self.gdn:
+            out += [c.conv, c.ssm]
+        return out
+
+    def _set_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        if self.kv:
+            offset = next(it)
+            for c in self.kv:
+                c.offset = offset
+        for c in self.kv:
+            c.keys, c.values = next(it), next(it)
+        for c in self.gdn:
+            c.conv, c.ssm = next(it), next(it)
+
+    def _traced(self):
+        model, sampler = self.model, self.sampler
+
+        def body(steps: "TracedSteps", state: list, extras: list):
+            steps._set_state(state)
+            with compiled.forced(False):  # the per-layer traces would add nothing inside this one
+                y = sampler(model(extras[0].reshape(1, 1), steps.cache)[0, -1])
+            if steps.kv:
+                offset = steps.kv[0].offset + 1  # one array: the layers share it
+                for c in steps.kv:
+                    c.offset = offset
+            return steps._state(), y
+
+        def fallback(state: list, extras: list):
+            return list(state), mx.zeros_like(extras[0])
+
+        return traces.compile_traced(body, fallback, [mx.random.state, model.state])
+
+    def step(self, y: mx.array) -> mx.array:
+        """The next token after y (a scalar array) from one replay of the trace; the caches advance one row."""
+        for c in self.kv:
+            c.bound = self.bound
+            c.reserve(1)
+        key = (self.sampler, use_kernels())
+        cached, _ = traces.cached(self.model, "_step_traces", key, self._traced)
+        offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
+        (nxt,) = traces.call(cached, key, self, self.kv, [y])
+        self.bound += 1
+        for c, offset in zip(self.gdn, offsets):
+            c.offset = offset + 1
+        return nxt
+
+
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None,
                   prompt_cache=None, logits_processors: list | None = None,
                   max_kv_size: int | None = None) -> Iterator[int]:
@@ -46,6 +134,7 @@ def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None 
     mlx-lm's callables (tokens so far [N], logits [1, V]) -> logits, applied in order before sampling.
     `max_kv_size`: attention layers keep at most that many keys (a sliding window past it)."""
     agree = getattr(model, "agree", lambda x: x)  # tensor parallel: every rank feeds rank 0's token
+    own = cache is None
     if cache is None and max_kv_size:
         if prompt_cache is not None:
             raise ValueError("--max-kv-size does not take a prompt cache: drop one of them")
@@ -70,8 +159,11 @@ def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None 
 
     y = pick(logits)
     mx.async_eval(y)
+    # a cache the caller passed is updated in place, so only this loop's own caches go into a trace
+    steps = TracedSteps(model, sampler, cache) if own and not logits_processors and \
+        TracedSteps.applies(model, cache) else None
     while True:
-        next_y = pick(model(y.reshape(1, 1), cache)[0, -1])
+        next_y = steps.step(y) if steps is not None else pick(model(y.reshape(1, 1), cache)[0, -1])
         mx.async_eval(next_y)
         yield y.item()
         y = next_y

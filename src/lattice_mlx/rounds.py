@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from . import cache as caches
+from . import traces
 from .decode import resume
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
 from .metal import use_kernels
@@ -89,26 +90,15 @@ def _head_offsets(k: int):
 # newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
 # key are captured inputs (read at every call: weights changed in place are what the next round computes with).
 # LATTICE_TRACE_ROUNDS=0 builds every round in Python.
-MAX_TRACES = 16  # traced rounds kept per model: one per K, sampler, draft vocabulary, head (oldest dropped first)
 _SWITCH = Switch("LATTICE_TRACE_ROUNDS", "traced rounds", "built per round")
 tracing_enabled = _SWITCH.enabled
 tracing = _SWITCH.forced  # traced rounds on / off inside a block (A/B legs)
 
 
-class _Slot:
-    """The PipelinedRounds a cached trace builds on when MLX (re)traces it (only while a call is in progress), and
-    the exception a trace raised (the traced function returns instead of raising: MLX puts its captured inputs, the
-    weights and the PRNG key, back only when the function returns)."""
-    rounds: "PipelinedRounds | None" = None
-    error: BaseException | None = None
-    failed = False  # a trace that raised holds a placeholder graph: never replayed, whatever happens after
+def _traced_round(model, k: int):
+    """(the function MLX traces: (state arrays, the override's device inputs) -> (state arrays, tokens, n), slot)."""
 
-
-def _traced_round(slot: _Slot, model, k: int):
-    """The function MLX traces: (state arrays, the override's device inputs) -> (state arrays, tokens, n)."""
-
-    def fn(state: list, extras: list):
-        rounds = slot.rounds
+    def body(rounds: "PipelinedRounds", state: list, extras: list):
         override, vocab = rounds.override, rounds.model.mtp.draft_vocab
         try:
             rounds._set_state(state)
@@ -122,17 +112,17 @@ def _traced_round(slot: _Slot, model, k: int):
                 drafts, q = rounds.draft(0, k)
                 tokens, n = rounds.verify(drafts, q)
             return rounds._state(), tokens, n
-        except BaseException as e:  # noqa: BLE001 (re-raised by PipelinedRounds.round once MLX has restored)
-            slot.error, slot.failed = e, True
-            return list(state), mx.zeros((k + 1,), dtype=mx.int32), mx.array(0, dtype=mx.int32)
         finally:
             rounds.override = override
             if vocab is not None:
                 vocab.pinned = False
 
+    def fallback(state: list, extras: list):
+        return list(state), mx.zeros((k + 1,), dtype=mx.int32), mx.array(0, dtype=mx.int32)
+
     vocab = model.mtp.draft_vocab
     captured = [mx.random.state, model.state] + ([vocab.arrays] if vocab is not None else [])
-    return mx.compile(fn, inputs=captured, outputs=mx.random.state)
+    return traces.compile_traced(body, fallback, captured)
 
 
 class PipelinedRounds:
@@ -290,28 +280,16 @@ class PipelinedRounds:
                 and all(c.window_pick is not None for c in self.gdn)
                 and "_hidden_tap" not in self.model.__dict__)
 
-    def _trace(self, k: int) -> tuple:
-        """The cached trace for this model and what its graph depends on besides its inputs: K, the sampler, the
-        draft vocabulary, the head and how it reads the target's hidden, the override's kind, the kernels switch."""
-        head = self.model.mtp
-        key = (k, self.sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
-        traces = self.model.__dict__.setdefault("_round_traces", {})
-        if key in traces and traces[key][1].failed:
-            del traces[key]
-        if key not in traces:
-            while len(traces) >= MAX_TRACES:
-                traces.pop(next(iter(traces)))
-            slot = _Slot()
-            traces[key] = (_traced_round(slot, self.model, k), slot)
-        return key, traces
-
     def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
         """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
         Returns (tokens [k + 1], n) as `verify`."""
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
-        key, traces = self._trace(k)
-        fn, slot = traces[key]
+        # what the graph depends on besides its inputs: K, the sampler, the draft vocabulary, the head and how it
+        # reads the target's hidden, the override's kind, the kernels switch
+        head = self.model.mtp
+        key = (k, self.sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
+        cached, _ = traces.cached(self.model, "_round_traces", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
         need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache]
@@ -323,22 +301,7 @@ class PipelinedRounds:
         if vocab is not None:
             vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
         extras = self.override.device_inputs(k) if self.override is not None else []
-        before = self._state()
-        slot.rounds, slot.error = self, None
-        try:
-            state, tokens, n = fn(before, extras)
-        finally:
-            slot.rounds = None
-            caches.FixedKVCache._memo = None
-            for c in (*self.mcache, *self.kv):
-                c.length = None
-            if slot.failed:
-                traces.pop(key, None)
-        if slot.error is not None:  # the trace failed: its caches' arrays as before the round, and raise
-            error, slot.error = slot.error, None
-            self._set_state(before)
-            raise error
-        self._set_state(state)
+        tokens, n = traces.call(cached, key, self, [*self.mcache, *self.kv], extras)
         self.last_k = k
         return tokens, n
 

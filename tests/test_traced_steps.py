@@ -1,0 +1,115 @@
+"""Traced plain steps (decode.TracedSteps): one mx.compile trace per model and sampler, replayed every step, gives
+the tokens of steps built op by op (greedy and, under one seed, sampled), across a KV buffer growth, with weights
+changed after tracing, and after a trace that failed."""
+
+import mlx.core as mx
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import decode, load
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+
+PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
+
+
+def tokens(model, n, *, prompt=PROMPT, sampler=None, **kw):
+    return [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=sampler or Sampler(), **kw), range(n))]
+
+
+def traces(model) -> dict:
+    return model.__dict__.get("_step_traces", {})
+
+
+@pytest.mark.parametrize("name", ["pattern", "tied"])
+def test_traced_steps_replay_one_trace_and_give_the_tokens_of_steps_built_op_by_op(checkpoints, monkeypatch, name):
+    """Greedy, 90 tokens across a KV buffer growth (GROW = 64: a new shape, one more trace), then a second
+    generation that replays the traces; the step's Python runs only while MLX traces it."""
+    model, _ = load(checkpoints[name])
+    monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)
+    with decode.tracing(False):
+        eager = tokens(model, 90)
+    assert not traces(model)
+    calls = []
+    forward = type(model).__call__
+
+    def counting(self, *a, **kw):
+        calls.append(a[0].shape)
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "__call__", counting)
+    assert tokens(model, 90) == eager
+    assert len(traces(model)) == 1  # one sampler, one kernels setting
+    # the forward ran in Python twice (the trace at capacity 64, then at 128), not once per step
+    assert len(calls) == 2, calls
+    assert tokens(model, 90) == eager and len(calls) == 2
+
+
+def test_sampled_traced_steps_draw_what_steps_built_op_by_op_draw(checkpoints):
+    """The PRNG key goes in and out of the trace: under one seed, the traced loop draws the very same tokens."""
+    model, _ = load(checkpoints["pattern"])
+    sampler = Sampler(temp=0.9, top_p=0.9)
+    out = {}
+    for on in (False, True, True):
+        mx.random.seed(4)
+        with decode.tracing(on):
+            out.setdefault(on, []).append(tokens(model, 60, sampler=sampler))
+    assert out[False][0] == out[True][0] == out[True][1]
+    assert len(set(out[True][0])) > 5  # sampled, not stuck on one token
+
+
+def test_traced_steps_follow_the_switch_and_skip_what_they_cannot_trace(checkpoints, monkeypatch):
+    model, _ = load(checkpoints["pattern"])
+    monkeypatch.setenv("LATTICE_TRACE_STEPS", "0")
+    tokens(model, 5)
+    assert not traces(model)
+    monkeypatch.setenv("LATTICE_TRACE_STEPS", "1")
+    # a cache the caller passes (updated in place), logits processors and a sliding window take the op-by-op step
+    tokens(model, 5, cache=model.make_cache(trimmable=False))
+    tokens(model, 5, logits_processors=[lambda history, logits: logits])
+    tokens(model, 5, max_kv_size=8)
+    assert not traces(model)
+    tokens(model, 5)
+    assert len(traces(model)) == 1
+    monkeypatch.setenv("LATTICE_TRACE_STEPS", "yes")
+    with pytest.raises(ValueError, match="LATTICE_TRACE_STEPS"):
+        decode.tracing_enabled()
+
+
+def test_traced_steps_see_replaced_and_edited_weights(checkpoints):
+    """The weights are captured inputs read at every replay: a replaced weight, or one changed in place, is what the
+    next step computes with."""
+    model, _ = load(checkpoints["pattern"])
+    first = tokens(model, 30)
+    norm = model.model.norm
+    norm.weight = norm.weight * -1.5
+    second = tokens(model, 30)
+    with decode.tracing(False):
+        assert second == tokens(model, 30) != first
+    w = norm.weight
+    w *= -0.5
+    third = tokens(model, 30)
+    with decode.tracing(False):
+        assert third == tokens(model, 30) != second
+    assert len(traces(model)) == 1
+
+
+def test_a_failing_step_trace_is_dropped_and_leaves_the_prng_usable(checkpoints, monkeypatch):
+    model, _ = load(checkpoints["pattern"])
+    forward = type(model).__call__
+
+    def failing(self, *a, **kw):
+        if any(slot.owner is not None for _, slot in traces(model).values()):
+            raise RuntimeError("planted")
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "__call__", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        tokens(model, 5, sampler=Sampler(temp=1.0))
+    assert not traces(model)
+    monkeypatch.setattr(type(model), "__call__", forward)
+    mx.random.seed(3)
+    with decode.tracing(False):
+        eager = tokens(model, 12, sampler=Sampler(temp=1.0))
+    mx.random.seed(3)
+    assert tokens(model, 12, sampler=Sampler(temp=1.0)) == eager
