@@ -205,6 +205,22 @@ def test_compile_ab_twins_and_forced_path(monkeypatch):
             assert compiled.enabled() == (env == "1")  # the user's setting again after the run
 
 
+def test_trace_ab_twins_build_plain_steps_and_rounds_op_by_op(tiny_target):
+    legs = [bench.Leg("stock"), bench.Leg("plain"), bench.Leg("plain-aa"), bench.Leg("mtp", "pipelined", 2),
+            bench.Leg("mtp", "batched", 2)]
+    ab = bench.with_trace_ab(legs, True)
+    assert [leg.name for leg in ab] == ["stock", "plain", "plain+untraced", "plain-aa", "pipelined-K2",
+                                        "pipelined-K2+untraced", "batched-K2"]
+    model, ids = tiny_target.model, [3, 1, 4, 1, 5, 9, 2, 6]
+    out = {}
+    for leg in ab[1:3]:
+        model.__dict__.pop("_step_traces", None)
+        stream, _ = bench.token_stream(tiny_target, leg, ids, 0.0, n_max=12, reference=None, seed=0)
+        out[leg.name] = [t for t, _ in zip(stream, range(12))]
+        assert bool(model.__dict__.get("_step_traces")) == (leg.traced is None), leg.name
+    assert out["plain"] == out["plain+untraced"]
+
+
 FAKE_PROFILER = """
 import contextlib
 

@@ -204,9 +204,10 @@ def with_trace_ab(legs: list[Leg], on: bool) -> list[Leg]:
     tracing saves."""
     if not on:
         return legs
-    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, traced=False)]
-                                              if leg.kind == "plain" or (leg.kind == "mtp" and leg.verify == "pipelined")
-                                              else [leg])]
+    def traced(leg: Leg) -> bool:
+        return leg.kind == "plain" or (leg.kind == "mtp" and leg.verify == "pipelined")
+
+    return [twin for leg in legs for twin in ([leg, dataclasses.replace(leg, traced=False)] if traced(leg) else [leg])]
 
 
 def _tracing_during(on: bool, stream):
@@ -806,8 +807,8 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--head-q4-ab", action="store_true",
                    help="decode: every MTP leg also as a twin whose MTP head runs in 4 bits (convert --quantize-mtp)")
     p.add_argument("--trace-ab", action="store_true",
-                   help="decode: the plain leg and every pipelined leg also as a twin whose steps / rounds are built op "
-                        "by op (not traced)")
+                   help="decode: the plain leg and every pipelined leg also as a twin whose steps / rounds are "
+                        "built op by op (not traced)")
     p.add_argument("--profile", metavar="DIR", help="decode: also profile each leg's GPU kernels per token with "
                    "DIR/gpu_kernels.py (CUPTI through torch; a CUDA machine)")
     p.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, markdown and PNG results")

@@ -70,26 +70,20 @@ class TracedSteps:
         """Whether a step over `cache` can be traced: every cache a plain KV or GDN cache (not a rotating window,
         a pipeline stage's NullCache), every one written by the prefill, no rank agreement (tensor parallel) and no
         hidden tap (make_draft_model's)."""
-        return (tracing_enabled() and getattr(model, "sharding_group", None) is None and "_hidden_tap" not in model.__dict__
+        return (tracing_enabled() and getattr(model, "sharding_group", None) is None
+                and "_hidden_tap" not in model.__dict__
                 and all(type(c) in (caches.KVCache, caches.GDNCache) for c in cache)
                 and all(c.keys is not None if type(c) is caches.KVCache else c.ssm is not None for c in cache))
 
     def _state(self) -> list[mx.array]:
-        out = [self.kv[0].offset] if self.kv else []
-        for c in self.kv:
-            out += [c.keys, c.values]
+        out = traces.kv_arrays(self.kv)
         for c in self.gdn:
             out += [c.conv, c.ssm]
         return out
 
     def _set_state(self, arrays: list) -> None:
         it = iter(arrays)
-        if self.kv:
-            offset = next(it)
-            for c in self.kv:
-                c.offset = offset
-        for c in self.kv:
-            c.keys, c.values = next(it), next(it)
+        traces.set_kv_arrays(self.kv, it)
         for c in self.gdn:
             c.conv, c.ssm = next(it), next(it)
 

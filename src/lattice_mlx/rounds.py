@@ -251,9 +251,7 @@ class PipelinedRounds:
         out = [self.y, self.ptok, self.phid, self.pn, self.gen]
         for c in self.mcache:
             out += [c.keys, c.values, c.offset]
-        out += [self.kv[0].offset] if self.kv else []
-        for c in self.kv:
-            out += [c.keys, c.values]
+        out += traces.kv_arrays(self.kv)
         for c in self.gdn:
             out += [c.conv, c.ssm, c.window_pick]
         return out
@@ -263,12 +261,7 @@ class PipelinedRounds:
         self.y, self.ptok, self.phid, self.pn, self.gen = next(it), next(it), next(it), next(it), next(it)
         for c in self.mcache:
             c.keys, c.values, c.offset = next(it), next(it), next(it)
-        if self.kv:
-            offset = next(it)
-            for c in self.kv:
-                c.offset = offset
-        for c in self.kv:
-            c.keys, c.values = next(it), next(it)
+        traces.set_kv_arrays(self.kv, it)
         for c in self.gdn:
             c.conv, c.ssm, c.window_pick = next(it), next(it), next(it)
 

@@ -8,7 +8,7 @@ returns placeholders instead (MLX puts its captured inputs back only when the tr
 failed for good, dropped, and its error re-raised once the owner's arrays are as before the call.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -24,6 +24,21 @@ class Slot:
     owner = None
     error: BaseException | None = None
     failed = False  # a trace that raised holds a placeholder graph: never replayed, whatever happens after
+
+
+def kv_arrays(kv: list[FixedKVCache]) -> list[mx.array]:
+    """Fixed KV caches that advance together as trace state: their one shared offset array, then their buffers."""
+    return ([kv[0].offset] if kv else []) + [a for c in kv for a in (c.keys, c.values)]
+
+
+def set_kv_arrays(kv: list[FixedKVCache], it: Iterator[mx.array]) -> None:
+    """Takes what kv_arrays gave from `it`."""
+    if kv:
+        offset = next(it)
+        for c in kv:
+            c.offset = offset
+    for c in kv:
+        c.keys, c.values = next(it), next(it)
 
 
 def compile_traced(body: Callable, fallback: Callable, captured: list) -> tuple[Callable, Slot]:
