@@ -4,6 +4,7 @@ commit() ends it; snapshot()/restore() copy everything (the replay oracle); nbyt
 import functools
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
 
@@ -44,7 +45,8 @@ def _clamped_positions(last: int, T: int):
     """offset -> (the rows a write of T rows lands on, its start clamped to [0, last], as [1, 1, T, 1] int32; the
     length offset + T), compiled: one fused kernel per forward instead of a max, a min, an add and an arange (each a
     launch on a GPU)."""
-    steps = mx.arange(T, dtype=mx.int32).reshape(1, 1, T, 1)
+    # (from host data: a constant of the trace, not an arange it would launch at every call)
+    steps = mx.array(np.arange(T, dtype=np.int32).reshape(1, 1, T, 1))
 
     def positions(offset: mx.array) -> tuple[mx.array, mx.array]:
         return mx.clip(offset, 0, last) + steps, offset + T

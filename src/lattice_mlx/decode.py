@@ -94,8 +94,8 @@ class TracedSteps:
             steps._set_state(state)
             with compiled.forced(False):  # the per-layer traces would add nothing inside this one
                 y = sampler(model(extras[0].reshape(1, 1), steps.cache)[0, -1])
-            if steps.kv:
-                offset = steps.kv[0].offset + 1  # one array: the layers share it
+            if steps.kv:  # one array for all layers: the length the step's positions kernel computed (offset + 1)
+                offset = steps.kv[0].length
                 for c in steps.kv:
                     c.offset = offset
             return steps._state(), y
