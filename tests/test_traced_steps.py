@@ -2,11 +2,14 @@
 the tokens of steps built op by op (greedy and, under one seed, sampled), across a KV buffer growth, with weights
 changed after tracing, and after a trace that failed."""
 
+import gc
+import weakref
+
 import mlx.core as mx
 import pytest
 
 from lattice_mlx import cache as caches
-from lattice_mlx import decode, load
+from lattice_mlx import decode, load, rounds
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 
@@ -94,22 +97,53 @@ def test_traced_steps_see_replaced_and_edited_weights(checkpoints):
     assert len(traces(model)) == 1
 
 
-def test_a_failing_step_trace_is_dropped_and_leaves_the_prng_usable(checkpoints, monkeypatch):
+def test_a_failing_step_trace_is_dropped_and_leaves_the_prng_usable(checkpoints):
+    """The step raises after its sampler drew from the PRNG key (a captured input and output of the trace): the key
+    must be a real array again afterwards, usable without reseeding, and the trace dropped."""
     model, _ = load(checkpoints["pattern"])
-    forward = type(model).__call__
 
-    def failing(self, *a, **kw):
-        if any(slot.owner is not None for _, slot in traces(model).values()):
-            raise RuntimeError("planted")
-        return forward(self, *a, **kw)
+    class Failing(Sampler):
+        def __call__(self, logits):
+            y = super().__call__(logits)
+            if any(slot.owner is not None for _, slot in traces(model).values()):
+                raise RuntimeError("planted")
+            return y
 
-    monkeypatch.setattr(type(model), "__call__", failing)
     with pytest.raises(RuntimeError, match="planted"):
-        tokens(model, 5, sampler=Sampler(temp=1.0))
+        tokens(model, 5, sampler=Failing(temp=1.0))
     assert not traces(model)
-    monkeypatch.setattr(type(model), "__call__", forward)
+    mx.eval(mx.random.uniform(shape=(3,)))  # no reseeding: a key left as a placeholder fails here
     mx.random.seed(3)
     with decode.tracing(False):
         eager = tokens(model, 12, sampler=Sampler(temp=1.0))
     mx.random.seed(3)
     assert tokens(model, 12, sampler=Sampler(temp=1.0)) == eager
+
+
+@pytest.mark.parametrize("loop", ["plain", "pipelined"])
+def test_the_prefill_caches_are_not_held_for_the_generation(checkpoints, monkeypatch, loop):
+    """The traced step (and a pipelined round) copies the prefill's attention rows into its own buffers: the
+    prefill's cache objects must go, not stay alive beside them for the whole generation (twice the KV memory)."""
+    model, _ = load(checkpoints["pattern"])
+    module = decode if loop == "plain" else rounds
+    real, made = module.resume, []
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        made.extend(weakref.ref(c) for c in out[0] if type(c) is caches.KVCache)
+        return out
+
+    monkeypatch.setattr(module, "resume", spy)
+    if loop == "plain":
+        gen = generate_step(model, mx.array(PROMPT), sampler=Sampler())
+    else:
+        from lattice_mlx.spec import SpecOptions, SpecStats
+        from lattice_mlx.speculative import speculative_step
+
+        options = SpecOptions(draft_tokens=2, verify="pipelined", adaptive=False)
+        gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), options=options,
+                               stats=SpecStats.of(options))
+    for _ in range(6):
+        next(gen)
+    gc.collect()
+    assert made and all(r() is None for r in made)

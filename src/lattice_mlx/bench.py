@@ -168,7 +168,10 @@ class Leg:
 
 
 def with_compile_ab(legs: list[Leg], on: bool) -> list[Leg]:
-    """With `on`, every lattice leg (plain and MTP) runs uncompiled and is followed by its compiled twin."""
+    """With `on`, every lattice leg (plain and MTP) runs uncompiled and is followed by its compiled twin. Traced plain
+    steps and traced pipelined rounds (the defaults) run their layers op by op inside the trace whatever the compile
+    switch says, so for those legs the twins differ only in what is not traced (a generation's first steps and
+    rounds); LATTICE_TRACE_STEPS=0 / LATTICE_TRACE_ROUNDS=0 make the comparison the per-layer compiled path's."""
     if not on:
         return legs
     out = []
@@ -801,7 +804,9 @@ def setup_arg_parser() -> ArgumentParser:
     p.add_argument("--prefill-lengths", default=DEFAULT_PREFILL_LENGTHS)
     p.add_argument("--no-stock", action="store_true", help="skip the mlx-lm stock leg")
     p.add_argument("--compile-ab", action="store_true",
-                   help="decode / oracle: every lattice leg layer by layer and as its compiled twin")
+                   help="decode / oracle: every lattice leg layer by layer and as its compiled twin (traced plain "
+                        "steps and rounds run layer by layer inside their trace either way: set "
+                        "LATTICE_TRACE_STEPS=0 LATTICE_TRACE_ROUNDS=0 to compare the per-layer compiled path)")
     p.add_argument("--draft-vocab-ab", type=int, metavar="N",
                    help="decode: every MTP leg also as a twin whose head drafts from token ids 0..N-1 only")
     p.add_argument("--head-q4-ab", action="store_true",

@@ -156,6 +156,8 @@ def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None 
     # a cache the caller passed is updated in place, so only this loop's own caches go into a trace
     steps = TracedSteps(model, sampler, cache) if own and not logits_processors and \
         TracedSteps.applies(model, cache) else None
+    if steps is not None:
+        cache = None  # the prefill's attention caches: their rows are in the traced step's buffers now (memory)
     while True:
         next_y = steps.step(y) if steps is not None else pick(model(y.reshape(1, 1), cache)[0, -1])
         mx.async_eval(next_y)

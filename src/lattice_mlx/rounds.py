@@ -397,6 +397,9 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
+    # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
+    # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
+    del cache, head_cache, hidden
     verified, pending, r, last, logged = 0, None, 0, None, 0
     while True:
         tic = time.perf_counter()
