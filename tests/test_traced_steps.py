@@ -61,6 +61,23 @@ def test_sampled_traced_steps_draw_what_steps_built_op_by_op_draw(checkpoints):
     assert len(set(out[True][0])) > 5  # sampled, not stuck on one token
 
 
+def test_one_trace_serves_every_temperature_top_p_and_min_p(checkpoints):
+    """The sampler's numbers are inputs of the step's trace, not constants: samplers that differ only in them share
+    one trace, and each draws under its seed the tokens of steps built op by op."""
+    model, _ = load(checkpoints["pattern"])
+    for sampler in (Sampler(temp=0.7, top_p=0.9, min_p=0.05), Sampler(temp=1.3, top_p=0.5, min_p=0.2),
+                    Sampler(temp=0.2, top_p=0.95, min_p=0.01)):
+        mx.random.seed(8)
+        with decode.tracing(False):
+            eager = tokens(model, 40, sampler=sampler)
+        mx.random.seed(8)
+        assert tokens(model, 40, sampler=sampler) == eager, sampler
+    assert len(traces(model)) == 1
+    tokens(model, 5, sampler=Sampler(temp=0.7))  # no top-p / min-p filter: another graph, another trace
+    tokens(model, 5, sampler=Sampler(temp=0.7, top_k=5))
+    assert len(traces(model)) == 3
+
+
 def test_traced_steps_follow_the_switch_and_skip_what_they_cannot_trace(checkpoints, monkeypatch):
     model, _ = load(checkpoints["pattern"])
     monkeypatch.setenv("LATTICE_TRACE_STEPS", "0")

@@ -57,7 +57,7 @@ class TracedSteps:
     step, and as pipelined MTP rounds read them); the GDN caches are read and written as they are."""
 
     def __init__(self, model, sampler: Sampler, cache: list):
-        self.model, self.sampler = model, sampler
+        self.model, self.sampler, self.values = model, sampler, sampler.values()
         self.cache = [caches.FixedKVCache.from_kv(c) if type(c) is caches.KVCache else c for c in cache]
         self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
         self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
@@ -88,12 +88,16 @@ class TracedSteps:
             c.conv, c.ssm = next(it), next(it)
 
     def _traced(self):
-        model, sampler = self.model, self.sampler
+        model = self.model
 
         def body(steps: "TracedSteps", state: list, extras: list):
+            y, values = extras
             steps._set_state(state)
             with compiled.forced(False):  # the per-layer traces would add nothing inside this one
-                y = sampler(model(extras[0].reshape(1, 1), steps.cache)[0, -1])
+                logits = model(y.reshape(1, 1), steps.cache)[0, -1]
+                # a Sampler's numbers are an input: one trace serves every temperature, top-p and min-p (a subclass
+                # samples its own way, with a trace of its own)
+                y = steps.sampler(logits, values) if type(steps.sampler) is Sampler else steps.sampler(logits)
             if steps.kv:  # one array for all layers: the length the step's positions kernel computed (offset + 1)
                 offset = steps.kv[0].length
                 for c in steps.kv:
@@ -110,10 +114,11 @@ class TracedSteps:
         for c in self.kv:
             c.bound = self.bound
             c.reserve(1)
-        key = (self.sampler, use_kernels())
+        exact = type(self.sampler) is Sampler
+        key = (self.sampler.structure() if exact else self.sampler, use_kernels())
         cached, _ = traces.cached(self.model, "_step_traces", key, self._traced)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
-        (nxt,) = traces.call(cached, key, self, self.kv, [y])
+        (nxt,) = traces.call(cached, key, self, self.kv, [y, self.values])
         self.bound += 1
         for c, offset in zip(self.gdn, offsets):
             c.offset = offset + 1

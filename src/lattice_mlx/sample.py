@@ -32,10 +32,21 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temp == 0
 
-    def probs(self, logits: mx.array) -> mx.array:
+    def values(self) -> mx.array:
+        """[temp, top_p, min_p] as a float32 array: what a traced step takes as an input (decode.TracedSteps), so
+        that one trace serves every sampler of the same `structure`."""
+        return mx.array([self.temp or 1.0, self.top_p, self.min_p], dtype=mx.float32)
+
+    def structure(self) -> tuple:
+        """What shapes the sampling graph: greedy or not, top-k, whether top-p and min-p filter."""
+        return self.greedy, self.top_k, self.top_p < 1.0, self.min_p > 0
+
+    def probs(self, logits: mx.array, values: mx.array | None = None) -> mx.array:
         """The distribution actually sampled from (fp32): temperature, then top-k, then top-p, then min-p,
-        renormalised."""
-        logits = logits.astype(mx.float32) / self.temp
+        renormalised. `values` (`values()` of a sampler of the same structure) replaces the fields' numbers."""
+        temp, top_p, min_p = (self.temp, self.top_p, self.min_p) if values is None else (values[0], values[1],
+                                                                                          values[2])
+        logits = logits.astype(mx.float32) / temp
         V = logits.shape[-1]
         if 0 < self.top_k < V:
             kth = mx.sort(logits, axis=-1)[..., V - self.top_k, None]
@@ -45,19 +56,19 @@ class Sampler:
             order = mx.argsort(-p, axis=-1)
             sorted_p = mx.take_along_axis(p, order, axis=-1)
             # Keep a token when the mass before it is below top_p: the smallest set reaching top_p, at least one.
-            keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < self.top_p
+            keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
             keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
             p = mx.where(keep, p, 0.0)
             p = p / p.sum(axis=-1, keepdims=True)
         if self.min_p > 0:
-            p = mx.where(p >= self.min_p * p.max(axis=-1, keepdims=True), p, 0.0)
+            p = mx.where(p >= min_p * p.max(axis=-1, keepdims=True), p, 0.0)
             p = p / p.sum(axis=-1, keepdims=True)
         return p
 
-    def __call__(self, logits: mx.array) -> mx.array:
+    def __call__(self, logits: mx.array, values: mx.array | None = None) -> mx.array:
         if self.greedy:
             return mx.argmax(logits, axis=-1)
-        return sample_from(self.probs(logits))
+        return sample_from(self.probs(logits, values))
 
 
 def sample_from(p: mx.array) -> mx.array:
