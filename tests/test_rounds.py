@@ -394,6 +394,22 @@ def test_sampled_traced_rounds_draw_what_rounds_built_op_by_op_draw(checkpoints)
     assert len(model.__dict__["_round_traces"]) == 1  # the sampled round was traced (one K, one sampler)
 
 
+def test_one_round_trace_serves_every_temperature_top_p_and_min_p(checkpoints):
+    """The sampler's numbers are inputs of a round's trace: samplers that differ only in them share one trace, and
+    each draws under its seed the tokens of rounds built op by op."""
+    model, _ = load(checkpoints["pattern"])
+    model.__dict__.pop("_round_traces", None)
+    for sampler in (Sampler(temp=0.8, top_p=0.95), Sampler(temp=1.2, top_p=0.6), Sampler(temp=0.4, top_p=0.9)):
+        out = {}
+        for on in (False, True):
+            mx.random.seed(21)
+            with rounds.tracing(on):
+                out[on] = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2, sampler=sampler)
+        (eager, s0), (traced, s1) = out[False], out[True]
+        assert eager == traced and s0.accepted_hist == s1.accepted_hist, sampler
+    assert len(model.__dict__["_round_traces"]) == 1
+
+
 def test_traced_rounds_follow_the_switch(checkpoints, monkeypatch):
     model, _ = load(checkpoints["pattern"])
     seen = []

@@ -22,10 +22,11 @@ from .sample import Sampler
 CATCH_UP_ROWS = 8
 
 
-def _pick(sampler: Sampler, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+def _pick(sampler: Sampler, logits: mx.array, values: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """A draft and its distribution q (None when greedy); `values`: Sampler.values() as a traced round's input."""
     if sampler.greedy:
         return mx.argmax(logits), None
-    q = sampler.probs(logits)
+    q = sampler.probs(logits) if values is None else sampler.probs(logits, values)
     return mx.random.categorical(mx.log(q)), q
 
 

@@ -51,19 +51,22 @@ log = logging.getLogger("lattice_mlx")
 DraftOverride = Callable[[mx.array, "mx.array | None", "PipelinedRounds", int], tuple[mx.array, "mx.array | None"]]
 
 
-def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Sampler):
+def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Sampler,
+           values: mx.array | None = None):
     """On the device: logits [K+1, V] of the verify, drafts [K] -> (n accepted [scalar int32], the next token
     [scalar int32], tokens [K+1] whose first n + 1 are the round's output). Greedy: leading drafts equal to the
-    argmax. Sampled: sample.accept_sampled_arrays, the rule the synchronous verifiers read back."""
+    argmax. Sampled: sample.accept_sampled_arrays, the rule the synchronous verifiers read back. `values`:
+    Sampler.values() as a traced round's input (None: the sampler's own numbers)."""
     K = drafts.shape[0]
     if K == 0:  # a plain step inside the loop (adaptive depth chose no drafts): the token as plain decoding picks it
-        token = sampler(logits[0]).astype(mx.int32)
+        token = (sampler(logits[0]) if values is None else sampler(logits[0], values)).astype(mx.int32)
         return mx.array(0, dtype=mx.int32), token, token.reshape(1)
     if sampler.greedy:
         targets = mx.argmax(logits, axis=-1).astype(mx.int32)
         n = mx.cumprod((targets[:K] == drafts).astype(mx.int32)).sum()
         return n, targets[n], targets  # accepted drafts equal the targets at their rows
-    return accept_sampled_arrays(sampler.probs(logits), q, drafts)
+    p = sampler.probs(logits) if values is None else sampler.probs(logits, values)
+    return accept_sampled_arrays(p, q, drafts)
 
 
 # The round's bookkeeping on device scalars, each compiled into one fused kernel (on a GPU every op is a launch, and
@@ -99,9 +102,11 @@ def _traced_round(model, k: int):
     """(the function MLX traces: (state arrays, the override's device inputs) -> (state arrays, tokens, n), slot)."""
 
     def body(rounds: "PipelinedRounds", state: list, extras: list):
-        override, vocab = rounds.override, rounds.model.mtp.draft_vocab
+        override, vocab, values = rounds.override, rounds.model.mtp.draft_vocab, rounds.values
         try:
             rounds._set_state(state)
+            if values is not None:  # the sampler's numbers: an input, so one trace serves every temperature
+                rounds.values, extras = extras[0], extras[1:]
             if override is not None:
                 rounds.override = lambda d, q, rr, r: override.apply(d, q, rr, extras)
             if vocab is not None:
@@ -113,7 +118,7 @@ def _traced_round(model, k: int):
                 tokens, n = rounds.verify(drafts, q)
             return rounds._state(), tokens, n
         finally:
-            rounds.override = override
+            rounds.override, rounds.values = override, values
             if vocab is not None:
                 vocab.pinned = False
 
@@ -135,6 +140,8 @@ class PipelinedRounds:
         cache the new ones from its last cached position on); `prompt_len`: the whole prompt's length (default
         len(prompt)); `head_cache`: the MTP head's caches of the cached prefix (None: a fresh cache)."""
         self.model, self.sampler, self.k, self.override = model, sampler, k, override
+        # a Sampler's numbers (temperature, top-p, min-p), an input of a traced round (a subclass: its own numbers)
+        self.values = sampler.values() if type(sampler) is Sampler else None
         mcache = head_cache if head_cache is not None else model.mtp.make_cache()
         tail, tail_hidden = mtp_prefill(model, [*prompt[1:], first], hidden, mcache)
         self.m0 = mcache[0].offset  # the head's rows before the first round
@@ -229,7 +236,7 @@ class PipelinedRounds:
             post = head.norm(x)
             u = head.to_target(post)
             logits = (vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u))[0, -1]
-            d, q = _pick(self.sampler, logits)
+            d, q = _pick(self.sampler, logits, self.values)
             if vocab is not None:
                 d, q = vocab.to_full(d, q, V)
             drafts.append(d.astype(mx.int32))
@@ -278,10 +285,12 @@ class PipelinedRounds:
         Returns (tokens [k + 1], n) as `verify`."""
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
-        # what the graph depends on besides its inputs: K, the sampler, the draft vocabulary, the head and how it
+        # what the graph depends on besides its inputs: K, the sampler's structure (its numbers are an input; a
+        # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it
         # reads the target's hidden, the override's kind, the kernels switch
         head = self.model.mtp
-        key = (k, self.sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
+        sampler = self.sampler.structure() if self.values is not None else self.sampler
+        key = (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
         cached, _ = traces.cached(self.model, "_round_traces", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
@@ -293,7 +302,8 @@ class PipelinedRounds:
         vocab = self.model.mtp.draft_vocab
         if vocab is not None:
             vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
-        extras = self.override.device_inputs(k) if self.override is not None else []
+        extras = ([self.values] if self.values is not None else []) + \
+            (self.override.device_inputs(k) if self.override is not None else [])
         tokens, n = traces.call(cached, key, self, [*self.mcache, *self.kv], extras)
         self.last_k = k
         return tokens, n
@@ -302,7 +312,7 @@ class PipelinedRounds:
         """The target over [y, d1..dK]; acceptance, cache advance and the next round's inputs on the device.
         Returns (tokens [K+1], n): the round's output is tokens[: n + 1]."""
         logits, hidden = self.model(mx.concatenate([self.y, drafts])[None], self.cache, return_hidden=True)
-        n, token, tokens = accept(logits[0], drafts, q, self.sampler)
+        n, token, tokens = accept(logits[0], drafts, q, self.sampler, self.values)
         n = n.astype(mx.int32)
         # (the generated count is computed with the rest, so it is evaluated with them: no chain of lazy adds)
         offset, index, self.gen = _after_verify(self.kv[0].offset if self.kv else n, n, self.gen)
