@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from . import cache as caches
 from . import traces
@@ -461,7 +462,8 @@ class DeviceOracle:
 
     def _index(self, k: int):
         if k not in self._indices:
-            steps, last = mx.arange(1, k + 1, dtype=mx.int32), self.last
+            # (host data: a constant of the trace, not an arange it would launch every round)
+            steps, last = mx.array(np.arange(1, k + 1, dtype=np.int32)), self.last
             self._indices[k] = mx.compile(lambda gen: mx.minimum(gen + steps, last))
         return self._indices[k]
 
