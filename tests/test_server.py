@@ -211,3 +211,25 @@ def test_a_failing_warm_up_is_one_line(monkeypatch, capsys):
     assert srv.main(["--port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: warming up failed: [malloc] out of memory"], err
+
+
+def test_warm_up_traces_greedy_and_sampled_steps_and_rounds(checkpoints):
+    """Warm-up leaves a traced plain step and a traced round per depth for greedy and for sampled requests (the
+    temperature an input), so a request's first tokens do not pay for tracing; a request at another temperature
+    adds no trace."""
+    import mlx.core as mx
+
+    from lattice_mlx import server as srv
+    from lattice_mlx.decode import generate_step
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.spec import SpecOptions
+
+    model, _ = load(checkpoints["pattern"])
+    srv.warm_up(model, SpecOptions(draft_tokens=2))
+    steps, rounds = model.__dict__["_step_traces"], model.__dict__["_round_traces"]
+    assert {key[0][0] for key in steps} == {True, False}  # greedy, sampled
+    assert {(key[0], key[1][0]) for key in rounds} == {(1, True), (2, True), (1, False), (2, False)}
+    before = set(steps)
+    for _ in zip(range(6), generate_step(model, mx.array([1, 2, 3]), sampler=Sampler(temp=0.6))):
+        pass
+    assert set(steps) == before

@@ -339,24 +339,27 @@ def make_handler(engine: Engine):
 
 
 def warm_up(model, speculation: SpecOptions | None) -> None:
-    """A few greedy tokens plain and with every draft depth 1..K the adaptive loop may pick, before the first request
-    (a 16-token prompt: other prompt lengths still pay their own first call). On the H200 the first generation at
-    each new verify depth of the 35B-A3B MoE shape took 9-17 s (run 9; judged from the log's timestamps to be
-    kernels compiled at first use), which would otherwise land on whichever request first uses that depth."""
+    """A few tokens plain and with every draft depth 1..K the adaptive loop may pick, greedy and sampled, before the
+    first request (a 16-token prompt: other prompt lengths still pay their own first call). On the H200 the first
+    generation at each new verify depth of the 35B-A3B MoE shape took 9-17 s (run 9; judged from the log's
+    timestamps to be kernels compiled at first use), which would otherwise land on whichever request first uses that
+    depth. Plain steps and pipelined rounds are traced once per sampler structure (decode.TracedSteps, rounds.py):
+    greedy, and sampled without top-k / top-p / min-p (a request's temperature is an input of that trace)."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
     depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
-    for k in [None, *depths]:
-        if k is None:
-            steps = generate_step(model, mx.array(ids), sampler=Sampler())
-        else:
-            options = SpecOptions(draft_tokens=k, adaptive=False)
-            steps = speculative_step(model, mx.array(ids), sampler=Sampler(), options=options,
-                                     stats=SpecStats.of(options))
-        for _ in zip(range(2 * (k or 1) + 2), steps):
-            pass
-        steps.close()
-    log.info("warmed up in %.1f s: decode%s", time.perf_counter() - tic,
+    for sampler in (Sampler(), Sampler(temp=1.0)):
+        for k in [None, *depths]:
+            if k is None:
+                steps = generate_step(model, mx.array(ids), sampler=sampler)
+            else:
+                options = SpecOptions(draft_tokens=k, adaptive=False)
+                steps = speculative_step(model, mx.array(ids), sampler=sampler, options=options,
+                                         stats=SpecStats.of(options))
+            for _ in zip(range(2 * (k or 1) + 2), steps):
+                pass
+            steps.close()
+    log.info("warmed up in %.1f s: decode%s, greedy and sampled", time.perf_counter() - tic,
              f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "")
 
 
