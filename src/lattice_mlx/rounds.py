@@ -287,8 +287,8 @@ class PipelinedRounds:
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
         # what the graph depends on besides its inputs: K, the sampler's structure (its numbers are an input; a
-        # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it
-        # reads the target's hidden, the override's kind, the kernels switch
+        # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
+        # hidden, the override's kind, the kernels switch
         head = self.model.mtp
         sampler = self.sampler.structure() if self.values is not None else self.sampler
         key = (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
