@@ -207,6 +207,7 @@ def with_trace_ab(legs: list[Leg], on: bool) -> list[Leg]:
     tracing saves."""
     if not on:
         return legs
+
     def traced(leg: Leg) -> bool:
         return leg.kind == "plain" or (leg.kind == "mtp" and leg.verify == "pipelined")
 

@@ -58,6 +58,9 @@ class TracedSteps:
 
     def __init__(self, model, sampler: Sampler, cache: list):
         self.model, self.sampler, self.values = model, sampler, sampler.values()
+        # the trace's key, once per generation (not per token): a Sampler's structure (its numbers are an input; a
+        # subclass samples its own way, with a trace of its own) and the kernels switch
+        self.key = (sampler.structure() if type(sampler) is Sampler else sampler, use_kernels())
         self.cache = [caches.FixedKVCache.from_kv(c) if type(c) is caches.KVCache else c for c in cache]
         self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
         self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
@@ -114,11 +117,9 @@ class TracedSteps:
         for c in self.kv:
             c.bound = self.bound
             c.reserve(1)
-        exact = type(self.sampler) is Sampler
-        key = (self.sampler.structure() if exact else self.sampler, use_kernels())
-        cached, _ = traces.cached(self.model, "_step_traces", key, self._traced)
+        cached, _ = traces.cached(self.model, "_step_traces", self.key, self._traced)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
-        (nxt,) = traces.call(cached, key, self, self.kv, [y, self.values])
+        (nxt,) = traces.call(cached, self.key, self, self.kv, [y, self.values])
         self.bound += 1
         for c, offset in zip(self.gdn, offsets):
             c.offset = offset + 1

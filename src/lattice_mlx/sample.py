@@ -44,8 +44,7 @@ class Sampler:
     def probs(self, logits: mx.array, values: mx.array | None = None) -> mx.array:
         """The distribution actually sampled from (fp32): temperature, then top-k, then top-p, then min-p,
         renormalised. `values` (`values()` of a sampler of the same structure) replaces the fields' numbers."""
-        temp, top_p, min_p = (self.temp, self.top_p, self.min_p) if values is None else (values[0], values[1],
-                                                                                          values[2])
+        temp, top_p, min_p = (self.temp, self.top_p, self.min_p) if values is None else values
         logits = logits.astype(mx.float32) / temp
         V = logits.shape[-1]
         if 0 < self.top_k < V:
