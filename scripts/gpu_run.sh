@@ -49,6 +49,8 @@
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
+#   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
+#                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
 # need ../shared/device/gpu_kernels.py copied into .device-tools/ and carried.
 set -u
@@ -269,6 +271,7 @@ for mode in "$@"; do
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
   drafters) step drafters 90 python3 scripts/bench_drafters.py --out "$RES/drafters" --prompts 6 --tokens 64 ;;
+  diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
