@@ -28,7 +28,11 @@ def test_fused_model_computes_the_same_logits(checkpoint, bits):
     # Row-stacked weights: the same dot products, possibly in another blocking of the matmul.
     assert mx.abs(out - ref).max().item() <= 1e-5 * max(1.0, mx.abs(ref).max().item())
     h = mx.random.normal((1, 3, plain.args.hidden_size))
-    assert mx.allclose(fused.mtp.layers[0](h), plain.mtp.layers[0](h), atol=1e-5)
+    ref, out = plain.mtp.layers[0](h), fused.mtp.layers[0](h)
+    # on a GPU the fused and the separate 4-bit projections are different launches of the kernel (another split of
+    # K over warps), so another summation order (H200 run 14: over 1e-5 at 4 bits)
+    tol = 1e-5 if mx.default_device() == mx.cpu else 1e-4
+    assert mx.abs(out - ref).max().item() <= tol * max(1.0, mx.abs(ref).max().item())
     back = hf_parameters(fused)
     assert back.keys() == before.keys()
     assert all(mx.array_equal(back[k], before[k]) for k in before)

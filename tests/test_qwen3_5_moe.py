@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import hf_reference_logits, mlx_lm_logit_error
+from conftest import hf_reference_logits, logit_bound, mlx_lm_logit_error
 
 from lattice_mlx import generate, load
 from lattice_mlx.spec import SpecOptions
@@ -37,8 +37,8 @@ def test_moe_logits_match_transformers(moe_checkpoints, name):
 
 @pytest.mark.parametrize("name", ["e6k2", "e7k3-untied"])  # mlx-lm reads full_attention_interval, not layer_types
 def test_moe_logits_match_mlx_lm(moe_checkpoints, name):
-    err = mlx_lm_logit_error(moe_checkpoints[name], IDS)
-    assert err <= 1e-5, f"max |lattice - mlx-lm| = {err:.2e}"
+    err, bound = mlx_lm_logit_error(moe_checkpoints[name], IDS, gpu_rel=1e-4)  # routed expert sums: looser on a GPU
+    assert err <= bound, f"max |lattice - mlx-lm| = {err:.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("verify", ["batched", "sequential"])
@@ -140,8 +140,9 @@ def test_mlx_community_4bit_moe_checkpoint_matches_mlx_lm(moe_checkpoints, tmp_p
     model, _ = load(dst)
     assert model.layers[0].mlp.gate.bits == 8 and model.layers[0].mlp.switch_mlp.up_proj.bits == 4
     ids = mx.array([IDS])
-    err = mx.abs(model(ids) - ref_model(ids)).max().item()
-    assert err <= 1e-5, f"max |lattice - mlx-lm| on a 4-bit MoE checkpoint = {err:.2e}"
+    ref = ref_model(ids)
+    err, bound = mx.abs(model(ids) - ref).max().item(), logit_bound(ref, gpu_rel=1e-4)
+    assert err <= bound, f"max |lattice - mlx-lm| on a 4-bit MoE checkpoint = {err:.2e} > {bound:.2e}"
 
 
 def test_convert_quantizes_moe_with_8_bit_routers_and_keeps_the_moe_head(moe_checkpoints, tmp_path):

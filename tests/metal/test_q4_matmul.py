@@ -4,7 +4,8 @@ import pytest
 from _tol import assert_close, out_key
 
 from lattice_mlx.metal import use_kernels
-from lattice_mlx.metal.q4_matmul import Pre, prologue_ref, q4_matmul, q4_matmul_kernel, q4_matmul_ref
+from lattice_mlx.metal import q4_matmul as q4_module
+from lattice_mlx.metal.q4_matmul import Pre, prologue_ref, q4_matmul, q4_matmul_kernel, q4_matmul_ref, quantized_matmul
 
 needs_gpu = pytest.mark.skipif(
     not use_kernels(),
@@ -56,8 +57,33 @@ def test_dispatch_falls_back_when_forced(monkeypatch):
     monkeypatch.setenv("LATTICE_KERNELS", "ref")
     x, w, s, b = make(2, 16, 64, 32, mx.float32)
     y = q4_matmul(x, w, s, b, group_size=32)
-    expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+    expect = quantized_matmul(x, w, s, b, group_size=32, bits=4)  # on the CPU: mx.quantized_matmul itself
     assert mx.array_equal(y, expect)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("M", [1, 4, 12])
+def test_quantized_matmul_at_a_small_k(M, group_size):
+    """K = 64 (the tiny test shapes): MLX 0.32.4's CUDA quantized matmul got rows 2+ wrong at group 64 (run 15);
+    the wrapper must match the float64 spec on every backend."""
+    x, w, s, b = make(M, 40, 64, group_size, mx.float32)
+    y = quantized_matmul(x, w, s, b, group_size=group_size, bits=4)
+    np.testing.assert_allclose(np.array(y), numpy_q4(x, w, s, b, group_size), rtol=1e-4, atol=1e-4)
+
+
+def test_small_k_workaround_is_the_same_matmul(monkeypatch):
+    """The workaround's dequantize-and-multiply, forced on whatever backend runs the suite."""
+    monkeypatch.setattr(q4_module, "small_k_workaround", lambda x: True)
+    x, w, s, b = make(5, 24, 128, 64, mx.float32)
+    with mx.stream(mx.cpu):  # exact fp32 matmuls on the CPU (a CUDA fp32 matmul may use TF32)
+        y = quantized_matmul(x, w, s, b, group_size=64, bits=4)
+        expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+    np.testing.assert_allclose(np.array(y), np.array(expect), rtol=1e-5, atol=1e-5)
+    x8, w8, s8, b8 = x, *mx.quantize(mx.random.normal((24, 128), key=mx.random.key(1)), group_size=64, bits=8)
+    with mx.stream(mx.cpu):
+        y8 = quantized_matmul(x8, w8, s8, b8, group_size=64, bits=8)
+        e8 = mx.quantized_matmul(x8, w8, s8, b8, transpose=True, group_size=64, bits=8)
+    np.testing.assert_allclose(np.array(y8), np.array(e8), rtol=1e-4, atol=1e-4)
 
 
 # --- the GPU kernel against the reference ---

@@ -383,6 +383,33 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return y
 
 
+# MLX 0.32.4's CUDA quantized matmul returns wrong rows at K = 64 with group size 64 once x has two rows or more
+# (H200 run 15, scripts/gpu_diag_g64.py: max error 23-47 against the CPU stream; one row, and group 32, exact). Only
+# the tiny test shapes have a K that small, where it turned the prefill logits NaN; below SMALL_K on a CUDA device
+# the weight is dequantized and multiplied instead (the fused kernel covers up to 8 rows wherever it applies).
+SMALL_K = 256
+
+
+@cache
+def _cuda() -> bool:
+    return mx.cuda.is_available()
+
+
+def small_k_workaround(x: mx.array) -> bool:
+    """True where `quantized_matmul` avoids MLX's quantized matmul (above)."""
+    K = x.shape[-1]
+    return K < SMALL_K and x.size > K and _cuda() and mx.default_device() == mx.gpu
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
+                     bits: int, mode: str = "affine") -> mx.array:
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, but for MLX's small-K fault on CUDA."""
+    if small_k_workaround(x):
+        dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
+        return x @ dense.T
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
+
+
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
               pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
     """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
@@ -391,5 +418,5 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
         return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual,
                                 glu=glu)
-    return unfused(lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits),
-                   x, pre=pre, residual=residual, glu=glu)
+    return unfused(lambda x: quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits), x, pre=pre,
+                   residual=residual, glu=glu)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from ..metal.q4_matmul import q4_matmul
+from ..metal.q4_matmul import q4_matmul, quantized_matmul
 from .compiled import run_layers
 from .qwen3_5 import DecoderLayer, ModelArgs
 
@@ -57,8 +57,8 @@ class DraftVocab:
             return h @ r["weight"].T
         if r["bits"] == 4 and r["mode"] == "affine":
             return q4_matmul(h, r["weight"], r["scales"], r["biases"], group_size=r["group_size"])
-        return mx.quantized_matmul(h, r["weight"], r["scales"], r.get("biases"), transpose=True,
-                                   group_size=r["group_size"], bits=r["bits"], mode=r["mode"])
+        return quantized_matmul(h, r["weight"], r["scales"], r.get("biases"), group_size=r["group_size"],
+                                bits=r["bits"], mode=r["mode"])
 
     def to_full(self, draft: mx.array, q: mx.array | None, vocab: int) -> tuple[mx.array, mx.array | None]:
         """A draft picked over the subset (an index into it) and its distribution [|ids|] -> the token id and q over

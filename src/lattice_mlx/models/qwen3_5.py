@@ -17,7 +17,7 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, swiglu, unfused
+from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, quantized_matmul, swiglu, unfused
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
@@ -145,9 +145,15 @@ class Q4Linear(nn.QuantizedLinear):
     def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
                  glu: bool = False) -> mx.array:
         if self.bits != 4 or self.mode != "affine" or "bias" in self:
-            return unfused(super().__call__, x, pre=pre, residual=residual, glu=glu)
+            return unfused(self._other, x, pre=pre, residual=residual, glu=glu)
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
                          residual=residual, glu=glu)
+
+    def _other(self, x: mx.array) -> mx.array:
+        """Other widths and modes (8-bit routers), with a bias if any: nn.QuantizedLinear's maths."""
+        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                             bits=self.bits, mode=self.mode)
+        return y + self["bias"] if "bias" in self else y
 
 
 class Q4Embedding(nn.QuantizedEmbedding):
@@ -155,7 +161,8 @@ class Q4Embedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array, *, pre: Pre | None = None) -> mx.array:
         if self.bits != 4 or self.mode != "affine":
-            return super().as_linear(prologue_ref(pre, x))
+            return quantized_matmul(prologue_ref(pre, x), self["weight"], self["scales"], self.get("biases"),
+                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre)
 
 
