@@ -17,6 +17,7 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
+from ..metal.q4_embedding import q4_embedding
 from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, quantized_matmul, swiglu, unfused
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
@@ -157,7 +158,12 @@ class Q4Linear(nn.QuantizedLinear):
 
 
 class Q4Embedding(nn.QuantizedEmbedding):
-    """A 4-bit embedding whose tied-lm_head use goes through the q4_matmul dispatcher."""
+    """A 4-bit embedding whose lookup is one kernel on a GPU (metal/q4_embedding.py) and whose tied-lm_head use goes
+    through the q4_matmul dispatcher."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return q4_embedding(ids, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                            bits=self.bits, mode=self.mode)
 
     def as_linear(self, x: mx.array, *, pre: Pre | None = None) -> mx.array:
         if self.bits != 4 or self.mode != "affine":
