@@ -49,6 +49,9 @@
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (scripts/bench_tree.py)
 #   drafters       every draft source on the demo model (scripts/bench_drafters.py)
 #   compiled-diag  where the compiled path differs from the layer path (scripts/compiled_diag.py)
+#   checks-15      run 15's kernels and the tests that failed on the GPU in run 14 (pytest -n 8)
+#   final-rounds   the headline at this revision: stock, plain, A/A, pipelined K=2,3 at oracle 0.8, each MTP leg also
+#                  with the 4-bit head (--head-q4-ab), CUPTI; then K=3 at oracle 1.0 (both heads)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
@@ -271,6 +274,18 @@ for mode in "$@"; do
     step trees_0.8b 180 python3 scripts/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
   drafters) step drafters 90 python3 scripts/bench_drafters.py --out "$RES/drafters" --prompts 6 --tokens 64 ;;
+  checks-15)
+    step checks_15 "${CHECKS_LIMIT:-200}" python3 -m pytest -q -n 8 -rfE --tb=short -p no:cacheprovider \
+      tests/metal/test_q4_embedding.py tests/metal/test_rms_pair.py tests/metal/test_q4_matmul.py tests/test_rotate.py \
+      tests/test_load.py tests/test_fuse.py tests/test_qwen3_5.py tests/test_qwen3_5_moe.py
+    tail -n 25 "$RES/checks_15.out" ;;
+  final-rounds)
+    step final_0.8b "${FINAL_LIMIT:-300}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --head-q4-ab \
+      --profile .device-tools --out "$RES/final_0.8b"
+    step final_p1 "${P1_LIMIT:-130}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3 --oracle-p 1.0 --no-stock --head-q4-ab \
+      --out "$RES/final_p1" ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;

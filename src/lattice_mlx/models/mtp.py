@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..metal.q4_matmul import q4_matmul, quantized_matmul
+from ..metal.rms_pair import rms_pair
 from .compiled import run_layers
 from .qwen3_5 import DecoderLayer, ModelArgs
 
@@ -108,7 +109,7 @@ class MTPHead(nn.Module):
                  mask: mx.array | None = None) -> mx.array:
         """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]. `mask`: an explicit
         attention mask over the cache's keys and these slots (training the draft recursion: distill_demo_head.py)."""
-        x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = rms_pair(embeds, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden)  # one kernel on a GPU
         return run_layers(self, self.layers, self.fc(x), cache, mask)
 
     def make_cache(self) -> list[KVCache]:
