@@ -1,5 +1,5 @@
-"""Rewrites benchmark result JSON files in place, compactly: floats to 6 significant digits, no indentation. The
-tracked tree travels to the GPU machine on every call and must stay well under 15 MB; run this on results before
+"""Rewrites benchmark result JSON files in place, compactly: floats to 6 significant digits, no indentation, GPU
+kernel names (CUPTI's) without their namespace and argument list. The tracked tree travels to the GPU machine on every call and must stay well under 15 MB; run this on results before
 committing them under docs/bench/.
 
     python scripts/compact_json.py docs/bench/h200/run10/**/*.json
@@ -10,11 +10,25 @@ import sys
 from pathlib import Path
 
 
+def short(name: str) -> str:
+    """A CUPTI kernel name without `void `, MLX's namespace and the argument list (the template arguments stay)."""
+    if "mlx::core::cu::" not in name and not name.startswith("void "):
+        return name
+    return name.removeprefix("void ").replace("mlx::core::cu::", "").split("(")[0]
+
+
 def rounded(o):
     if isinstance(o, float):
         return float(f"{o:.6g}")
+    if isinstance(o, str):
+        return short(o)
     if isinstance(o, dict):
-        return {k: rounded(v) for k, v in o.items()}
+        out = {}
+        for k, v in o.items():
+            k, v = short(k), rounded(v)
+            # two names that differed only in their arguments: one entry (counts and times add)
+            out[k] = out[k] + v if k in out and isinstance(v, (int, float)) else v
+        return out
     if isinstance(o, list):
         return [rounded(v) for v in o]
     return o
