@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from lattice_mlx.metal import _dialect, gated_delta, q4_matmul
+from lattice_mlx.metal import _dialect, gated_delta, q4_embedding, q4_matmul, rms_pair
 
 BODIES = {
     "gated_delta": gated_delta._BODY,
@@ -15,11 +15,13 @@ BODIES = {
     "gated_delta_conv": gated_delta._BODY_CONV,
     **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
     **{f"q4_{kind}_glu": q4_matmul.body(kind, False, True) for kind in ("none", "rms")},
+    "q4_embedding": q4_embedding._BODY,
+    "rms_pair": rms_pair._BODY,
 }
 MARKERS = {
     "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
     "cuda": ["__shfl_xor_sync", "blockIdx", "threadIdx", "__byte_perm"],
-}
+}  # (the header carries two of each dialect's, so every body shows them)
 OTHER = {"metal": "cuda", "cuda": "metal"}
 
 
@@ -121,6 +123,12 @@ def test_cuda_render_compiles(op, tmp_path):
             [("y", bf), ("state_out", "float")],
             [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("STEP", True)],
         )
+    elif op == "q4_embedding":
+        ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", bf), ("biases", bf)]
+        unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("GS", 64), ("ROUND", 0)])
+    elif op == "rms_pair":
+        ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf), ("params", "float")]
+        unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("H", 1024)])
     else:
         kind, res = op[3:].removesuffix("_res").removesuffix("_glu"), op.endswith("_res")
         extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])
