@@ -82,10 +82,13 @@ for mode in "$@"; do
   suite)  # the whole suite on one GPU: tests/metal (pytest -n 4) beside the rest (-n 8), SUITE_LIMIT s each (500)
     ( timeout --signal=INT --kill-after=10 "${SUITE_LIMIT:-500}" python3 -m pytest -q -n 4 -rfE --tb=line \
         -p no:cacheprovider tests/metal > "$RES/suite_metal.out" 2>&1; echo "rc=$?" >> "$RES/suite_metal.out" ) &
-    timeout --signal=INT --kill-after=10 "${SUITE_LIMIT:-500}" python3 -m pytest -q -n 8 -rfE --tb=line \
+    # -v: each test's outcome is written as it ends, so a run cut by the limit still names its failures (run 15 lost
+    # one: pytest names them only in its closing summary, which a cut run never prints)
+    timeout --signal=INT --kill-after=30 "${SUITE_LIMIT:-500}" python3 -m pytest -v -n 8 -rfE --tb=line \
       -p no:cacheprovider $(ls tests/test_*.py) > "$RES/suite_rest.out" 2>&1; echo "rc=$?" >> "$RES/suite_rest.out"
     wait
-    for f in suite_metal suite_rest; do echo "== $f"; tail -n 4 "$RES/$f.out"; done | tee -a "$RES/steps.txt" ;;
+    for f in suite_metal suite_rest; do echo "== $f"; tail -n 4 "$RES/$f.out"; grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" \
+      "$RES/$f.out" | head -n 30; done | tee -a "$RES/steps.txt" ;;
   tests)
     # shellcheck disable=SC2086
     step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
@@ -275,10 +278,10 @@ for mode in "$@"; do
     step trees_demo 90 python3 scripts/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
   drafters) step drafters 90 python3 scripts/bench_drafters.py --out "$RES/drafters" --prompts 6 --tokens 64 ;;
   checks-15)
-    step checks_15 "${CHECKS_LIMIT:-200}" python3 -m pytest -q -n 8 -rfE --tb=short -p no:cacheprovider \
+    step checks_15 "${CHECKS_LIMIT:-200}" python3 -m pytest -v -n 8 -rfE --tb=short -p no:cacheprovider \
       tests/metal/test_q4_embedding.py tests/metal/test_rms_pair.py tests/metal/test_q4_matmul.py tests/test_rotate.py \
       tests/test_load.py tests/test_fuse.py tests/test_qwen3_5.py tests/test_qwen3_5_moe.py
-    tail -n 25 "$RES/checks_15.out" ;;
+    grep -E "FAILED|ERROR" "$RES/checks_15.out" | head -n 30; tail -n 5 "$RES/checks_15.out" ;;
   final-rounds)
     step final_0.8b "${FINAL_LIMIT:-300}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --head-q4-ab \
