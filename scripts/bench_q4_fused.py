@@ -5,7 +5,9 @@ rows of a verify, and what the SwiGLU epilogue (glu) saves against the SwiGLU pr
     python scripts/bench_q4_fused.py --profiler-dir .device-tools --out results.json
 
 Each case is run `calls` times inside one profile (one eval per call, so every call is its own launch); the figure
-is kernel microseconds per call.
+is kernel microseconds per call. `--set dense`: the same body on unquantized bf16 weights (`dense_matmul_kernel`, the
+MTP head's layer as `convert -q` keeps it) against the plain ops it replaces (cuBLAS matmul, norm, gate, add), with
+the kernels each launches; the bf16 lm_head too.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from lattice_mlx.metal.q4_matmul import Pre, q4_matmul_kernel
+from lattice_mlx.metal.q4_matmul import Pre, dense_matmul_kernel, q4_matmul_kernel, unfused
 
 H, I, GDN_IN, GDN_V, ATT_O = 1024, 3584, 8224, 2048, 2048  # 0.8B: hidden, MLP, GDN in_proj rows, GDN values, o_proj in
 
@@ -67,26 +69,53 @@ def cases(M: int):
     return out
 
 
+def dense_cases(M: int):
+    """name -> zero-argument function: the fused dense kernel (new) and the plain ops it replaces (ops), MTP head
+    layer shapes (0.8B: qkv 5120 x 1024, o_proj 1024 x 2048, gate_up 7168 x 1024, down 1024 x 3584) and lm_head."""
+    rng = np.random.default_rng(M)
+    norm = Pre("rms", (1 + 0.1 * arr(rng, H)), 1e-6)
+    x, res = arr(rng, 1, M, H), arr(rng, 1, M, H)
+    w = {name: 0.05 * arr(rng, N, K) for name, (N, K) in
+         {"qkv": (5120, H), "o": (H, ATT_O), "gu": (2 * I, H), "down": (H, I), "lm": (248320, H)}.items()}
+    attn, qsrc = arr(rng, 1, 8, M, 256), arr(rng, 1, M, 5120)
+    h = arr(rng, 1, M, I)
+    calls = {
+        "qkv rms": (x, "qkv", dict(pre=norm)),
+        "o_proj gate+res": (attn, "o", dict(pre=Pre("gate", src=qsrc), residual=res)),
+        "gate_up rms+glu": (x, "gu", dict(pre=norm, glu=True)),
+        "down res": (h, "down", dict(residual=res)),
+        "lm_head rms": (x, "lm", dict(pre=norm)),
+    }
+    out = {}
+    for name, (xi, wn, kw) in calls.items():
+        out[f"{name} (new)"] = lambda xi=xi, wn=wn, kw=kw: dense_matmul_kernel(xi, w[wn], **kw)
+        out[f"{name} (ops)"] = lambda xi=xi, wn=wn, kw=kw: unfused(lambda v: v @ w[wn].T, xi, **kw)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profiler-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--ms", default="1,2,4,8")
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--set", choices=("q4", "dense"), default="q4")
     args = p.parse_args()
     spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(args.profiler_dir, "gpu_kernels.py"))
     prof_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof_mod)
     results = {}
     for M in map(int, args.ms.split(",")):
-        for name, fn in cases(M).items():
+        for name, fn in (cases if args.set == "q4" else dense_cases)(M).items():
             for _ in range(3):
                 mx.eval(fn())  # compile, warm
             with prof_mod.kernel_profile(steps=args.calls) as prof:
                 for _ in range(args.calls):
                     mx.eval(fn())
             s = prof.summary(top=3)
-            results.setdefault(name, {})[M] = round(s["kernel_us_per_step"], 2)
+            results.setdefault(name, {})[M] = {"us": round(s["kernel_us_per_step"], 2),
+                                               "kernels": s["kernels_per_step"]} if args.set == "dense" \
+                else round(s["kernel_us_per_step"], 2)
             print(f"M={M} {name}: {s['kernel_us_per_step']:.2f} us ({s['kernels_per_step']:.1f} kernels)", flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -52,6 +52,8 @@
 #   checks-15      run 15's kernels and the tests that failed on the GPU in run 14 (pytest -n 8)
 #   final-rounds   the headline at this revision: stock, plain, A/A, pipelined K=2,3 at oracle 0.8, each MTP leg also
 #                  with the 4-bit head (--head-q4-ab), CUPTI; then K=3 at oracle 1.0 (both heads)
+#   dense-checks   the dense fused kernel (unquantized weights: the bf16 MTP head) against its reference, and its
+#                  CUPTI GPU time and kernels against the plain ops it replaces (scripts/bench_q4_fused.py --set dense)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
@@ -289,6 +291,12 @@ for mode in "$@"; do
     step final_p1 "${P1_LIMIT:-130}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3 --oracle-p 1.0 --no-stock --head-q4-ab \
       --out "$RES/final_p1" ;;
+  dense-checks)  # run 16: the dense fused kernel's tests, then its GPU time against the plain ops it replaces (CUPTI)
+    step dense_tests "${CHECKS_LIMIT:-120}" python3 -m pytest -v -n 8 -rfE --tb=short -p no:cacheprovider \
+      tests/metal/test_dense_matmul.py tests/metal/test_q4_matmul.py
+    grep -E "FAILED|ERROR" "$RES/dense_tests.out" | head -n 30; tail -n 3 "$RES/dense_tests.out"
+    step dense_fused 150 python3 scripts/bench_q4_fused.py --set dense --ms 1,4 --profiler-dir .device-tools \
+      --out "$RES/dense_fused.json" ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;

@@ -15,6 +15,9 @@ BODIES = {
     "gated_delta_conv": gated_delta._BODY_CONV,
     **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
     **{f"q4_{kind}_glu": q4_matmul.body(kind, False, True) for kind in ("none", "rms")},
+    **{f"dense_{kind}{'_res' * res}": q4_matmul.body(kind, res, fmt="dense") for kind in q4_matmul._LOAD_X
+       for res in (False, True)},
+    **{f"dense_{kind}_glu": q4_matmul.body(kind, False, True, "dense") for kind in ("none", "rms")},
     "q4_embedding": q4_embedding._BODY,
     "rms_pair": rms_pair._BODY,
 }
@@ -130,9 +133,11 @@ def test_cuda_render_compiles(op, tmp_path):
         ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf), ("params", "float")]
         unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("H", 1024)])
     else:
-        kind, res = op[3:].removesuffix("_res").removesuffix("_glu"), op.endswith("_res")
+        fmt, _, kind = op.partition("_")
+        kind, res = kind.removesuffix("_res").removesuffix("_glu"), op.endswith("_res")
         extra = {"rms": ["nw"], "gate": ["g"], "gated_rms": ["nw", "zs"]}.get(kind, [])
-        ins = [("x", bf), ("w", "uint32_t"), ("scales", bf), ("biases", bf)] + [(n, bf) for n in extra]
+        weights = [("w", "uint32_t"), ("scales", bf), ("biases", bf)] if fmt == "q4" else [("w", bf)]
+        ins = [("x", bf), *weights] + [(n, bf) for n in extra]
         ins += [("res", bf)] * res
         consts = [("OT", bf), ("M", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
                   ("ZSTR", 8224), ("ZOFF", 6144)]

@@ -5,6 +5,10 @@ Shapes: x [..., K] (M = prod of the leading dims; other layouts per `Pre`); w [N
 low nibble first); scales, biases [N, K / G]; r and y [..., N] in x's dtype. With no prologue and no residual the
 result is `mx.quantized_matmul(..., transpose=True)`. One kernel launch replaces the norm / gate / residual ops
 around a projection: on MLX's CUDA backend every launch costs ~9 us of host dispatch whatever it computes.
+
+The same body also reads unquantized weights (`dense_matmul`: w [N, K] in x's dtype), for the linears a model keeps
+in bf16 (the MTP head, which `convert -q` leaves unquantized by default, or a whole unquantized checkpoint), so
+they get the same fusions and the same batch invariance.
 """
 
 from dataclasses import dataclass
@@ -186,10 +190,7 @@ _BODY = """
   LX_SHARED float sqs[SK * M];
   const int N = w_shape[0];
   const int NO = {NO};
-  const int KW = w_shape[1];
-  const int KC = KW / 4;
-  const int K = KW * 8;
-  const int NG = K / GS;
+{W_DEFS}
   const int lane = LX_TID_X % 32;
   const int wid = LX_TID_X / 32;
   const int n0 = LX_BID_X * R;
@@ -202,22 +203,7 @@ _BODY = """
   }
 
   for (int c = LX_TID_X; c < KC; c += 32 * SK) {
-    uint32_t wq[{RR}][4];
-    float sc[{RR}], bs[{RR}];
-    for (int r = 0; r < {RR}; ++r) {
-      const int o = r < R ? r : r - R;  // the output column's offset in the block (r >= R: glu's up rows)
-      const int n = n0 + o + (r < R ? 0 : NO);
-      if (n0 + o < NO) {
-        const uint4 u = LX_LOAD_U4(w + n * KW + c * 4);
-        wq[r][0] = u.x; wq[r][1] = u.y; wq[r][2] = u.z; wq[r][3] = u.w;
-        sc[r] = LX_F32(scales[n * NG + (c * 32) / GS]);
-        bs[r] = LX_F32(biases[n * NG + (c * 32) / GS]);
-      } else {
-        wq[r][0] = 0u; wq[r][1] = 0u; wq[r][2] = 0u; wq[r][3] = 0u;
-        sc[r] = 0.0f;
-        bs[r] = 0.0f;
-      }
-    }
+{W_CHUNK}
     float p[{RR}][M], xs[M];
     for (int m = 0; m < M; ++m) {
       xs[m] = 0.0f;
@@ -225,16 +211,9 @@ _BODY = """
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float qf[{RR}][8];
-      for (int r = 0; r < {RR}; ++r) {
-        const uint32_t lo = wq[r][j] & 0x0F0F0F0Fu;
-        const uint32_t hi = (wq[r][j] >> 4) & 0x0F0F0F0Fu;
-        for (int i = 0; i < 4; ++i) {
-          qf[r][2 * i] = LX_BYTE_F(lo, i);
-          qf[r][2 * i + 1] = LX_BYTE_F(hi, i);
-        }
-      }
       const int k0 = c * 32 + j * 8;
+      float qf[{RR}][8];
+{W_ROWS}
       {LOAD_SHARED}
       for (int m = 0; m < M; ++m) {
         float xv[8];
@@ -246,7 +225,7 @@ _BODY = """
     }
     {CHUNK_SCALE}
     for (int r = 0; r < {RR}; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = LX_FMA(sc[r], p[r][m], LX_FMA(bs[r], xs[m], acc[r][m]));
+      for (int m = 0; m < M; ++m) acc[r][m] = {W_ACC};
   }
 
   for (int m = 0; m < M; ++m) {
@@ -271,11 +250,68 @@ _BODY = """
 """
 
 
+# The weight formats: how a block reads its rows of w. q4: a thread's 32-value chunk of a row is one uint4 of nibbles
+# (one quantization group: one scale, one bias), unpacked 8 values at a time; the chunk's sums are scaled and the
+# bias times the sum of x added once. dense: w [N, K] in x's dtype (an unquantized model, the MTP head kept in
+# bf16), 8 values loaded at a time, the chunk's sums added as they are.
+_W_FORMATS = {
+    "q4": {
+        "W_DEFS": """  const int KW = w_shape[1];
+  const int KC = KW / 4;
+  const int K = KW * 8;
+  const int NG = K / GS;""",
+        "W_CHUNK": """    uint32_t wq[{RR}][4];
+    float sc[{RR}], bs[{RR}];
+    for (int r = 0; r < {RR}; ++r) {
+      const int o = r < R ? r : r - R;  // the output column's offset in the block (r >= R: glu's up rows)
+      const int n = n0 + o + (r < R ? 0 : NO);
+      if (n0 + o < NO) {
+        const uint4 u = LX_LOAD_U4(w + n * KW + c * 4);
+        wq[r][0] = u.x; wq[r][1] = u.y; wq[r][2] = u.z; wq[r][3] = u.w;
+        sc[r] = LX_F32(scales[n * NG + (c * 32) / GS]);
+        bs[r] = LX_F32(biases[n * NG + (c * 32) / GS]);
+      } else {
+        wq[r][0] = 0u; wq[r][1] = 0u; wq[r][2] = 0u; wq[r][3] = 0u;
+        sc[r] = 0.0f;
+        bs[r] = 0.0f;
+      }
+    }""",
+        "W_ROWS": """      for (int r = 0; r < {RR}; ++r) {
+        const uint32_t lo = wq[r][j] & 0x0F0F0F0Fu;
+        const uint32_t hi = (wq[r][j] >> 4) & 0x0F0F0F0Fu;
+        for (int i = 0; i < 4; ++i) {
+          qf[r][2 * i] = LX_BYTE_F(lo, i);
+          qf[r][2 * i + 1] = LX_BYTE_F(hi, i);
+        }
+      }""",
+        "W_ACC": "LX_FMA(sc[r], p[r][m], LX_FMA(bs[r], xs[m], acc[r][m]))",
+    },
+    "dense": {
+        "W_DEFS": """  const int K = w_shape[1];
+  const int KC = K / 32;""",
+        "W_CHUNK": "",
+        "W_ROWS": """      for (int r = 0; r < {RR}; ++r) {
+        const int o = r < R ? r : r - R;  // the output column's offset in the block (r >= R: glu's up rows)
+        const int n = n0 + o + (r < R ? 0 : NO);
+        if (n0 + o < NO) {
+          LX_LOAD8(w + n * K + k0, qf[r]);
+        } else {
+          for (int i = 0; i < 8; ++i) qf[r][i] = 0.0f;
+        }
+      }""",
+        "W_ACC": "acc[r][m] + p[r][m]",
+    },
+}
+
+
 @cache  # built once per variant: the dispatcher runs per projection and token on uncompiled paths
-def body(kind: str, residual: bool, glu: bool = False) -> str:
-    """The kernel body of one prologue kind, with or without the residual or SwiGLU epilogue (one source for both
-    dialects)."""
-    return (_BODY.replace("{LOAD_X}", _LOAD_X[kind]).replace("{LOAD_SHARED}", _LOAD_SHARED.get(kind, ""))
+def body(kind: str, residual: bool, glu: bool = False, fmt: str = "q4") -> str:
+    """The kernel body of one prologue kind and weight format, with or without the residual or SwiGLU epilogue (one
+    source for both dialects)."""
+    out = _BODY
+    for key, text in _W_FORMATS[fmt].items():
+        out = out.replace("{" + key + "}", text)
+    return (out.replace("{LOAD_X}", _LOAD_X[kind]).replace("{LOAD_SHARED}", _LOAD_SHARED.get(kind, ""))
             .replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, "")).replace("{ROW_SCALE}", _ROW_SCALE.get(kind, ""))
             .replace("{GLU}", _GLU if glu else "").replace("{STORE}", _STORE[residual])
             .replace("{NO}", "N / 2" if glu else "N").replace("{RR}", "(2 * R)" if glu else "R"))
@@ -310,20 +346,16 @@ def _sizes(pre: Pre | None, x: mx.array) -> tuple[int, int, tuple[int, ...]]:
     return K, x.size // x.shape[-1], x.shape[:-1]
 
 
-def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
-              residual: mx.array | None = None, glu: bool = False) -> bool:
-    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
-    residual and the prologue's side inputs in x's dtype and laid out as the body indexes them; the SwiGLU
-    epilogue on an even number of rows and without a residual."""
-    if glu and (w.shape[0] % 2 or residual is not None):
+def _layout_ok(x: mx.array, K: int, N: int, pre: Pre | None, residual: mx.array | None, glu: bool) -> bool:
+    """What both weight formats need of x, the prologue's side inputs and the residual (K: the weight's inputs)."""
+    if glu and (N % 2 or residual is not None):
         return False
     if x.ndim < (4 if pre is not None and pre.kind in ("gate", "gated_rms") else 1):
         return False
-    K, M, _ = _sizes(pre, x)
-    if not (bits == 4 and group_size in (32, 64, 128) and K % 32 == 0 and w.shape[-1] * 8 == K
-            and 1 <= M <= MAX_ROWS and x.dtype in DTYPES):
+    Kx, M, _ = _sizes(pre, x)
+    if not (Kx == K and K % 32 == 0 and 1 <= M <= MAX_ROWS and x.dtype in DTYPES):
         return False
-    if residual is not None and (residual.dtype != x.dtype or residual.size != M * w.shape[0]):  # (no glu here)
+    if residual is not None and (residual.dtype != x.dtype or residual.size != M * N):  # (no glu here)
         return False
     if pre is None:
         return True
@@ -336,26 +368,40 @@ def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | N
                 and pre.src.shape[-1] >= 2 * K and pre.src.size == M * pre.src.shape[-1])
     if pre.kind == "gated_rms":  # a warp's lanes run the same passes (K % 1024) and a head spans 2^i lanes
         D = x.shape[-1]
-        return (K % 1024 == 0 and D in (32, 64, 128, 256, 512, 1024) and pre.weight.dtype == x.dtype and pre.weight.size == D and pre.src.dtype == x.dtype
-                and pre.src.shape[-1] % 8 == 0 and pre.offset % 8 == 0 and pre.offset + K <= pre.src.shape[-1]
+        return (K % 1024 == 0 and D in (32, 64, 128, 256, 512, 1024) and pre.weight.dtype == x.dtype
+                and pre.weight.size == D and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
+                and pre.offset % 8 == 0 and pre.offset + K <= pre.src.shape[-1]
                 and pre.src.size == M * pre.src.shape[-1])
     return False
 
 
-def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                     bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
-                     rows: int | None = None, init_value: float | None = None) -> mx.array:
-    """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests).
-    With `glu` a block computes R output columns from 2R rows of w (R halved: the same rows per block)."""
-    assert supported(x, w, group_size, bits, pre, residual, glu), "shape, type or layout not handled by the kernel"
+def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
+              residual: mx.array | None = None, glu: bool = False) -> bool:
+    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
+    residual and the prologue's side inputs in x's dtype and laid out as the body indexes them; the SwiGLU
+    epilogue on an even number of rows and without a residual."""
+    return (bits == 4 and group_size in (32, 64, 128) and w.dtype == mx.uint32 and w.ndim == 2
+            and _layout_ok(x, w.shape[-1] * 8, w.shape[0], pre, residual, glu))
+
+
+def dense_supported(x: mx.array, w: mx.array, pre: Pre | None = None, residual: mx.array | None = None,
+                    glu: bool = False) -> bool:
+    """The dense kernel's cases: w [N, K] in x's dtype, otherwise as `supported`."""
+    return w.ndim == 2 and w.dtype == x.dtype and _layout_ok(x, w.shape[1], w.shape[0], pre, residual, glu)
+
+
+def _launch(fmt: str, x: mx.array, weights: list[mx.array], template: list, *, pre: Pre | None,
+            residual: mx.array | None, glu: bool, rows: int | None, init_value: float | None) -> mx.array:
+    """One launch of the fused matmul body in weight format `fmt` (weights: w, then its scales and biases)."""
     kind = pre.kind if pre is not None else "none"
+    w = weights[0]
     K, M, lead = _sizes(pre, x)
     N = w.shape[0]
     R, SK = launch_shape(M, N, K, rows)
     if glu and rows is None:
         R = max(1, R // 2)
     NO = N // 2 if glu else N
-    inputs, template = [x, w, scales, biases], [("OT", x.dtype), ("M", M), ("R", R), ("SK", SK), ("GS", group_size)]
+    inputs, template = [x, *weights], [("OT", x.dtype), ("M", M), ("R", R), ("SK", SK), *template]
     if kind in ("rms", "gated_rms"):
         inputs.append(pre.weight)
         template.append(("EPS", round(pre.eps * 1e9)))
@@ -365,12 +411,12 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if kind == "gated_rms":
         inputs.append(pre.src)
         template += [("HD", x.shape[-1]), ("ZSTR", pre.src.shape[-1]), ("ZOFF", pre.offset)]
-    names = ("x", "w", "scales", "biases", *_EXTRA_INPUTS[kind])
+    names = ("x", "w", "scales", "biases")[: 1 + len(weights)] + _EXTRA_INPUTS[kind]
     if residual is not None:
         inputs.append(residual)
         names += ("res",)
-    name = f"lattice_q4_{kind}" + ("_res" if residual is not None else "") + ("_glu" if glu else "")
-    kernel = _dialect.build(name, body(kind, residual is not None, glu), names, ("y",))
+    name = f"lattice_{fmt}_{kind}" + ("_res" if residual is not None else "") + ("_glu" if glu else "")
+    kernel = _dialect.build(name, body(kind, residual is not None, glu, fmt), names, ("y",))
     (y,) = kernel(
         inputs=inputs,
         template=template,
@@ -381,6 +427,31 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
         init_value=init_value,
     )
     return y
+
+
+def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                     bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
+                     rows: int | None = None, init_value: float | None = None) -> mx.array:
+    """The GPU kernel (Metal or CUDA); same result as `q4_matmul_ref`. `init_value` poisons the output (tests).
+    With `glu` a block computes R output columns from 2R rows of w (R halved: the same rows per block)."""
+    assert supported(x, w, group_size, bits, pre, residual, glu), "shape, type or layout not handled by the kernel"
+    return _launch("q4", x, [w, scales, biases], [("GS", group_size)], pre=pre, residual=residual, glu=glu,
+                   rows=rows, init_value=init_value)
+
+
+def dense_matmul_kernel(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+                        glu: bool = False, rows: int | None = None, init_value: float | None = None) -> mx.array:
+    """The same kernel on an unquantized weight w [N, K] (x's dtype); same result as `dense_matmul_ref`."""
+    assert dense_supported(x, w, pre, residual, glu), "shape, type or layout not handled by the kernel"
+    return _launch("dense", x, [w], [], pre=pre, residual=residual, glu=glu, rows=rows, init_value=init_value)
+
+
+def dense_matmul_ref(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+                     glu: bool = False) -> mx.array:
+    """The specification of the dense kernel: the prologue with plain ops, one fp32 matmul rounded to the activation
+    dtype, then the SwiGLU epilogue or the residual added."""
+    return unfused(lambda x: (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype), x, pre=pre,
+                   residual=residual, glu=glu)
 
 
 # MLX 0.32.4's CUDA quantized matmul returns wrong rows at K = 64 with group size 64 once x has two rows or more
@@ -420,3 +491,12 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
                                 glu=glu)
     return unfused(lambda x: quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits), x, pre=pre,
                    residual=residual, glu=glu)
+
+
+def dense_matmul(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+                 glu: bool = False) -> mx.array:
+    """The entry point of the model's unquantized linears without a bias (w [N, K]): the fused kernel on a GPU
+    wherever it applies, else the prologue's plain ops, `x @ w.T`, the SwiGLU ops and an add."""
+    if use_kernels() and dense_supported(x, w, pre, residual, glu):
+        return dense_matmul_kernel(x, w, pre=pre, residual=residual, glu=glu)
+    return unfused(lambda x: x @ w.T, x, pre=pre, residual=residual, glu=glu)

@@ -18,7 +18,7 @@ from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_embedding import q4_embedding
-from ..metal.q4_matmul import Pre, prologue_ref, q4_matmul, quantized_matmul, swiglu, unfused
+from ..metal.q4_matmul import Pre, dense_matmul, prologue_ref, q4_matmul, quantized_matmul, swiglu, unfused
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
 
@@ -184,9 +184,11 @@ def route_quantized(model: nn.Module) -> None:
 def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
             glu: bool = False):
     """residual + linear(P(x)), or with `glu` silu(gate) * up of linear(P(x)) = [gate | up]: one fused kernel for a
-    4-bit linear on a GPU, the same maths in plain ops otherwise."""
+    4-bit or an unquantized bias-free linear on a GPU, the same maths in plain ops otherwise."""
     if isinstance(linear, Q4Linear):
         return linear(x, pre=pre, residual=residual, glu=glu)
+    if type(linear) is nn.Linear and "bias" not in linear:  # unquantized: the same fused kernel on dense rows
+        return dense_matmul(x, linear.weight, pre=pre, residual=residual, glu=glu)
     return unfused(linear, x, pre=pre, residual=residual, glu=glu)
 
 
