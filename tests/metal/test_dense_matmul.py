@@ -160,3 +160,20 @@ def test_dispatch_matches_matmul(M):
     x, _ = make_pre(None, M, 1024, mx.bfloat16, seed=M)
     w = weight(512, 1024, mx.bfloat16, M + 1)
     assert_close(dense_matmul(x, w), x @ w.T, "bfloat16", f"M={M}")
+
+
+@needs_gpu
+def test_dispatch_leaves_large_weights_to_the_plain_ops(monkeypatch):
+    """Above DENSE_MAX_WEIGHTS (a bf16 lm_head) cuBLAS reads faster than the kernel: the dispatcher runs the ops."""
+    from lattice_mlx.metal import q4_matmul as q4_module
+
+    x, pre = make_pre("rms", 2, 1024, mx.bfloat16, seed=3)
+    w = weight(512, 1024, mx.bfloat16, 4)
+    launched = []
+    monkeypatch.setattr(q4_module, "dense_matmul_kernel", lambda *a, **k: launched.append(1) or dense_matmul_kernel(*a, **k))
+    monkeypatch.setattr(q4_module, "DENSE_MAX_WEIGHTS", w.size - 1)
+    assert_close(q4_module.dense_matmul(x, w, pre=pre), prologue_ref(pre, x) @ w.T, "bfloat16", "ops")
+    assert not launched
+    monkeypatch.setattr(q4_module, "DENSE_MAX_WEIGHTS", w.size)
+    q4_module.dense_matmul(x, w, pre=pre)
+    assert launched

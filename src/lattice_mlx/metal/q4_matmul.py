@@ -493,10 +493,18 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
                    residual=residual, glu=glu)
 
 
+# The dense kernel's weights at most (elements). H200 run 16 (CUPTI, bf16, us): at the MTP head's shapes (up to 7.3M
+# weights) it took 1 launch for the plain ops' 2-5 and less GPU time at M = 1 (3.7-5.3 against 4.3-7.9); on a bf16
+# lm_head (248,320 x 1,024) it read at ~3.5 TB/s against cuBLAS's ~4.4 (145 against 115 us at M = 1, 199 against 121
+# at M = 4), more than the launch it saves. Above this size the plain ops run.
+DENSE_MAX_WEIGHTS = 1 << 25
+
+
 def dense_matmul(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
                  glu: bool = False) -> mx.array:
     """The entry point of the model's unquantized linears without a bias (w [N, K]): the fused kernel on a GPU
-    wherever it applies, else the prologue's plain ops, `x @ w.T`, the SwiGLU ops and an add."""
-    if use_kernels() and dense_supported(x, w, pre, residual, glu):
+    wherever it applies and w is no larger than DENSE_MAX_WEIGHTS, else the prologue's plain ops, `x @ w.T`, the
+    SwiGLU ops and an add."""
+    if use_kernels() and w.size <= DENSE_MAX_WEIGHTS and dense_supported(x, w, pre, residual, glu):
         return dense_matmul_kernel(x, w, pre=pre, residual=residual, glu=glu)
     return unfused(lambda x: x @ w.T, x, pre=pre, residual=residual, glu=glu)
