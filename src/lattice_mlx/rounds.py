@@ -232,23 +232,42 @@ class PipelinedRounds:
         vocab, V = head.draft_vocab, model.args.vocab_size
         x, base, offsets = self._draft_rows(k)
         R = self.ptok.shape[0]
+        # Without a rotation the head's final norm runs inside the kernels that read its output: the lm_head's
+        # prologue, and the next step's input norm (rms_pair's pre-norm) when the head reads its post-norm hidden.
+        # A greedy draft stays the argmax's [1, 1] array until the drafts are joined: one cast per round.
+        fold = "rotation" not in head
         drafts, qs = [], []
         for i in range(k):
-            post = head.norm(x)
-            u = head.to_target(post)
-            logits = (vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u))[0, -1]
-            d, q = _pick(self.sampler, logits, self.values)
+            if fold:
+                post = None
+                logits = vocab.lm_logits(model, x, norm=head.norm) if vocab is not None else \
+                    model.lm_logits(x, norm=head.norm)
+            else:
+                post = head.norm(x)
+                u = head.to_target(post)
+                logits = vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u)
+            if self.sampler.greedy:
+                d, q = mx.argmax(logits, axis=-1), None  # [1, 1]
+            else:
+                d, q = _pick(self.sampler, logits[0, -1], self.values)
+                d = d.reshape(1, 1)
             if vocab is not None:
                 d, q = vocab.to_full(d, q, V)
-            drafts.append(d.astype(mx.int32))
+            drafts.append(d)
             qs += [q] if q is not None else []
             if i + 1 < k:  # a scratch row past the true ones (overwritten by the next round)
                 for c, offs, (_, bound) in zip(self.mcache, offsets, base):
                     c.offset, c.bound = offs[i], bound + R + i
-                x = head(embed(d.reshape(1, 1)), post if head.input_hidden == "post" else x, self.mcache)
+                if head.input_hidden != "post":
+                    x = head(embed(d), x, self.mcache)
+                elif fold:
+                    x = head(embed(d), x, self.mcache, hidden_norm=head.norm)
+                else:
+                    x = head(embed(d), post, self.mcache)
         for c, (off, bound) in zip(self.mcache, base):
             c.offset, c.bound = off, bound
-        drafts, q = mx.stack(drafts), (mx.stack(qs) if qs else None)
+        drafts = mx.concatenate(drafts, axis=1).reshape(k).astype(mx.int32)
+        q = mx.stack(qs) if qs else None
         if self.override is not None:
             drafts, q = self.override(drafts, q, self, r)
         self.last_k = k

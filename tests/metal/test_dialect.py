@@ -20,6 +20,7 @@ BODIES = {
     **{f"dense_{kind}_glu": q4_matmul.body(kind, False, True, "dense") for kind in ("none", "rms")},
     "q4_embedding": q4_embedding._BODY,
     "rms_pair": rms_pair._BODY,
+    "rms_pair_pre": rms_pair._BODY_PRE,
 }
 MARKERS = {
     "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
@@ -129,8 +130,9 @@ def test_cuda_render_compiles(op, tmp_path):
     elif op == "q4_embedding":
         ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", bf), ("biases", bf)]
         unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("GS", 64), ("ROUND", 0)])
-    elif op == "rms_pair":
-        ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf), ("params", "float")]
+    elif op.startswith("rms_pair"):
+        ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf)] + [("wp", bf)] * (op == "rms_pair_pre")
+        ins += [("params", "float")]
         unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("H", 1024)])
     else:
         fmt, _, kind = op.partition("_")

@@ -14,8 +14,26 @@ import mlx.core as mx
 
 from lattice_mlx.metal import _dialect, use_kernels
 
-# One warp per (row m, half j): lane l takes elements l, l + 32, ... of e (j = 0) or h (j = 1).
-_BODY = """
+# One warp per (row m, half j): lane l takes elements l, l + 32, ... of e (j = 0) or h (j = 1). With a pre-norm
+# (`_body(True)`), the h half is first normalised by its own weight `wp` (eps params[1]), rounded as the unfused
+# norm rounds it, and that row is what the h half's norm reads: three passes over h's row instead of two.
+def _body(pre: bool) -> str:
+    if pre:
+        h_val = "LX_F32(static_cast<OT>(LX_F32(wp[i]) * LX_F32(static_cast<OT>(LX_F32(h[m * H + i]) * pinv))))"
+        refine = """
+  float pinv = 0.0f;
+  if (j == 1) {
+    pinv = LX_RSQRT(ss / H + params[1]);
+    float ss2 = 0.0f;
+    for (int i = lane; i < H; i += 32) {
+      const float v = HVAL;
+      ss2 = LX_FMA(v, v, ss2);
+    }
+    ss = LX_SIMD_SUM(ss2);
+  }"""
+    else:
+        h_val, refine = "LX_F32(h[m * H + i])", ""
+    return ("""
   const int lane = LX_TID_X;
   const int j = LX_BID_Y;
   const int64_t m = LX_BID_Z;
@@ -24,40 +42,51 @@ _BODY = """
     const float v = j == 0 ? LX_F32(e[m * H + i]) : LX_F32(h[m * H + i]);
     ss = LX_FMA(v, v, ss);
   }
-  ss = LX_SIMD_SUM(ss);
+  ss = LX_SIMD_SUM(ss);""" + refine + """
   const float inv = LX_RSQRT(ss / H + params[0]);
   for (int i = lane; i < H; i += 32) {
-    const float v = j == 0 ? LX_F32(e[m * H + i]) : LX_F32(h[m * H + i]);
+    const float v = j == 0 ? LX_F32(e[m * H + i]) : HVAL;
     const float w = j == 0 ? LX_F32(we[i]) : LX_F32(wh[i]);
     out[m * 2 * H + j * H + i] = static_cast<OT>(w * LX_F32(static_cast<OT>(v * inv)));
   }
-"""
+""").replace("HVAL", h_val)
+
+
+_BODY = _body(False)
+_BODY_PRE = _body(True)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
 @functools.cache
-def _params(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
+def _params(eps: float, pre_eps: float = 0.0) -> mx.array:
+    return mx.array([eps, pre_eps], dtype=mx.float32)
 
 
-def rms_pair_ref(e: mx.array, h: mx.array, norm_e, norm_h) -> mx.array:
-    """The specification: MLX's two norms and a concatenation."""
-    return mx.concatenate([norm_e(e), norm_h(h)], axis=-1)
+def rms_pair_ref(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> mx.array:
+    """The specification: MLX's two norms (h through `pre_h` first, when given) and a concatenation."""
+    return mx.concatenate([norm_e(e), norm_h(pre_h(h) if pre_h is not None else h)], axis=-1)
 
 
-def supported(e: mx.array, h: mx.array, norm_e, norm_h) -> bool:
+def supported(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> bool:
     H = e.shape[-1]
-    return (e.shape == h.shape and e.dtype == h.dtype == norm_e.weight.dtype == norm_h.weight.dtype
-            and e.dtype in DTYPES and H % 32 == 0 and norm_e.weight.shape == norm_h.weight.shape == (H,)
+    norms = (norm_e, norm_h) if pre_h is None else (norm_e, norm_h, pre_h)
+    return (e.shape == h.shape and e.dtype == h.dtype and all(n.weight.dtype == e.dtype for n in norms)
+            and e.dtype in DTYPES and H % 32 == 0 and all(n.weight.shape == (H,) for n in norms)
             and norm_e.eps == norm_h.eps and 0 < e.size // H <= 65535)  # grid z = rows (CUDA's limit)
 
 
-def rms_pair_kernel(e: mx.array, h: mx.array, norm_e, norm_h, *, init_value: float | None = None) -> mx.array:
+def rms_pair_kernel(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None, *,
+                    init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA); same contract as `rms_pair_ref`. `init_value` poisons the output (tests)."""
     H = e.shape[-1]
-    kernel = _dialect.build("lattice_rms_pair", _BODY, ("e", "h", "we", "wh", "params"), ("out",))
+    if pre_h is None:
+        kernel = _dialect.build("lattice_rms_pair", _BODY, ("e", "h", "we", "wh", "params"), ("out",))
+        weights = [norm_e.weight, norm_h.weight]
+    else:
+        kernel = _dialect.build("lattice_rms_pair_pre", _BODY_PRE, ("e", "h", "we", "wh", "wp", "params"), ("out",))
+        weights = [norm_e.weight, norm_h.weight, pre_h.weight]
     (out,) = kernel(
-        inputs=[e, h, norm_e.weight, norm_h.weight, _params(float(norm_e.eps))],
+        inputs=[e, h, *weights, _params(float(norm_e.eps), float(pre_h.eps) if pre_h is not None else 0.0)],
         template=[("OT", e.dtype), ("H", H)],
         grid=(32, 2, e.size // H),
         threadgroup=(32, 1, 1),
@@ -68,8 +97,10 @@ def rms_pair_kernel(e: mx.array, h: mx.array, norm_e, norm_h, *, init_value: flo
     return out
 
 
-def rms_pair(e: mx.array, h: mx.array, norm_e, norm_h) -> mx.array:
-    """The head's entry point: the kernel on a GPU where it applies, the reference otherwise."""
-    if use_kernels() and supported(e, h, norm_e, norm_h):
-        return rms_pair_kernel(e, h, norm_e, norm_h)
-    return rms_pair_ref(e, h, norm_e, norm_h)
+def rms_pair(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> mx.array:
+    """The head's entry point: the kernel on a GPU where it applies, the reference otherwise. `pre_h`: a norm h
+    goes through first (a draft step's hidden is the head's output before its final norm; the lm_head applies that
+    norm in its own prologue, and this kernel again, so no launch computes it on its own)."""
+    if use_kernels() and supported(e, h, norm_e, norm_h, pre_h):
+        return rms_pair_kernel(e, h, norm_e, norm_h, pre_h)
+    return rms_pair_ref(e, h, norm_e, norm_h, pre_h)

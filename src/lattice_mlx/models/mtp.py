@@ -8,10 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from ..metal.q4_matmul import q4_matmul, quantized_matmul
+from ..metal.q4_matmul import dense_matmul, prologue_ref, q4_matmul, quantized_matmul
 from ..metal.rms_pair import rms_pair
 from .compiled import run_layers
-from .qwen3_5 import DecoderLayer, ModelArgs
+from .qwen3_5 import DecoderLayer, ModelArgs, project, rms_pre
 
 
 class DraftVocab:
@@ -51,15 +51,16 @@ class DraftVocab:
                 self._key = key
         return {**{k: v for k, v in self.arrays.items() if k != "ids"}, **self._meta}
 
-    def lm_logits(self, model, h: mx.array) -> mx.array:
-        """Logits [.., |ids|] of h (in the target lm_head's basis) over the subset."""
-        r = self._lm_rows(model)
+    def lm_logits(self, model, h: mx.array, *, norm: nn.RMSNorm | None = None) -> mx.array:
+        """Logits [.., |ids|] of h (of norm(h) when given, fused into the matmul; in the target lm_head's basis)
+        over the subset."""
+        r, pre = self._lm_rows(model), rms_pre(norm)
         if "scales" not in r:
-            return h @ r["weight"].T
+            return dense_matmul(h, r["weight"], pre=pre)
         if r["bits"] == 4 and r["mode"] == "affine":
-            return q4_matmul(h, r["weight"], r["scales"], r["biases"], group_size=r["group_size"])
-        return quantized_matmul(h, r["weight"], r["scales"], r.get("biases"), group_size=r["group_size"],
-                                bits=r["bits"], mode=r["mode"])
+            return q4_matmul(h, r["weight"], r["scales"], r["biases"], group_size=r["group_size"], pre=pre)
+        return quantized_matmul(prologue_ref(pre, h), r["weight"], r["scales"], r.get("biases"),
+                                group_size=r["group_size"], bits=r["bits"], mode=r["mode"])
 
     def to_full(self, draft: mx.array, q: mx.array | None, vocab: int) -> tuple[mx.array, mx.array | None]:
         """A draft picked over the subset (an index into it) and its distribution [|ids|] -> the token id and q over
@@ -106,11 +107,12 @@ class MTPHead(nn.Module):
         return (u / self.target_norm) @ self.rotation.T
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None = None,
-                 mask: mx.array | None = None) -> mx.array:
+                 mask: mx.array | None = None, *, hidden_norm: nn.RMSNorm | None = None) -> mx.array:
         """Shapes: embeds, hidden [B, T, H] -> the head's hidden before `self.norm` [B, T, H]. `mask`: an explicit
-        attention mask over the cache's keys and these slots (training the draft recursion: distill_demo_head.py)."""
-        x = rms_pair(embeds, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden)  # one kernel on a GPU
-        return run_layers(self, self.layers, self.fc(x), cache, mask)
+        attention mask over the cache's keys and these slots (training the draft recursion: distill_demo_head.py).
+        `hidden_norm`: a norm `hidden` goes through first (a draft step passes its output before `self.norm`)."""
+        x = rms_pair(embeds, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, hidden_norm)  # one kernel
+        return run_layers(self, self.layers, project(self.fc, x), cache, mask)
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
