@@ -56,6 +56,11 @@
 #                  CUPTI GPU time and kernels against the plain ops it replaces (scripts/bench_q4_fused.py --set dense)
 #   run16-more     the tests the run-16 suite call left unrun or failed; the MoE stock leg at group 64 vs 32; the
 #                  headline again in a second process (both heads); the 4B shape
+#   run17          the argmax and GDN conv kernels' GPU time (CUPTI, scripts/bench_argmax.py); the headline without
+#                  the stock leg (LEGS); then the tests of the run-17 changes (argmax, GDN, rms_pair pre-norm, dense,
+#                  rounds) on the GPU
+#   run17-more     the headline again in a second process with a 32,768-id draft vocabulary leg; oracle 1.0 K=3;
+#                  the 4B shape
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
@@ -317,6 +322,27 @@ for gs in (64, 32):
     step final_0.8b_2 "${FINAL_LIMIT:-220}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock --head-q4-ab \
       --profile .device-tools --out "$RES/final_0.8b_2"
+    step final_4b "${LIMIT_4B:-160}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
+      --out "$RES/final_4b" ;;
+  run17)
+    step argmax_bench 120 python3 scripts/bench_argmax.py --profiler-dir .device-tools --out "$RES/argmax_bench.json"
+    cat "$RES/argmax_bench.out"
+    step final_0.8b "${FINAL_LIMIT:-260}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs ${LEGS:-plain,plain-aa,pipelined} --k 2,3 --oracle-p 0.8 --no-stock \
+      --profile .device-tools --out "$RES/final_0.8b"
+    step r17_tests "${CHECKS_LIMIT:-150}" python3 -m pytest -q -n 8 -rfE --tb=short -p no:cacheprovider \
+      tests/metal/test_argmax.py tests/metal/test_gated_delta.py tests/metal/test_rms_pair.py \
+      tests/metal/test_dense_matmul.py tests/test_rounds.py tests/test_draft_vocab.py
+    pkill -f "pytest|xdist" || true  # workers outlive a killed pytest
+    grep -E "FAILED|ERROR|^E " "$RES/r17_tests.out" | head -n 40; tail -n 3 "$RES/r17_tests.out" ;;
+  run17-more)
+    step final_0.8b_2 "${FINAL_LIMIT:-220}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
+      --draft-vocab-ab 32768 --profile .device-tools --out "$RES/final_0.8b_2"
+    step final_p1 "${P1_LIMIT:-120}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3 --oracle-p 1.0 --no-stock --head-q4-ab \
+      --out "$RES/final_p1"
     step final_4b "${LIMIT_4B:-160}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
       --out "$RES/final_4b" ;;

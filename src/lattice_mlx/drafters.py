@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from . import cache as caches
 from .decode import PREFILL_STEP
+from .metal.argmax import argmax
 from .sample import Sampler
 
 # Slots the MTP head takes per catch-up forward during a plain stretch (adaptive depth switched speculation off): one
@@ -25,7 +26,7 @@ CATCH_UP_ROWS = 8
 def _pick(sampler: Sampler, logits: mx.array, values: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """A draft and its distribution q (None when greedy); `values`: Sampler.values() as a traced round's input."""
     if sampler.greedy:
-        return mx.argmax(logits), None
+        return argmax(logits), None
     q = sampler.probs(logits) if values is None else sampler.probs(logits, values)
     return mx.random.categorical(mx.log(q)), q
 

@@ -29,6 +29,7 @@ from . import traces
 from .decode import resume
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
 from .metal import use_kernels
+from .metal.argmax import argmax
 from .models import compiled
 from .sample import Sampler, accept_sampled_arrays
 from .spec import (
@@ -63,7 +64,7 @@ def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Samp
         token = (sampler(logits[0]) if values is None else sampler(logits[0], values)).astype(mx.int32)
         return mx.array(0, dtype=mx.int32), token, token.reshape(1)
     if sampler.greedy:
-        targets = mx.argmax(logits, axis=-1).astype(mx.int32)
+        targets = argmax(logits).astype(mx.int32)
         n = mx.cumprod((targets[:K] == drafts).astype(mx.int32)).sum()
         return n, targets[n], targets  # accepted drafts equal the targets at their rows
     p = sampler.probs(logits) if values is None else sampler.probs(logits, values)
@@ -247,7 +248,7 @@ class PipelinedRounds:
                 u = head.to_target(post)
                 logits = vocab.lm_logits(model, u) if vocab is not None else model.lm_logits(u)
             if self.sampler.greedy:
-                d, q = mx.argmax(logits, axis=-1), None  # [1, 1]
+                d, q = argmax(logits), None  # [1, 1]
             else:
                 d, q = _pick(self.sampler, logits[0, -1], self.values)
                 d = d.reshape(1, 1)

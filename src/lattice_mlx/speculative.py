@@ -16,6 +16,7 @@ import mlx.core as mx
 from . import cache as caches
 from .decode import resume
 from .drafters import HybridDrafter, MTPDrafter, make_drafter
+from .metal.argmax import argmax
 from .rounds import speculative_pipelined
 from .sample import Sampler, accept_greedy, accept_sampled
 from .spec import (
@@ -53,7 +54,7 @@ def verify_batched(model, cache: list, y: int, drafts, q, sampler: Sampler) -> R
     logits, hidden = model(tokens, cache, return_hidden=True)
     logits, hidden = logits[0], hidden[0]  # [K+1, V], [K+1, H]
     if sampler.greedy:
-        targets = mx.argmax(logits, axis=-1)
+        targets = argmax(logits)
         if lazy:
             mx.eval(targets, drafts)
             drafts = drafts.tolist()

@@ -15,6 +15,7 @@ import mlx.core as mx
 from . import cache as caches
 from .decode import prefill
 from .drafters import mtp_prefill, mtp_step
+from .metal.argmax import argmax
 from .models.qwen3_5 import Tree
 from .sample import Sampler, sample_from
 from .spec import SpecStats
@@ -68,7 +69,7 @@ def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sample
     children = {i: [j for j, p in enumerate(tree.parents) if p == i] for i in range(len(tree.parents))}
     node, path = 0, [0]
     if sampler.greedy and targets is None:
-        targets = mx.argmax(logits, axis=-1).tolist()  # one read-back for every node
+        targets = argmax(logits).tolist()  # one read-back for every node
     while True:
         if sampler.greedy:
             best = targets[node]
@@ -121,7 +122,7 @@ def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...],
         else:
             inputs = mx.array([[y, *tokens]])
         logits, hidden = model(inputs, cache, return_hidden=True, tree=tree)
-        targets = mx.argmax(logits[0], axis=-1) if sampler.greedy else None
+        targets = argmax(logits[0]) if sampler.greedy else None
         if lazy:
             mx.eval(tokens, *([targets] if targets is not None else [logits]))
             tokens = tokens.tolist()

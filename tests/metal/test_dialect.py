@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from lattice_mlx.metal import _dialect, gated_delta, q4_embedding, q4_matmul, rms_pair
+from lattice_mlx.metal import _dialect, argmax, gated_delta, q4_embedding, q4_matmul, rms_pair
 
 BODIES = {
     "gated_delta": gated_delta._BODY,
@@ -19,12 +19,13 @@ BODIES = {
        for res in (False, True)},
     **{f"dense_{kind}_glu": q4_matmul.body(kind, False, True, "dense") for kind in ("none", "rms")},
     "q4_embedding": q4_embedding._BODY,
+    "argmax": argmax._BODY,
     "rms_pair": rms_pair._BODY,
     "rms_pair_pre": rms_pair._BODY_PRE,
 }
 MARKERS = {
-    "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::"],
-    "cuda": ["__shfl_xor_sync", "blockIdx", "threadIdx", "__byte_perm"],
+    "metal": ["simd_sum", "thread_position_in_grid", "thread_position_in_threadgroup", "metal::", "threadgroup_barrier"],
+    "cuda": ["__shfl_xor_sync", "blockIdx", "threadIdx", "__byte_perm", "__syncthreads"],
 }  # (the header carries two of each dialect's, so every body shows them)
 OTHER = {"metal": "cuda", "cuda": "metal"}
 
@@ -130,6 +131,8 @@ def test_cuda_render_compiles(op, tmp_path):
     elif op == "q4_embedding":
         ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", bf), ("biases", bf)]
         unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("GS", 64), ("ROUND", 0)])
+    elif op == "argmax":
+        unit = cuda_translation_unit(BODIES[op], [("x", bf)], [("out", "uint32_t")], [("N", 248320)])
     elif op.startswith("rms_pair"):
         ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf)] + [("wp", bf)] * (op == "rms_pair_pre")
         ins += [("params", "float")]
