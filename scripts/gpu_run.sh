@@ -56,11 +56,13 @@
 #                  CUPTI GPU time and kernels against the plain ops it replaces (scripts/bench_q4_fused.py --set dense)
 #   run16-more     the tests the run-16 suite call left unrun or failed; the MoE stock leg at group 64 vs 32; the
 #                  headline again in a second process (both heads); the 4B shape
-#   run17          the argmax and GDN conv kernels' GPU time (CUPTI, scripts/bench_argmax.py); the headline without
+#   run17          the argmax and GDN conv kernels' GPU time (CUPTI, scripts/bench_step_kernels.py); the headline without
 #                  the stock leg (LEGS); then the tests of the run-17 changes (argmax, GDN, rms_pair pre-norm, dense,
 #                  rounds) on the GPU
 #   run17-more     the headline again in a second process with a 32,768-id draft vocabulary leg; oracle 1.0 K=3;
 #                  the 4B shape
+#   step-kernels   a decode step's kernels alone (CUPTI): argmax vs mx.argmax; the GDN conv kernel as shipped vs its
+#                  variants (pick as 16 bytes; no cols/pick inputs), each checked bitwise first (bench_step_kernels.py)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
@@ -326,7 +328,8 @@ for gs in (64, 32):
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
       --out "$RES/final_4b" ;;
   run17)
-    step argmax_bench 120 python3 scripts/bench_argmax.py --profiler-dir .device-tools --out "$RES/argmax_bench.json"
+    step argmax_bench 120 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
+      --out "$RES/argmax_bench.json"
     cat "$RES/argmax_bench.out"
     step final_0.8b "${FINAL_LIMIT:-260}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs ${LEGS:-plain,plain-aa,pipelined} --k 2,3 --oracle-p 0.8 --no-stock \
@@ -334,7 +337,7 @@ for gs in (64, 32):
     step r17_tests "${CHECKS_LIMIT:-150}" python3 -m pytest -q -n 8 -rfE --tb=short -p no:cacheprovider \
       tests/metal/test_argmax.py tests/metal/test_gated_delta.py tests/metal/test_rms_pair.py \
       tests/metal/test_dense_matmul.py tests/test_rounds.py tests/test_draft_vocab.py
-    pkill -f "pytest|xdist" || true  # workers outlive a killed pytest
+    pkill -f "[x]dist|[p]ytest -q -n" || true  # workers outlive a killed pytest (brackets: not this shell's line)
     grep -E "FAILED|ERROR|^E " "$RES/r17_tests.out" | head -n 40; tail -n 3 "$RES/r17_tests.out" ;;
   run17-more)
     step final_0.8b_2 "${FINAL_LIMIT:-220}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
@@ -346,6 +349,10 @@ for gs in (64, 32):
     step final_4b "${LIMIT_4B:-160}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
       --out "$RES/final_4b" ;;
+  step-kernels)
+    step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
+      --out "$RES/step_kernels.json"
+    cat "$RES/step_kernels.out" ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
