@@ -63,6 +63,7 @@
 #                  the 4B shape
 #   step-kernels   a decode step's kernels alone (CUPTI): argmax vs mx.argmax; the GDN conv kernel as shipped vs its
 #                  variants (pick as 16 bytes; no cols/pick inputs), each checked bitwise first (bench_step_kernels.py)
+#   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
@@ -353,6 +354,10 @@ for gs in (64, 32):
     step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
       --out "$RES/step_kernels.json"
     cat "$RES/step_kernels.out" ;;
+  peer-probe)  # whether mlx-vlm's MTP drafter could import here: it needs transformers, Pillow and scipy
+    step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
+      ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
+    cat "$RES/peer_probe.out" ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
