@@ -63,6 +63,8 @@
 #                  the 4B shape
 #   step-kernels   a decode step's kernels alone (CUPTI): argmax vs mx.argmax; the GDN conv kernel as shipped vs its
 #                  variants (pick as 16 bytes; no cols/pick inputs), each checked bitwise first (bench_step_kernels.py)
+#   run18          step-kernels and peer-probe, then the pipelined tuner (adaptive) with traced rounds against fixed K
+#                  and plain: 0.8B at oracle 0.8 and 0.3, the demo's real head greedy and at 0.7
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -354,6 +356,19 @@ for gs in (64, 32):
     step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
       --out "$RES/step_kernels.json"
     cat "$RES/step_kernels.out" ;;
+  run18)  # one call: the GDN variants, the peer probe, the pipelined tuner with traced rounds (no batched legs)
+    step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
+      --out "$RES/step_kernels.json"
+    cat "$RES/step_kernels.out"
+    step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
+      ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
+    cat "$RES/peer_probe.out"
+    step adaptive_0.8b 150 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.8 --no-stock --out "$RES/adaptive_0.8b"
+    step adaptive_0.8b_p03 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
+    step adaptive_demo 150 "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 --workloads code \
+      --temps 0,0.7 --legs plain,plain-aa,pipelined --k 2,adaptive --no-stock --out "$RES/adaptive_demo" ;;
   peer-probe)  # whether mlx-vlm's MTP drafter could import here: it needs transformers, Pillow and scipy
     step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
       ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
