@@ -9,6 +9,8 @@ after the body gained two small int inputs (`cols`, fd78ec5; `pick`, e5bcc08) an
   pick16    `pick` as a 16-byte array: MLX's CUDA allocator serves arrays of <= 8 bytes from one managed pool marked
             read-mostly, whose pages the host's own small arrays share (the hypothesis: a GPU read of it faults);
   const     no `cols` / `pick` inputs: their values as literals, 32-bit offsets (the run-5 body's form).
+The attention kernel (17.9 us per launch in a plain step) likewise, as shipped and with its scale, split/causal
+pair and key count as 16-byte arrays (`params16`).
 Each variant's outputs are compared bitwise with prod's before it is timed; a case that fails is recorded as an
 error and the others still run.
 
@@ -16,13 +18,14 @@ Usage (device): python scripts/bench_step_kernels.py --profiler-dir .device-tool
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
 
 import mlx.core as mx
 
-from lattice_mlx.metal import _dialect, gated_delta
+from lattice_mlx.metal import _dialect, attention, gated_delta
 from lattice_mlx.metal.argmax import argmax_kernel, argmax_ref
 from lattice_mlx.metal.gated_delta import gated_delta_conv_kernel
 
@@ -85,7 +88,36 @@ def cases() -> dict:
     for T, step in ((1, False), (4, True)):
         out[f"gdn_conv_T{T}_step{int(step)}_pick16"] = conv_case(T, step, variant="pick16")
         out[f"gdn_conv_T{T}_step{int(step)}_const"] = conv_case(T, step, variant="const")
+    for T in (1, 4):  # the 0.8B attention (Hq 8, Hkv 2, D 256) over 128 keys; its parameters as 4-8 or 16 bytes
+        out[f"sdpa_T{T}_L128"] = sdpa_case(T, padded=False)
+        out[f"sdpa_T{T}_L128_params16"] = sdpa_case(T, padded=True)
     return out
+
+
+def sdpa_case(T: int, padded: bool):
+    q = mx.random.normal((1, 8, T, 256)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((1, 2, 128, 256)).astype(mx.bfloat16) for _ in range(2))
+    pads = (lambda scale: mx.array([scale, 0, 0, 0], dtype=mx.float32),
+            lambda a, b: mx.array([a, b, 0, 0], dtype=mx.int32), mx.array([-1, 0, 0, 0], dtype=mx.int32))
+    mx.eval(q, k, v, pads[2])
+    scale_array, int_pair = functools.cache(pads[0]), functools.cache(pads[1])
+
+    def prod():
+        return attention.sdpa_kernel(q, k, v, scale=256 ** -0.5, causal=T > 1)
+
+    if not padded:
+        return prod
+
+    def fn():
+        saved = attention._scale_array, attention._int_pair, attention._ALL_KEYS
+        attention._scale_array, attention._int_pair, attention._ALL_KEYS = scale_array, int_pair, pads[2]
+        try:
+            return prod()
+        finally:
+            attention._scale_array, attention._int_pair, attention._ALL_KEYS = saved
+
+    fn.check = lambda: mx.array_equal(fn(), prod()).item()
+    return fn
 
 
 def const_body(C: int, Hv: int) -> str:
