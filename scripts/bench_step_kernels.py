@@ -3,12 +3,13 @@ kernels in isolation: the greedy argmax kernel (metal/argmax.py) against MLX's a
 (248,320, bf16, rows 1 / 4 / 5), and the GDN mixer's conv-fused kernel at T = 1 and 4.
 
 The conv-fused kernel: 9.8 us per launch at T = 1 in run 5 (89ffd77), 24-29 us since run 8 (run 17 alone: 26.1 us),
-after the body gained two small int inputs (`cols`, fd78ec5; `pick`, e5bcc08) and 64-bit offsets. Run 17 ruled out a
-`cols` array made per call (26.8 us) and the rows per threadgroup (1-16: 25.6-27.5 us). The variants here:
+after the body gained two small int inputs (`cols`, fd78ec5; `pick`, e5bcc08) and 64-bit offsets. Run 17 ruled out the
+rows per threadgroup (1-16: 25.6-27.5 us). The variants here:
   prod      the kernel as shipped;
   pick16    `pick` as a 16-byte array: MLX's CUDA allocator serves arrays of <= 8 bytes from one managed pool marked
             read-mostly, whose pages the host's own small arrays share (the hypothesis: a GPU read of it faults);
-  const     no `cols` / `pick` inputs: their values as literals, 32-bit offsets (the run-5 body's form).
+  const     no `cols` / `pick` inputs: their values as literals, 32-bit offsets (the run-5 body's form);
+  fresh_cols  `cols` made from host values at every call instead of once per value (`_cols` is cached).
 The attention kernel (17.9 us per launch in a plain step) likewise, as shipped and with its scale, split/causal
 pair and key count as 16-byte arrays (`params16`).
 Each variant's outputs are compared bitwise with prod's before it is timed; a case that fails is recorded as an
@@ -44,7 +45,7 @@ def cases() -> dict:
     state = mx.random.normal((1, Hv, Dv, Dk)) * 0.1
     mx.eval(w, state, A_log, dt_bias)
 
-    def conv_case(T, step, rows=4, fresh_cols=False, variant="prod"):
+    def conv_case(T, step, variant="prod"):
         qkv = mx.random.normal((1, T, C)).astype(mx.bfloat16)
         a, b = mx.random.normal((1, T, Hv)).astype(mx.bfloat16), mx.random.normal((1, T, Hv)).astype(mx.bfloat16)
         conv = mx.random.normal((1, KC - 1, C)).astype(mx.bfloat16)
@@ -57,37 +58,30 @@ def cases() -> dict:
         def prod():
             return gated_delta_conv_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads=heads, step_states=step)
 
-        if variant != "prod":
-            def fn():
-                if variant == "pick16":
-                    saved = gated_delta._NO_PICK
-                    gated_delta._NO_PICK = pick16
-                    try:
-                        return prod()
-                    finally:
-                        gated_delta._NO_PICK = saved
-                return conv_const_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads, step)
-
-            fn.check = lambda: all(mx.array_equal(x, y).item() for x, y in zip(fn(), prod()))
-            return fn
+        if variant == "prod":
+            return prod
 
         def fn():
-            saved = gated_delta.CONV_ROWS, gated_delta._cols
-            gated_delta.CONV_ROWS = rows
-            if fresh_cols:  # a new host-made `cols` array per call (before the run-17 cache)
+            saved = gated_delta._NO_PICK, gated_delta._cols
+            if variant == "pick16":
+                gated_delta._NO_PICK = pick16
+            elif variant == "fresh_cols":
                 gated_delta._cols = gated_delta._cols.__wrapped__
+            else:
+                return conv_const_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads, step)
             try:
                 return prod()
             finally:
-                gated_delta.CONV_ROWS, gated_delta._cols = saved
+                gated_delta._NO_PICK, gated_delta._cols = saved
+
+        fn.check = lambda: all(mx.array_equal(x, y).item() for x, y in zip(fn(), prod()))
         return fn
 
     for T, step in ((1, False), (1, True), (4, True), (4, False)):
         out[f"gdn_conv_T{T}_step{int(step)}"] = conv_case(T, step)
-        out[f"gdn_conv_T{T}_step{int(step)}_fresh_cols"] = conv_case(T, step, fresh_cols=True)
     for T, step in ((1, False), (4, True)):
-        out[f"gdn_conv_T{T}_step{int(step)}_pick16"] = conv_case(T, step, variant="pick16")
-        out[f"gdn_conv_T{T}_step{int(step)}_const"] = conv_case(T, step, variant="const")
+        for variant in ("fresh_cols", "pick16", "const"):
+            out[f"gdn_conv_T{T}_step{int(step)}_{variant}"] = conv_case(T, step, variant)
     for T in (1, 4):  # the 0.8B attention (Hq 8, Hkv 2, D 256) over 128 keys; its parameters as 4-8 or 16 bytes
         out[f"sdpa_T{T}_L128"] = sdpa_case(T, padded=False)
         out[f"sdpa_T{T}_L128_params16"] = sdpa_case(T, padded=True)

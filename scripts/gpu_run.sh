@@ -78,6 +78,16 @@ RES=${RES:-/tmp/res}  # two runs side by side (one per GPU) take a folder and a 
 mkdir -p "$RES"
 LOCK=${LOCK:-/tmp/lattice_bench.lock}  # two runs side by side on two GPUs take a lock each
 B=(python3 -m lattice_mlx.bench --lock "$LOCK")
+step_kernels() {  # a decode step's kernels alone, CUPTI (scripts/bench_step_kernels.py)
+    step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
+      --out "$RES/step_kernels.json"
+    cat "$RES/step_kernels.out"
+}
+peer_probe() {  # whether mlx-vlm's MTP drafter could import here: it needs transformers, Pillow and scipy
+    step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
+      ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
+    cat "$RES/peer_probe.out"
+}
 step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skipped past DEADLINE
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS)); ((left < limit)) && limit=$left
@@ -352,27 +362,17 @@ for gs in (64, 32):
     step final_4b "${LIMIT_4B:-160}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --no-stock \
       --out "$RES/final_4b" ;;
-  step-kernels)
-    step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
-      --out "$RES/step_kernels.json"
-    cat "$RES/step_kernels.out" ;;
+  step-kernels) step_kernels ;;
   run18)  # one call: the GDN variants, the peer probe, the pipelined tuner with traced rounds (no batched legs)
-    step step_kernels 150 python3 scripts/bench_step_kernels.py --profiler-dir .device-tools \
-      --out "$RES/step_kernels.json"
-    cat "$RES/step_kernels.out"
-    step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
-      ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
-    cat "$RES/peer_probe.out"
+    step_kernels
+    peer_probe
     step adaptive_0.8b 150 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
       --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.8 --no-stock --out "$RES/adaptive_0.8b"
     step adaptive_0.8b_p03 120 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
       --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
     step adaptive_demo 150 "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 --workloads code \
       --temps 0,0.7 --legs plain,plain-aa,pipelined --k 2,adaptive --no-stock --out "$RES/adaptive_demo" ;;
-  peer-probe)  # whether mlx-vlm's MTP drafter could import here: it needs transformers, Pillow and scipy
-    step peer_probe 60 python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in
-      ('transformers', 'PIL', 'scipy', 'jinja2', 'sentencepiece', 'mlx_vlm')})"
-    cat "$RES/peer_probe.out" ;;
+  peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;

@@ -538,9 +538,7 @@ def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *
 
 
 @functools.cache
-@functools.cache
 def _cols(qkv_stride: int, qkv_col: int, b_stride: int, b_col: int, a_stride: int, a_col: int) -> mx.array:
-    """Made once per value, like the other kernels' parameter arrays (not one host-made array per call)."""
     return mx.array([qkv_stride, qkv_col, b_stride, b_col, a_stride, a_col], dtype=mx.int32)
 
 
@@ -551,7 +549,6 @@ def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array
 
 
 _NO_PICK = mx.array([0, 0], dtype=mx.int32)
-CONV_ROWS = 4  # rows dv per threadgroup of the conv-fused kernel (32 lanes each)
 
 
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
@@ -591,7 +588,7 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
                   ("STEP", step_states)],
         grid=(32, Dv, B * Hv),
-        threadgroup=(32, CONV_ROWS, 1),
+        threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), s_shape, (B, KC - 1 + T, C)],
         output_dtypes=[qkv.dtype, mx.float32, qkv.dtype],
         init_value=init_value,
