@@ -1,34 +1,31 @@
 """GPU time per call (CUPTI, through `gpu_kernels.py` of ../shared/device copied into --profiler-dir) of a decode step's
 kernels in isolation: the greedy argmax kernel (metal/argmax.py) against MLX's argmax at the 0.8B vocabulary
-(248,320, bf16, rows 1 / 4 / 5), and the GDN mixer's conv-fused kernel at T = 1 and 4.
+(248,320, bf16, rows 1 / 4 / 5), the GDN mixer's conv-fused kernel at T = 1 and 4, the attention kernel over 128 keys
+at T = 1 and 4, and the rms_pair and qk_norm_rope kernels at the 0.8B shape.
 
-The conv-fused kernel: 9.8 us per launch at T = 1 in run 5 (89ffd77), 24-29 us since run 8 (run 17 alone: 26.1 us),
-after the body gained two small int inputs (`cols`, fd78ec5; `pick`, e5bcc08) and 64-bit offsets. Run 17 ruled out the
-rows per threadgroup (1-16: 25.6-27.5 us). The variants here:
-  prod      the kernel as shipped;
-  pick16    `pick` as a 16-byte array: MLX's CUDA allocator serves arrays of <= 8 bytes from one managed pool marked
-            read-mostly, whose pages the host's own small arrays share (the hypothesis: a GPU read of it faults);
-  const     no `cols` / `pick` inputs: their values as literals, 32-bit offsets (the run-5 body's form);
-  fresh_cols  `cols` made from host values at every call instead of once per value (`_cols` is cached).
-The attention kernel (17.9 us per launch in a plain step) likewise, as shipped and with its scale, split/causal
-pair and key count as 16-byte arrays (`params16`).
-Each variant's outputs are compared bitwise with prod's before it is timed; a case that fails is recorded as an
-error and the others still run.
+Run 18 found the conv-fused kernel's fixed cost: 23.7 us per launch at T = 1 as shipped then, with two small input
+arrays made on the host (`cols`, strides and first columns; `pick`), against 7.1 us with their values as literals.
+The kernels now take such parameters as literals (`_dialect.constants`). The GDN `pick` variants here tell whether
+an input made on the host is what costs: the pipelined rounds' pick (an input by nature, it changes per round) as
+an array computed on the device (`pick_dev`, as the rounds make it) and as one made on the host (`pick_host`);
+likewise the attention kernel's key count (`len_dev`, `len_host`). Each variant's outputs are compared bitwise with
+the plain kernel's before it is timed; a case that fails is recorded as an error and the others still run.
 
 Usage (device): python scripts/bench_step_kernels.py --profiler-dir .device-tools --out step_kernels.json
 """
 
 import argparse
-import functools
 import importlib.util
 import json
 import os
 
 import mlx.core as mx
 
-from lattice_mlx.metal import _dialect, attention, gated_delta
+from lattice_mlx.metal import attention
 from lattice_mlx.metal.argmax import argmax_kernel, argmax_ref
 from lattice_mlx.metal.gated_delta import gated_delta_conv_kernel
+from lattice_mlx.metal.qk_norm_rope import qk_norm_rope_kernel
+from lattice_mlx.metal.rms_pair import rms_pair_kernel
 
 
 def cases() -> dict:
@@ -50,29 +47,20 @@ def cases() -> dict:
         a, b = mx.random.normal((1, T, Hv)).astype(mx.bfloat16), mx.random.normal((1, T, Hv)).astype(mx.bfloat16)
         conv = mx.random.normal((1, KC - 1, C)).astype(mx.bfloat16)
         mx.eval(qkv, a, b, conv)
-
         heads = (Hk, Dk, Hv, Dv)
-        pick16 = mx.zeros((4,), dtype=mx.int32)
-        mx.eval(pick16)
 
         def prod():
             return gated_delta_conv_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads=heads, step_states=step)
 
         if variant == "prod":
             return prod
+        pick = mx.array([0, 0], dtype=mx.int32) if variant == "pick_host" else (mx.arange(2) * 0).astype(mx.int32)
+        mx.eval(pick)
+        state5 = state.reshape(1, 1, Hv, Dv, Dk)
 
         def fn():
-            saved = gated_delta._NO_PICK, gated_delta._cols
-            if variant == "pick16":
-                gated_delta._NO_PICK = pick16
-            elif variant == "fresh_cols":
-                gated_delta._cols = gated_delta._cols.__wrapped__
-            else:
-                return conv_const_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads, step)
-            try:
-                return prod()
-            finally:
-                gated_delta._NO_PICK, gated_delta._cols = saved
+            return gated_delta_conv_kernel(qkv, conv, w, a, b, A_log, dt_bias, state5, heads=heads, step_states=step,
+                                           pick=pick)
 
         fn.check = lambda: all(mx.array_equal(x, y).item() for x, y in zip(fn(), prod()))
         return fn
@@ -80,62 +68,58 @@ def cases() -> dict:
     for T, step in ((1, False), (1, True), (4, True), (4, False)):
         out[f"gdn_conv_T{T}_step{int(step)}"] = conv_case(T, step)
     for T, step in ((1, False), (4, True)):
-        for variant in ("fresh_cols", "pick16", "const"):
+        for variant in ("pick_dev", "pick_host"):
             out[f"gdn_conv_T{T}_step{int(step)}_{variant}"] = conv_case(T, step, variant)
-    for T in (1, 4):  # the 0.8B attention (Hq 8, Hkv 2, D 256) over 128 keys; its parameters as 4-8 or 16 bytes
-        out[f"sdpa_T{T}_L128"] = sdpa_case(T, padded=False)
-        out[f"sdpa_T{T}_L128_params16"] = sdpa_case(T, padded=True)
+    for T in (1, 4):  # the 0.8B attention (Hq 8, Hkv 2, D 256) over 128 keys
+        for variant in ("prod", "len_dev", "len_host"):
+            out[f"sdpa_T{T}_L128" + ("" if variant == "prod" else f"_{variant}")] = sdpa_case(T, variant)
+    for rows in (1, 4):
+        out[f"rms_pair_rows{rows}"] = rms_pair_case(rows)
+        out[f"qk_norm_rope_T{rows}"] = qk_norm_rope_case(rows)
     return out
 
 
-def sdpa_case(T: int, padded: bool):
+def sdpa_case(T: int, variant: str):
     q = mx.random.normal((1, 8, T, 256)).astype(mx.bfloat16)
     k, v = (mx.random.normal((1, 2, 128, 256)).astype(mx.bfloat16) for _ in range(2))
-    pads = (lambda scale: mx.array([scale, 0, 0, 0], dtype=mx.float32),
-            lambda a, b: mx.array([a, b, 0, 0], dtype=mx.int32), mx.array([-1, 0, 0, 0], dtype=mx.int32))
-    mx.eval(q, k, v, pads[2])
-    scale_array, int_pair = functools.cache(pads[0]), functools.cache(pads[1])
+    length = mx.array([128], dtype=mx.int32) if variant == "len_host" else (mx.arange(1) + 128).astype(mx.int32)
+    mx.eval(q, k, v, length)
 
     def prod():
         return attention.sdpa_kernel(q, k, v, scale=256 ** -0.5, causal=T > 1)
 
-    if not padded:
+    if variant == "prod":
         return prod
 
     def fn():
-        saved = attention._scale_array, attention._int_pair, attention._ALL_KEYS
-        attention._scale_array, attention._int_pair, attention._ALL_KEYS = scale_array, int_pair, pads[2]
-        try:
-            return prod()
-        finally:
-            attention._scale_array, attention._int_pair, attention._ALL_KEYS = saved
+        return attention.sdpa_kernel(q, k, v, scale=256 ** -0.5, causal=T > 1, length=length)
 
     fn.check = lambda: mx.array_equal(fn(), prod()).item()
     return fn
 
 
-def const_body(C: int, Hv: int) -> str:
-    """The conv-fused body without its cols / pick inputs: their plain-path values as literals, 32-bit offsets."""
-    body = gated_delta._BODY_CONV
-    for a, b in (("pick[0]", "0"), ("pick[1]", "0"), ("cols[0]", str(C)), ("cols[1]", "0"), ("cols[2]", str(Hv)),
-                 ("cols[3]", "0"), ("cols[4]", str(Hv)), ("cols[5]", "0"), ("int64_t", "int")):
-        assert a in body, a
-        body = body.replace(a, b)
-    return body
+def rms_pair_case(rows: int):
+    import mlx.nn as nn
+
+    H = 1024
+    e, h = ((mx.random.normal((1, rows, H)) * 2).astype(mx.bfloat16) for _ in range(2))
+    norms = [nn.RMSNorm(H, eps=1e-6) for _ in range(3)]
+    for n in norms:
+        n.weight = (1 + 0.1 * mx.random.normal((H,))).astype(mx.bfloat16)
+    mx.eval(e, h, *[n.weight for n in norms])
+    return lambda: rms_pair_kernel(e, h, *norms)
 
 
-def conv_const_kernel(qkv, conv, w, a, b, A_log, dt_bias, state, heads, step):
-    Hk, Dk, Hv, Dv = heads
-    C, KC = 2 * Hk * Dk + Hv * Dv, w.shape[-1]
-    B, T, _ = qkv.shape
-    kernel = _dialect.build("lattice_gdn_conv_const", const_body(C, Hv), gated_delta._CONV_INPUTS[:-2],
-                            gated_delta._CONV_OUTPUTS)
-    return kernel(
-        inputs=[qkv, conv, w, a, b, A_log, dt_bias, state.reshape(B, 1, Hv, Dv, Dk)],
-        template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC), ("STEP", step)],
-        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), (B, T, Hv, Dv, Dk) if step else (B, Hv, Dv, Dk), (B, KC - 1 + T, C)],
-        output_dtypes=[qkv.dtype, mx.float32, qkv.dtype])
+def qk_norm_rope_case(T: int):
+    import mlx.nn as nn
+
+    Hq, Hkv, D = 8, 2, 256
+    src = mx.random.normal((1, T, (2 * Hq + 2 * Hkv) * D)).astype(mx.bfloat16)
+    qn, kn = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
+    qn.weight, kn.weight = (mx.ones((D,), dtype=mx.bfloat16) for _ in range(2))
+    offset = (mx.arange(1) + 100).astype(mx.int32)  # a device scalar, as the traced steps pass it
+    mx.eval(src, qn.weight, kn.weight, offset)
+    return lambda: qk_norm_rope_kernel(src, qn, kn, offset, heads=(Hq, Hkv, D), rope_dims=64, base=10_000_000.0)
 
 
 def main() -> None:

@@ -65,6 +65,8 @@
 #                  variants (pick as 16 bytes; no cols/pick inputs), each checked bitwise first (bench_step_kernels.py)
 #   run18          step-kernels and peer-probe, then the pipelined tuner (adaptive) with traced rounds against fixed K
 #                  and plain: 0.8B at oracle 0.8 and 0.3, the demo's real head greedy and at 0.7
+#   run19          step-kernels (parameters as literals), the 0.8B headline with stock and CUPTI, the changed kernels'
+#                  and the rounds' GPU tests
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -372,6 +374,17 @@ for gs in (64, 32):
       --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
     step adaptive_demo 150 "${B[@]}" decode --model demo --reps "${REPS:-10}" --lengths 16,96 --workloads code \
       --temps 0,0.7 --legs plain,plain-aa,pipelined --k 2,adaptive --no-stock --out "$RES/adaptive_demo" ;;
+  run19)  # one call: the kernels with literal parameters (step-kernels), the 0.8B headline with stock and CUPTI,
+           # then the tests of the changed kernels and of the rounds (their pick input) last
+    step_kernels
+    step final_0.8b "${FINAL_LIMIT:-300}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 \
+      --profile .device-tools --out "$RES/final_0.8b"
+    step r19_tests "${CHECKS_LIMIT:-200}" python3 -m pytest -q -n 8 -rfE --tb=short -p no:cacheprovider \
+      tests/metal/test_gated_delta.py tests/metal/test_attention.py tests/metal/test_qk_norm_rope.py \
+      tests/metal/test_rms_pair.py tests/test_rounds.py
+    pkill -f "[x]dist|[p]ytest -q -n" || true
+    grep -E "FAILED|ERROR|^E " "$RES/r19_tests.out" | head -n 40; tail -n 3 "$RES/r19_tests.out" ;;
   peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;

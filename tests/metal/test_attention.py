@@ -10,7 +10,7 @@ import pytest
 from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
-from lattice_mlx.metal import attention, use_kernels
+from lattice_mlx.metal import _dialect, attention, use_kernels
 from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_kernel, sdpa_ref, supported
 
 needs_gpu = pytest.mark.skipif(
@@ -146,9 +146,9 @@ def test_body_renders(op, dialect):
 def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
     if op == "attention":
-        ins = [("q", bf), ("k", bf), ("v", bf), ("scale", "float"), ("chunk_keys", "int"), ("kv_len", "int")]
+        ins = [("q", bf), ("k", bf), ("v", bf), ("chunk_keys", "int"), ("kv_len", "int")]
         outs = [("out", bf), ("o_part", "float"), ("ml_part", "float")]
-        unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256)])
+        unit = cuda_translation_unit(_BODY, ins, outs, [("OT", bf), ("D", 256)], _dialect.constants(SCALE=0.0625))
     else:
         unit = cuda_translation_unit(_COMBINE, [("o_part", "float"), ("ml_part", "float")], [("out", bf)], [("OT", bf)])
     assert_nvcc_compiles(unit, tmp_path, op)

@@ -13,6 +13,7 @@ BODIES = {
     "gated_delta": gated_delta._BODY,
     "gated_delta_batched": gated_delta._BODY_BATCHED,
     "gated_delta_conv": gated_delta._BODY_CONV,
+    "gated_delta_conv_no_pick": gated_delta._BODY_CONV_NO_PICK,
     **{f"q4_{kind}{'_res' * res}": q4_matmul.body(kind, res) for kind in q4_matmul._LOAD_X for res in (False, True)},
     **{f"q4_{kind}_glu": q4_matmul.body(kind, False, True) for kind in ("none", "rms")},
     **{f"dense_{kind}{'_res' * res}": q4_matmul.body(kind, res, fmt="dense") for kind in q4_matmul._LOAD_X
@@ -79,8 +80,9 @@ def assert_nvcc_compiles(unit: str, tmp_path, name: str) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def cuda_translation_unit(body, inputs, outputs, template):
-    """The kernel as MLX's cuda_kernel assembles it: header, a __global__ signature, template constants, body."""
+def cuda_translation_unit(body, inputs, outputs, template, consts=()):
+    """The kernel as MLX's cuda_kernel assembles it: header, a __global__ signature, template constants, body
+    (with `consts`, from `_dialect.constants`, declared at its top as `_dialect.build` does)."""
     args = []
     for name, ctype in inputs:
         args.append(f"const {ctype}* {name}")
@@ -89,6 +91,7 @@ def cuda_translation_unit(body, inputs, outputs, template):
         if f"{name}_strides" in body:
             args.append(f"const __grid_constant__ Strides {name}_strides")
     args += [f"{ctype}* {name}" for name, ctype in outputs]
+    consts_ = consts
     consts = "".join(
         f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {str(v).lower()};\n"
         if isinstance(v, (bool, int))
@@ -102,7 +105,7 @@ def cuda_translation_unit(body, inputs, outputs, template):
         + ",\n".join(args)
         + ") {\n"
         + consts
-        + _dialect.render(body, "cuda")
+        + _dialect.render(_dialect.declare(tuple(consts_)) + body, "cuda")
         + "\n}\n"
     )
 
@@ -111,14 +114,15 @@ def cuda_translation_unit(body, inputs, outputs, template):
 @pytest.mark.parametrize("op", list(BODIES))
 def test_cuda_render_compiles(op, tmp_path):
     bf = "__nv_bfloat16"
-    if op == "gated_delta_conv":
+    if op.startswith("gated_delta_conv"):
         ins = [("qkv", bf), ("conv_state", bf), ("conv_w", bf), ("a", bf), ("b", bf), ("A_log", "float"),
-               ("dt_bias", bf), ("state_in", "float"), ("cols", "int"), ("pick", "int")]
+               ("dt_bias", bf), ("state_in", "float")] + [("pick", "int")] * (op == "gated_delta_conv")
         unit = cuda_translation_unit(
             BODIES[op],
             ins,
             [("y", bf), ("state_out", "float"), ("conv_in", bf)],
             [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("KC", 4), ("STEP", True)],
+            _dialect.constants(QKV_S=1544, QKV_C=0, B_S=1544, B_C=1536, A_S=1544, A_C=1540),
         )
     elif op.startswith("gated_delta"):
         ins = [(n, bf) for n in "qkvab"] + [("A_log", "float"), ("dt_bias", bf), ("state_in", "float")]
@@ -135,8 +139,8 @@ def test_cuda_render_compiles(op, tmp_path):
         unit = cuda_translation_unit(BODIES[op], [("x", bf)], [("out", "uint32_t")], [("N", 248320)])
     elif op.startswith("rms_pair"):
         ins = [("e", bf), ("h", bf), ("we", bf), ("wh", bf)] + [("wp", bf)] * (op == "rms_pair_pre")
-        ins += [("params", "float")]
-        unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("H", 1024)])
+        unit = cuda_translation_unit(BODIES[op], ins, [("out", bf)], [("OT", bf), ("H", 1024)],
+                                     _dialect.constants(EPS=1e-6, PRE_EPS=1e-6))
     else:
         fmt, _, kind = op.partition("_")
         kind, res = kind.removesuffix("_res").removesuffix("_glu"), op.endswith("_res")

@@ -10,7 +10,7 @@ import pytest
 from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
-from lattice_mlx.metal import use_kernels
+from lattice_mlx.metal import _dialect, use_kernels
 from lattice_mlx.metal.qk_norm_rope import _BODY, qk_norm_rope, qk_norm_rope_kernel, qk_norm_rope_ref, supported
 
 needs_gpu = pytest.mark.skipif(not use_kernels(), reason="the kernel needs an MLX GPU backend; the CPU runs the reference")
@@ -83,9 +83,10 @@ def test_body_renders(dialect):
 def test_cuda_render_compiles(tmp_path):
     bf = "__nv_bfloat16"
     unit = cuda_translation_unit(
-        _BODY, [("src", bf), ("qw", bf), ("kw", bf), ("params", "float"), ("offset", "int")],
+        _BODY, [("src", bf), ("qw", bf), ("kw", bf), ("offset", "int")],
         [("q_out", bf), ("k_out", bf), ("v_out", bf)],
-        [("OT", bf), ("D", 256), ("Hq", 8), ("Hkv", 2), ("ROPE", 64)])
+        [("OT", bf), ("D", 256), ("Hq", 8), ("Hkv", 2), ("ROPE", 64)],
+        _dialect.constants(EPS=1e-6, LOG2_BASE=23.2534966642))
     assert_nvcc_compiles(unit, tmp_path, "qk_norm_rope")
 
 

@@ -57,7 +57,7 @@ _BODY = """
   const bool causal = chunk_keys[1] != 0;
   const int k0 = split * chunk;
   const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
-  const float qscale = scale[0];
+  const float qscale = SCALE;
 
   // Row r of this block is (g, t) = divmod(row0 + r, T); a row past the last gets hi = -1 (no keys).
   float qr[RB][NK], acc[RB][NK], m[RB], l[RB];
@@ -213,19 +213,13 @@ THREADS = 256  # 8 warps (the body's NW)
 # same sums). The split size is fixed for that reason, not tuned per length: an earlier rule (splits from L and the
 # block count) made a verify row differ from the decode step in bf16 past 512 keys.
 SPLIT_KEYS = 256
-_INPUTS = ("q", "k", "v", "scale", "chunk_keys", "kv_len")
+_INPUTS = ("q", "k", "v", "chunk_keys", "kv_len")
 _OUTPUTS = ("out", "o_part", "ml_part")
 
 
 def num_splits(L: int, split_keys: int = SPLIT_KEYS) -> int:
     """Key splits for L keys (1 = the single-launch path)."""
     return max(1, -(-L // split_keys))
-
-
-@functools.cache
-def _scale_array(scale: float) -> mx.array:
-    """The scale as a 1-element fp32 input, made once per value (kernels take no scalar arguments)."""
-    return mx.array([scale], dtype=mx.float32)
 
 
 @functools.cache
@@ -280,9 +274,10 @@ def sdpa_kernel(
     chunk = -(-L // splits) if splits else SPLIT_KEYS
     ns = num_splits(L, chunk)
     part = (B * Hq * T, ns, D) if ns > 1 else (1,)
-    kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False)
+    kernel = _dialect.build("lattice_sdpa", _BODY, _INPUTS, _OUTPUTS, ensure_row_contiguous=False,
+                            consts=_dialect.constants(SCALE=float(scale)))
     out, o_part, ml_part = kernel(
-        inputs=[q, k, v, _scale_array(float(scale)), _int_pair(chunk, int(causal)),
+        inputs=[q, k, v, _int_pair(chunk, int(causal)),
                  _ALL_KEYS if length is None else length.astype(mx.int32).reshape(1)],
         template=[("OT", q.dtype), ("D", D)],
         grid=(THREADS * ns, row_blocks, B * Hkv),

@@ -4,8 +4,6 @@ Shapes: q, k [B, T, Hk, Dk] (raw, normalised here); v [B, T, Hv, Dv]; a, b [B, T
 state [B, Hv, Dv, Dk] fp32. Key head of value head h is h // (Hv // Hk).
 """
 
-import functools
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -405,7 +403,7 @@ def gated_delta_update(
 _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
     "S[i] = state_in[srow + lane + 32 * i];",
     # state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
-    "S[i] = state_in[(((int64_t(bi) * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv) * Dk + lane + 32 * i];",
+    "S[i] = state_in[(((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv) * Dk + lane + 32 * i];",
 ) + """
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
   constexpr int W = KC - 1;
@@ -424,7 +422,7 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
   // Window rows 0..W-1 come from the conv state (rows pick[0] .. pick[0] + W - 1 of conv_state [B, R, C]: a plain
   // window, or a previous verify's whole conv input); they are also the first rows of conv_in.
   for (int r = 0; r < W; ++r) {
-    const int64_t src = (int64_t(bi) * conv_state_shape[1] + pick[0] + r) * C;
+    const int src = (bi * conv_state_shape[1] + pick[0] + r) * C;
     const int dst = (bi * (W + T) + r) * C;
     for (int i = 0; i < NK; ++i) {
       xq[i][r] = LX_F32(conv_state[src + cq[i]]);
@@ -438,10 +436,10 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
     if (lane == 0) conv_in[dst + cv] = static_cast<YT>(xv[r]);
   }
   for (int t = 0; t < T; ++t) {
-    // qkv, b and a rows through their row strides and first columns (cols): separate arrays, or column ranges of
-    // the fused projection's output read in place
-    const int64_t bt = bi * T + t;
-    const int64_t src = bt * cols[0] + cols[1];
+    // qkv, b and a rows through their row strides and first columns (constants QKV_S, QKV_C, B_S, B_C, A_S, A_C):
+    // separate arrays, or column ranges of the fused projection's output read in place
+    const int bt = bi * T + t;
+    const int src = bt * QKV_S + QKV_C;
     const int dst = (bi * (W + T) + W + t) * C;
     float qc[NK], kc[NK];
     for (int i = 0; i < NK; ++i) {
@@ -478,8 +476,8 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
       xv[j] = xv[j + 1];
     }
     const int hvt = (bi * T + t) * Hv + hv;
-    const float ac = LX_F32(a[bt * cols[4] + cols[5] + hv]) + dtb;
-    const float bc = LX_F32(b[bt * cols[2] + cols[3] + hv]);
+    const float ac = LX_F32(a[bt * A_S + A_C + hv]) + dtb;
+    const float bc = LX_F32(b[bt * B_S + B_C + hv]);
 
 """ + _STEP + """\
     if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
@@ -492,7 +490,10 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
     for (int i = 0; i < NK; ++i) state_out[srow + lane + 32 * i] = S[i];
   }
 """
-_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "cols", "pick")
+# Offsets are 32-bit (the run-5 form: 96 registers against 108-110 with 64-bit ones); the wrapper checks the sizes.
+# Without a pick (plain decode and verify) the body reads step 0 and window row 0 and takes no `pick` input.
+_BODY_CONV_NO_PICK = _BODY_CONV.replace("pick[0]", "0").replace("pick[1]", "0")
+_CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "pick")
 _CONV_OUTPUTS = ("y", "state_out", "conv_in")
 # The fused form serves decode and verify (T below this); longer prompts take conv1d + the batched form.
 CONV_FUSED_MAX_T = BATCHED_FROM_T - 1
@@ -537,18 +538,10 @@ def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *
     return y, s, conv_in
 
 
-@functools.cache
-def _cols(qkv_stride: int, qkv_col: int, b_stride: int, b_col: int, a_stride: int, a_col: int) -> mx.array:
-    return mx.array([qkv_stride, qkv_col, b_stride, b_col, a_stride, a_col], dtype=mx.int32)
-
-
 def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array, mx.array, mx.array]:
     """(qkv, a, b) as views of a packed projection output (src, b_col, a_col)."""
     src, b_col, a_col = packed
     return src[..., :C], src[..., a_col : a_col + Hv], src[..., b_col : b_col + Hv]
-
-
-_NO_PICK = mx.array([0, 0], dtype=mx.int32)
 
 
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
@@ -567,24 +560,30 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         src, b_col, a_col = packed
         S = src.shape[-1]
         qkv = a = b = src
-        cols = _cols(S, 0, S, b_col, S, a_col)
+        cols = _dialect.constants(QKV_S=S, QKV_C=0, B_S=S, B_C=b_col, A_S=S, A_C=a_col)
     else:
         assert qkv.shape[-1] == C and a.shape[-1] == b.shape[-1] == Hv
-        cols = _cols(C, 0, Hv, 0, Hv, 0)
+        cols = _dialect.constants(QKV_S=C, QKV_C=0, B_S=Hv, B_C=0, A_S=Hv, A_C=0)
     B, T, _ = qkv.shape
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if pick is None:
         assert conv_state.shape[1:] == (KC - 1, C)
-        state, pick = state.reshape(B, 1, Hv, Dv, Dk), _NO_PICK
+        state = state.reshape(B, 1, Hv, Dv, Dk)
+        kernel = _dialect.build("lattice_gated_delta_conv", _BODY_CONV_NO_PICK, _CONV_INPUTS[:-1], _CONV_OUTPUTS,
+                                consts=cols)
+        extra = []
     else:
         assert conv_state.shape[1] >= KC - 1 and conv_state.shape[2] == C and state.ndim == 5
-        pick = pick.astype(mx.int32)
-    kernel = _dialect.build("lattice_gated_delta_conv", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS)
+        kernel = _dialect.build("lattice_gated_delta_conv_pick", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS,
+                                consts=cols)
+        extra = [pick.astype(mx.int32)]
+    # 32-bit offsets in the body
+    assert max(qkv.size, conv_state.size, state.size, B * (KC - 1 + T) * C, B * T * Hv * Dv * Dk) < 2**31
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
     y, s, conv_in = kernel(
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,
-                state if state.dtype == mx.float32 else state.astype(mx.float32), cols, pick],
+                state if state.dtype == mx.float32 else state.astype(mx.float32), *extra],
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
                   ("STEP", step_states)],
         grid=(32, Dv, B * Hv),

@@ -10,7 +10,6 @@ Replaces, per attention layer and forward, two RMSNorms, two RoPEs and the copie
 launches) with one. Each (token, head) is one warp whose work does not depend on T: batch-invariant by construction.
 """
 
-import functools
 import math
 
 import mlx.core as mx
@@ -47,7 +46,7 @@ _BODY = """
 #pragma unroll
   for (int i = 0; i < NE; ++i) ss += x[i] * x[i];
   ss = LX_SIMD_SUM(ss);
-  const float inv = LX_RSQRT(ss / D + params[0]);
+  const float inv = LX_RSQRT(ss / D + EPS);
 #pragma unroll
   for (int i = 0; i < NE; ++i) {
     const int e = lane + 32 * i;
@@ -62,7 +61,7 @@ _BODY = """
     float r = buf[e];
     if (e < ROPE) {
       const int p = e < HALF ? e : e - HALF;
-      const float theta = pos * LX_EXP2(-(static_cast<float>(p) / HALF) * params[1]);
+      const float theta = pos * LX_EXP2(-(static_cast<float>(p) / HALF) * LOG2_BASE);
       const float c = LX_COS(theta);
       const float s = LX_SIN(theta);
       r = e < HALF ? buf[e] * c - buf[e + HALF] * s : buf[e - HALF] * s + buf[e] * c;
@@ -74,13 +73,8 @@ _BODY = """
     }
   }
 """
-_INPUTS = ("src", "qw", "kw", "params", "offset")
+_INPUTS = ("src", "qw", "kw", "offset")
 _OUTPUTS = ("q_out", "k_out", "v_out")
-
-
-@functools.cache
-def _params(eps: float, base: float) -> mx.array:
-    return mx.array([eps, math.log2(base)], dtype=mx.float32)
 
 
 def _offset_array(offset: int | mx.array) -> mx.array:
@@ -116,9 +110,10 @@ def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *
     """The GPU kernel (Metal or CUDA); same contract as `qk_norm_rope_ref`. `init_value` poisons outputs (tests)."""
     Hq, Hkv, D = heads
     B, T, _ = src.shape
-    kernel = _dialect.build("lattice_qk_norm_rope", _BODY, _INPUTS, _OUTPUTS)
+    kernel = _dialect.build("lattice_qk_norm_rope", _BODY, _INPUTS, _OUTPUTS,
+                            consts=_dialect.constants(EPS=float(q_norm.eps), LOG2_BASE=math.log2(base)))
     return tuple(kernel(
-        inputs=[src, q_norm.weight, k_norm.weight, _params(float(q_norm.eps), float(base)), _offset_array(offset)],
+        inputs=[src, q_norm.weight, k_norm.weight, _offset_array(offset)],
         template=[("OT", src.dtype), ("D", D), ("Hq", Hq), ("Hkv", Hkv), ("ROPE", rope_dims)],
         grid=(32, Hq + 2 * Hkv, B * T),
         threadgroup=(32, 1, 1),

@@ -8,14 +8,12 @@ The sum of squares runs in another order than MLX's norm, so the result is withi
 the reference, not bitwise.
 """
 
-import functools
-
 import mlx.core as mx
 
 from lattice_mlx.metal import _dialect, use_kernels
 
 # One warp per (row m, half j): lane l takes elements l, l + 32, ... of e (j = 0) or h (j = 1). With a pre-norm
-# (`_body(True)`), the h half is first normalised by its own weight `wp` (eps params[1]), rounded as the unfused
+# (`_body(True)`), the h half is first normalised by its own weight `wp` (eps PRE_EPS), rounded as the unfused
 # norm rounds it, and that row is what the h half's norm reads: three passes over h's row instead of two.
 def _body(pre: bool) -> str:
     if pre:
@@ -23,7 +21,7 @@ def _body(pre: bool) -> str:
         refine = """
   float pinv = 0.0f;
   if (j == 1) {
-    pinv = LX_RSQRT(ss / H + params[1]);
+    pinv = LX_RSQRT(ss / H + PRE_EPS);
     float ss2 = 0.0f;
     for (int i = lane; i < H; i += 32) {
       const float v = HVAL;
@@ -43,7 +41,7 @@ def _body(pre: bool) -> str:
     ss = LX_FMA(v, v, ss);
   }
   ss = LX_SIMD_SUM(ss);""" + refine + """
-  const float inv = LX_RSQRT(ss / H + params[0]);
+  const float inv = LX_RSQRT(ss / H + EPS);
   for (int i = lane; i < H; i += 32) {
     const float v = j == 0 ? LX_F32(e[m * H + i]) : HVAL;
     const float w = j == 0 ? LX_F32(we[i]) : LX_F32(wh[i]);
@@ -55,11 +53,6 @@ def _body(pre: bool) -> str:
 _BODY = _body(False)
 _BODY_PRE = _body(True)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
-
-
-@functools.cache
-def _params(eps: float, pre_eps: float = 0.0) -> mx.array:
-    return mx.array([eps, pre_eps], dtype=mx.float32)
 
 
 def rms_pair_ref(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> mx.array:
@@ -79,14 +72,16 @@ def rms_pair_kernel(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None, *,
                     init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA); same contract as `rms_pair_ref`. `init_value` poisons the output (tests)."""
     H = e.shape[-1]
+    consts = _dialect.constants(EPS=float(norm_e.eps), PRE_EPS=float(pre_h.eps) if pre_h is not None else 0.0)
     if pre_h is None:
-        kernel = _dialect.build("lattice_rms_pair", _BODY, ("e", "h", "we", "wh", "params"), ("out",))
+        kernel = _dialect.build("lattice_rms_pair", _BODY, ("e", "h", "we", "wh"), ("out",), consts=consts)
         weights = [norm_e.weight, norm_h.weight]
     else:
-        kernel = _dialect.build("lattice_rms_pair_pre", _BODY_PRE, ("e", "h", "we", "wh", "wp", "params"), ("out",))
+        kernel = _dialect.build("lattice_rms_pair_pre", _BODY_PRE, ("e", "h", "we", "wh", "wp"), ("out",),
+                                consts=consts)
         weights = [norm_e.weight, norm_h.weight, pre_h.weight]
     (out,) = kernel(
-        inputs=[e, h, *weights, _params(float(norm_e.eps), float(pre_h.eps) if pre_h is not None else 0.0)],
+        inputs=[e, h, *weights],
         template=[("OT", e.dtype), ("H", H)],
         grid=(32, 2, e.size // H),
         threadgroup=(32, 1, 1),
