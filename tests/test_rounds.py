@@ -254,6 +254,30 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     assert tuned == plain[:120]
 
 
+def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatch):
+    """After plain stretches of 5, 6, 13 and 2 steps (backlog remainders of every other length) the head's first
+    forward takes CATCH_UP_ROWS rows, the count its backlog pieces take: a new row count compiles new kernels on a
+    GPU, inside the generation. The tokens stay plain decoding's."""
+    from lattice_mlx.drafters import CATCH_UP_ROWS
+
+    model, _ = load(checkpoints["untied"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(80))]
+    rows = []
+    head_call = type(model.mtp).__call__
+    monkeypatch.setattr(type(model.mtp), "__call__", lambda self, e, h, *a, **kw: (
+        rows.append(e.shape[1]), head_call(self, e, h, *a, **kw))[1])
+    _scheduled(monkeypatch, [0] * 5 + [2] + [0] * 6 + [3] + [0] * 13 + [1, 2] + [0] * 2 + [3, 3])
+    got, stats = adaptive_tokens(model, PROMPT, 70,
+                                 drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
+    assert got == plain[:70]
+    assert stats.rounds >= 5
+    # the prompt's tail, a round's rows (K + 1 <= 4), one row per draft step, the backlog's pieces: nothing else
+    tail = rows[0]
+    assert set(rows[1:]) <= {1, 2, 3, 4, CATCH_UP_ROWS}, rows
+    assert rows.count(CATCH_UP_ROWS) >= 4, rows  # at least the four stretches' first drafts
+    assert tail <= len(PROMPT)
+
+
 def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, monkeypatch):
     """Sampled, the tuner keeping K = 0: one draw per token from the same logits as generate_step's, so under one seed
     the very same tokens (the head's backlog work draws nothing)."""

@@ -211,8 +211,17 @@ class PipelinedRounds:
         of the scratch rows of k draft steps."""
         if self.last_k == 0 and self.backlog:  # after plain steps: the backlog's remainder, then the newest slot
             self.backlog.append((self.ptok, self.phid))
-            self.ptok, self.phid = self._joined(self.backlog)
-            self.pn, self.backlog = mx.array(self.ptok.shape[0] - 1, dtype=mx.int32), []
+            tok, hid = self._joined(self.backlog)
+            rows = tok.shape[0]  # <= CATCH_UP_ROWS (plain() feeds the backlog in pieces of it)
+            # Always CATCH_UP_ROWS rows (the backlog pieces' count), the tail being copies of the newest slot: past
+            # the head's true end (offset + pn + 1), scratch rows the next ones overwrite, as a draft step's are.
+            # A remainder of its own length was a new row count per plain stretch's length, and a new count compiles
+            # new kernels on a GPU, seconds inside a generation (run 19: an adaptive repetition at 9.3 tok/s).
+            if rows < CATCH_UP_ROWS:
+                tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_ROWS - rows)])
+                hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_ROWS - rows, axis=0)])
+            self.ptok, self.phid = tok, hid
+            self.pn, self.backlog = mx.array(rows - 1, dtype=mx.int32), []
         head, embed = self.model.mtp, self.model.model.embed_tokens
         x = head(embed(self.ptok)[None], head.from_target(self.phid)[None], self.mcache)  # [1, R, H]
         x = mx.take(x, self.pn.reshape(1), axis=1)  # the slot of the newest token
