@@ -528,7 +528,10 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
         warm = [dataclasses.replace(leg, adaptive=False, k=k) for k in range(1, leg.k + 1)] if leg.adaptive else []
         for w in [*warm, leg]:
             stream, _ = token_stream(target, w, prompts[0], temp, n_max=n_max, reference=reference(w, 0), seed=seed)
-            timed_run(stream, (min(lengths[0], 8), max(lengths[0], 8) + 1), compiled_path=w.compiled)
+            # the adaptive leg itself over a whole generation: its tuner's switches (plain stretches and back) and
+            # the shapes they use come only after its first decisions
+            end = lengths[1] if w.adaptive else max(lengths[0], 8) + 1
+            timed_run(stream, (min(lengths[0], 8), end), compiled_path=w.compiled)
     records = {leg.name: LegRecord(leg) for leg in legs}
     for rep in range(reps):
         i = rep % len(prompts)
