@@ -169,9 +169,9 @@ def build(
     inputs arrive as they are (views of a bigger buffer too); the body indexes them through `<input>_strides`.
 
     `consts` (from `constants`) become literals at the top of the body, under a name suffixed by their hash, instead
-    of small input arrays made on the host: on the H200 the GDN kernel's two such inputs (strides and columns, a
-    step pick) cost ~16 us of its 23.7 us per launch (7.1 us with their values as literals, docs/bench/h200/run18).
-    Values that change per call (offsets, lengths) stay inputs."""
+    of small input arrays made on the host: on the H200 the GDN kernel took 23.7 us per launch with two such inputs
+    (strides and columns, a step pick) and 7.1 us with their values as literals (and 32-bit offsets;
+    docs/bench/h200/run19). Values that change per call (offsets, lengths) stay inputs."""
     dialect = backend()
     make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
     if consts:
