@@ -7,7 +7,8 @@ Run 18 found the conv-fused kernel's fixed cost: 23.7 us per launch at T = 1 as 
 arrays made on the host (`cols`, strides and first columns; `pick`), against 7.1 us with their values as literals.
 The kernels now take such parameters as literals (`_dialect.constants`). The GDN `pick` variants here tell whether
 an input made on the host is what costs: the pipelined rounds' pick (an input by nature, it changes per round) as
-an array computed on the device (`pick_dev`, as the rounds make it) and as one made on the host (`pick_host`);
+an array computed on the device (`pick_dev`, as the rounds make it), as one made on the host (`pick_host`), and at
+the head of device arrays of 16 bytes and 16 KB (`pick_dev16`, `pick_dev4k`);
 likewise the attention kernel's key count (`len_dev`, `len_host`). Each variant's outputs are compared bitwise with
 the plain kernel's before it is timed; a case that fails is recorded as an error and the others still run.
 
@@ -54,7 +55,10 @@ def cases() -> dict:
 
         if variant == "prod":
             return prod
-        pick = mx.array([0, 0], dtype=mx.int32) if variant == "pick_host" else (mx.arange(2) * 0).astype(mx.int32)
+        # pick_dev16 / pick_dev4k: the same values at the head of a device-made array of 16 bytes / 16 KB (MLX's
+        # CUDA allocator serves <= 8 bytes from one shared managed pool and rounds sizes under 16 KB to a power of 2)
+        size = {"pick_dev16": 4, "pick_dev4k": 4096}.get(variant, 2)
+        pick = mx.array([0, 0], dtype=mx.int32) if variant == "pick_host" else (mx.arange(size) * 0).astype(mx.int32)
         mx.eval(pick)
         state5 = state.reshape(1, 1, Hv, Dv, Dk)
 
@@ -68,7 +72,7 @@ def cases() -> dict:
     for T, step in ((1, False), (1, True), (4, True), (4, False)):
         out[f"gdn_conv_T{T}_step{int(step)}"] = conv_case(T, step)
     for T, step in ((1, False), (4, True)):
-        for variant in ("pick_dev", "pick_host"):
+        for variant in ("pick_dev", "pick_host", "pick_dev16", "pick_dev4k"):
             out[f"gdn_conv_T{T}_step{int(step)}_{variant}"] = conv_case(T, step, variant)
     for T in (1, 4):  # the 0.8B attention (Hq 8, Hkv 2, D 256) over 128 keys
         for variant in ("prod", "len_dev", "len_host"):

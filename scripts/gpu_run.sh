@@ -67,6 +67,7 @@
 #                  and plain: 0.8B at oracle 0.8 and 0.3, the demo's real head greedy and at 0.7
 #   run19          step-kernels (parameters as literals), the 0.8B headline with stock and CUPTI, the changed kernels'
 #                  and the rounds' GPU tests
+#   run20          step-kernels (pick variants), the tuner at oracle 0.8 (with fixed K=4) and 0.3, the 4B headline
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -385,6 +386,15 @@ for gs in (64, 32):
       tests/metal/test_rms_pair.py tests/test_rounds.py
     pkill -f "[x]dist|[p]ytest -q -n" || true
     grep -E "FAILED|ERROR|^E " "$RES/r19_tests.out" | head -n 40; tail -n 3 "$RES/r19_tests.out" ;;
+  run20)  # one call: step-kernels (the pick variants), the adaptive tuner at oracle 0.8 / 0.3 with a whole-generation
+           # warm-up and the head's one catch-up row count (1caa220), the 4B headline
+    step_kernels
+    step adaptive_0.8b 170 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3,4,adaptive --oracle-p 0.8 --no-stock --out "$RES/adaptive_0.8b"
+    step adaptive_0.8b_p03 150 "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" --lengths 16,96 \
+      --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
+    step final_4b "${LIMIT_4B:-170}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --out "$RES/final_4b" ;;
   peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;

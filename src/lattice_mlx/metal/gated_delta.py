@@ -577,7 +577,7 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         assert conv_state.shape[1] >= KC - 1 and conv_state.shape[2] == C and state.ndim == 5
         kernel = _dialect.build("lattice_gated_delta_conv_pick", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS,
                                 consts=cols)
-        extra = [pick.astype(mx.int32)]
+        extra = [pick if pick.dtype == mx.int32 else pick.astype(mx.int32)]
     # 32-bit offsets in the body
     assert max(qkv.size, conv_state.size, state.size, B * (KC - 1 + T) * C, B * T * Hv * Dv * Dk) < 2**31
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
