@@ -39,6 +39,8 @@ from .spec import (
     MAX_OFF_TOKENS,
     PLAIN_TIMED_STEPS,
     PLAIN_WARMUP_STEPS,
+    SPECULATE_MIN_GAIN,
+    SWITCH_MIN_GAIN,
     SpecOptions,
     SpecStats,
     expected_tokens,
@@ -408,8 +410,13 @@ class PipelinedTuner:
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
         gains = {k: self.speedup(k, rates) for k in near}
-        k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, 1.0))
-        if gain >= 1.0:
+        k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
+        if gain is None:  # nothing measured to decide on yet: stay
+            return self.k
+        current = gains.get(self.k)
+        if k != self.k and current is not None and gain < current * SWITCH_MIN_GAIN:
+            k, gain = self.k, current  # a change of K costs untraced rounds: not for a small predicted gain
+        if gain >= SPECULATE_MIN_GAIN:
             self.k = self.probe_k = k
             return k
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")

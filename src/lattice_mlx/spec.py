@@ -28,6 +28,11 @@ ADAPTIVE_START_K = 2
 PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
 PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
+# The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
+# refilling pipeline), so a depth near break-even costs more than it predicts: run 19 (H200, oracle 0.3) kept
+# speculating at a predicted 0.98-1.0x, moving K between 1 and 4, and the leg ran at 0.91x plain (fixed K=3: 0.99x).
+SPECULATE_MIN_GAIN = 1.05  # keep speculating only at a predicted speedup of at least this
+SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this much more than the current one
 
 
 def expected_tokens(k: int, rates: list[float]) -> float:
