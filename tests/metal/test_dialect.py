@@ -152,3 +152,18 @@ def test_cuda_render_compiles(op, tmp_path):
                   ("ZSTR", 8224), ("ZOFF", 6144)]
         unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
     assert_nvcc_compiles(unit, tmp_path, op)
+
+
+def test_constants_are_exact_typed_literals():
+    """Kernel parameters as literals (`_dialect.constants`): a float is its fp32 value exactly, an int stays an int,
+    True and 1 are different constants, and the declarations name each type."""
+    import numpy as np
+
+    for v in (1e-6, 1e-5, 256 ** -0.5, 23.253496664211536, 1 / 3):
+        lit = _dialect.literal(v)
+        assert lit.endswith("f") and np.float32(float(lit[:-1])) == np.float32(v)
+    assert _dialect.constants(A=True) == (("A", "true"),) and _dialect.constants(A=1) == (("A", "1"),)
+    decl = _dialect.declare(_dialect.constants(EPS=1e-6, N=3, ON=False))
+    assert decl.splitlines() == ["  const float EPS = 9.999999975e-07f;", "  const int N = 3;", "  const bool ON = false;"]
+    with pytest.raises(AssertionError):
+        _dialect.literal(float("nan"))

@@ -147,10 +147,14 @@ def literal(value: float | int | bool) -> str:
     return f"{value:.9e}f"
 
 
-@functools.cache
 def constants(**values: float | int | bool) -> tuple[tuple[str, str], ...]:
     """Named constants for `build` (the `consts` argument), hashable for its cache."""
-    return tuple((k, literal(v)) for k, v in sorted(values.items()))
+    return _constants(tuple(sorted((k, type(v), v) for k, v in values.items())))
+
+
+@functools.cache
+def _constants(items: tuple) -> tuple[tuple[str, str], ...]:  # keyed by type too: True == 1 as a dict key
+    return tuple((k, literal(v)) for k, _, v in items)
 
 
 def declare(consts: tuple[tuple[str, str], ...]) -> str:
