@@ -413,10 +413,11 @@ class PipelinedTuner:
         k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
         if gain is None:  # nothing measured to decide on yet: stay
             return self.k
-        current = gains.get(self.k)
-        if k != self.k and current is not None and gain < current * SWITCH_MIN_GAIN:
-            k, gain = self.k, current  # a change of K costs untraced rounds: not for a small predicted gain
         if gain >= SPECULATE_MIN_GAIN:
+            current = gains.get(self.k)
+            if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN \
+                    and gain < current * SWITCH_MIN_GAIN:
+                k = self.k  # a change of K costs untraced rounds: not for a small predicted gain
             self.k = self.probe_k = k
             return k
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")

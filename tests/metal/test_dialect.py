@@ -165,5 +165,8 @@ def test_constants_are_exact_typed_literals():
     assert _dialect.constants(A=True) == (("A", "true"),) and _dialect.constants(A=1) == (("A", "1"),)
     decl = _dialect.declare(_dialect.constants(EPS=1e-6, N=3, ON=False))
     assert decl.splitlines() == ["  const float EPS = 9.999999975e-07f;", "  const int N = 3;", "  const bool ON = false;"]
+    assert _dialect.literal(np.int64(5)) == "5" and _dialect.literal(np.bool_(True)) == "true"
     with pytest.raises(AssertionError):
         _dialect.literal(float("nan"))
+    with pytest.raises(TypeError):
+        _dialect.literal("5")

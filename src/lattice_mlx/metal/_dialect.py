@@ -137,11 +137,13 @@ def backend() -> str:
 
 def literal(value: float | int | bool) -> str:
     """`value` as a source literal both dialects read the same: a float as its fp32 value to 9 digits (exact)."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
-    if isinstance(value, int):
-        assert -(2**31) <= value < 2**31, value
-        return str(value)
+    if isinstance(value, (int, np.integer)):
+        assert -(2**31) <= int(value) < 2**31, value
+        return str(int(value))
+    if not isinstance(value, (float, np.floating)):
+        raise TypeError(f"a kernel constant is a bool, an int or a float, not {type(value).__name__}")
     value = float(np.float32(value))
     assert math.isfinite(value), value
     return f"{value:.9e}f"
@@ -172,16 +174,17 @@ def build(
     """The MLX kernel object for this backend, made once per (name, body, consts). With `ensure_row_contiguous=False`
     inputs arrive as they are (views of a bigger buffer too); the body indexes them through `<input>_strides`.
 
-    `consts` (from `constants`) become literals at the top of the body, under a name suffixed by their hash, instead
+    `consts` (from `constants`) become literals at the top of the body (the name gets a hash of it all), instead
     of small input arrays made on the host: on the H200 the GDN kernel took 23.7 us per launch with two such inputs
     (strides and columns, a step pick) and 7.1 us with their values as literals (and 32-bit offsets;
     docs/bench/h200/run19). Values that change per call (offsets, lengths) stay inputs."""
     dialect = backend()
     make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-    if consts:
-        decl = declare(consts)
-        body = decl + body
-        name = f"{name}_{hashlib.sha1(decl.encode()).hexdigest()[:10]}"
+    body = declare(consts) + body
+    # the name carries a hash of the source and the inputs: MLX caches a compiled kernel by its name (CUDA: on disk,
+    # under the temp folder), so an edited body or other constants must not reuse an old build
+    key = "\x00".join([body, *inputs, *outputs])
+    name = f"{name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     return make(
         name=name,
         input_names=list(inputs),
