@@ -324,28 +324,30 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
     assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-4, rtol=1e-4).item()
 
 
+def _tune(tuner, rates, cost_of, n):
+    """n passes of the pipelined loop with the tuner deciding: the depths it picked."""
+    ks = []
+    for _ in range(n):
+        k = tuner.next_k(rates)
+        tuner.observe(k, cost_of(k))
+        ks.append(k)
+    return ks
+
+
 def test_pipelined_tuner_decides_from_round_costs():
     """cost(K) from the loop's passes (not the first SKIP after a change), tokens(K) from acceptance: a round
     that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 32
     plain steps, then probes again, and the next stretch is 64."""
     from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, FIRST_OFF_TOKENS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
 
-    def run(tuner, rates, cost_of, n):
-        ks = []
-        for _ in range(n):
-            k = tuner.next_k(rates)
-            tuner.observe(k, cost_of(k))
-            ks.append(k)
-        return ks
-
     cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
     tuner = rounds.PipelinedTuner(3)
     baseline = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
-    ks = run(tuner, [0.9, 0.8, 0.7], cost, baseline + ADAPTIVE_WARMUP_ROUNDS + 6)
+    ks = _tune(tuner, [0.9, 0.8, 0.7], cost, baseline + ADAPTIVE_WARMUP_ROUNDS + 6)
     assert ks[:baseline] == [0] * baseline and ks[baseline] == 2
     assert tuner.cost[0] == pytest.approx(1.0) and tuner.estimate(3) == pytest.approx(1.75)
     assert ks[-1] == 3 and not tuner.decisions  # 3.4 tokens for 1.75 steps beats 2.7 for 1.5
-    ks = run(tuner, [0.05, 0.0, 0.0], cost, 1 + FIRST_OFF_TOKENS + ADAPTIVE_WARMUP_ROUNDS + 1)
+    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, 1 + FIRST_OFF_TOKENS + ADAPTIVE_WARMUP_ROUNDS + 1)
     assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
     assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
     assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]
@@ -357,18 +359,10 @@ def test_pipelined_tuner_margins_near_break_even_and_between_depths():
     clearly better is."""
     from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS, SPECULATE_MIN_GAIN
 
-    def run(tuner, rates, cost_of, n):
-        ks = []
-        for _ in range(n):
-            k = tuner.next_k(rates)
-            tuner.observe(k, cost_of(k))
-            ks.append(k)
-        return ks
-
     start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
     # K=1 yields 1.2 tokens for 1.16 steps, K=2 1.3 for 1.26: 1.03x predicted, under the margin: plain steps
     tuner = rounds.PipelinedTuner(2)
-    ks = run(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 8)  # (K=1 is tried first: its
+    ks = _tune(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 8)  # (K=1 is tried first: its
     # estimate from the line through cost(0) and cost(2) is 1.06x)
     assert 1.0 < tuner.speedup(2, [0.2, 0.1]) < SPECULATE_MIN_GAIN and 1.0 < 1.2 / 1.16 < SPECULATE_MIN_GAIN
     assert ks[-1] == 0 and "off for 32 tokens" in tuner.decisions[0]
@@ -376,7 +370,7 @@ def test_pipelined_tuner_margins_near_break_even_and_between_depths():
     # K settles instead of following the noise
     tuner, passes = rounds.PipelinedTuner(3), itertools.count()
     noisy = lambda k: (1.0 + 0.25 * k + (0.12 if k == 3 else 0.0)) * (1.06 if next(passes) % 2 else 0.94)  # noqa: E731
-    ks = run(tuner, [0.9, 0.8, 0.7], noisy, start + 60)
+    ks = _tune(tuner, [0.9, 0.8, 0.7], noisy, start + 60)
     changes = sum(a != b for a, b in zip(ks[start:], ks[start + 1:]))
     assert changes <= 1 and not tuner.decisions and set(ks[start:]) <= {2, 3}, ks[start:]
     # the current depth under the threshold and a neighbour over it by less than the switch margin: move, not off
