@@ -246,7 +246,7 @@ class GDNCache:
         self._base_state, self._conv_in, self._states = None, [], []
 
     def pick(self, index: mx.array) -> None:
-        """Pipelined rounds (rounds.py): continue from step n of the one recorded forward, index = [n + 1, n] (a
+        """Pipelined rounds (rounds.py): continue from step n of the one recorded forward, index = [n + 1, n, ..] (a
         device array, one per round for every layer). Nothing is gathered: `conv` and `ssm` become the forward's
         whole conv input and per-step states and `window_pick` = index, and the next forward's GDN kernel reads
         the window (rows n + 1 ..) and state (step n) in place (metal/gated_delta.py `picked`). The region stays
