@@ -68,6 +68,7 @@
 #   run19          step-kernels (parameters as literals), the 0.8B headline with stock and CUPTI, the changed kernels'
 #                  and the rounds' GPU tests
 #   run20          step-kernels (pick variants), the tuner at oracle 0.8 (with fixed K=4) and 0.3, the 4B headline
+#   run21          the 0.8B headline (K = 2, 3, adaptive at oracle 0.8, CUPTI) and the tuner at oracle 0.3
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -395,6 +396,14 @@ for gs in (64, 32):
       --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock --out "$RES/adaptive_0.8b_p03"
     step final_4b "${LIMIT_4B:-170}" "${B[@]}" decode --model 4b --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs stock,plain,plain-aa,pipelined --k 2,3 --oracle-p 0.8 --out "$RES/final_4b" ;;
+  run21)  # one call: the 0.8B headline with the 16-byte pick (K = 2, 3 and the tuner at oracle 0.8, CUPTI), the
+           # tuner at oracle 0.3
+    step final_0.8b "${FINAL_LIMIT:-360}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 2,3,adaptive --oracle-p 0.8 --no-stock \
+      --profile .device-tools --out "$RES/final_0.8b"
+    step adaptive_0.8b_p03 "${P03_LIMIT:-180}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+      --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock \
+      --out "$RES/adaptive_0.8b_p03" ;;
   peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
