@@ -69,6 +69,8 @@
 #                  and the rounds' GPU tests
 #   run20          step-kernels (pick variants), the tuner at oracle 0.8 (with fixed K=4) and 0.3, the 4B headline
 #   run21          the 0.8B headline (K = 2, 3, adaptive at oracle 0.8, CUPTI) and the tuner at oracle 0.3
+#   peer           mlx-vlm's MTP and this project's legs on one checkpoint (carry .device-wheels/vlm: the mlx-vlm
+#                  wheel, `pip download --no-deps mlx-vlm==0.7.10`, installed beside MLX's)
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -404,6 +406,11 @@ for gs in (64, 32):
     step adaptive_0.8b_p03 "${P03_LIMIT:-180}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
       --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p 0.3 --no-stock \
       --out "$RES/adaptive_0.8b_p03" ;;
+  peer)  # mlx-vlm 0.7.10's native MTP beside this project's legs on one random hub-layout checkpoint
+         # (scripts/peer_mlx_vlm.py); its wheel travels in .device-wheels/vlm and is installed with MLX's
+    step peer "${PEER_LIMIT:-300}" python3 scripts/peer_mlx_vlm.py --shape "$BIG" --dir /tmp/peer --k "${PEER_K:-3}" \
+      --reps "${REPS:-10}" --prompts 2 --tokens 16,64 --dtype bfloat16 --lattice --out "$RES/peer_mlx_vlm.json"
+    tail -n 5 "$RES/peer.log" ;;
   peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;

@@ -27,6 +27,7 @@ import platform
 import re
 import shutil
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -202,8 +203,9 @@ def nbytes(module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
-def bench(vlm, model, draft, kind, ours, args, save) -> dict:
-    """Runs the legs; `save(legs)` after every repetition (a run cut short keeps its finished repetitions)."""
+def bench(vlm, model, draft, kind, ours, args, save, mark) -> dict:
+    """Runs the legs; `mark(stage)` after each warm-up and `save(legs)` after every repetition (a run cut short
+    keeps how far it got and its finished repetitions)."""
     n1, n2 = args.tokens
     vocab = model.language_model.args.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -240,6 +242,7 @@ def bench(vlm, model, draft, kind, ours, args, save) -> dict:
     for name, k in legs:
         print(f"warm-up {name}", file=sys.stderr, flush=True)
         run(name, k, prompts[0])
+        mark(f"warmed up {name}")
     for rep in range(args.reps):
         prompt = prompts[rep % len(prompts)]
         for name, k in bs.abba_order(legs, rep):
@@ -326,6 +329,12 @@ def main(argv=None) -> None:
               "env": {"python": platform.python_version(), "platform": platform.platform(), "mlx": mx.__version__,
                       "mlx_path": str(Path(mx.__file__).parent), "device": str(mx.default_device())},
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    tic = time.perf_counter()
+
+    def mark(done: str) -> None:  # seconds since start at the end of each stage, saved at once
+        result.setdefault("progress_s", {})[done] = round(time.perf_counter() - tic, 1)
+        write(args.out, result)
+
     stage = "checkpoint"
     try:
         path, written = build_checkpoint(args.dir, args.shape, args.seed)
@@ -334,11 +343,13 @@ def main(argv=None) -> None:
             "source": "lattice_mlx.synthetic.random_checkpoint (hub layout, fp32, mtp.* included)",
             "config_changes": "none: mlx-vlm loads the hub config.json as is (model_type qwen3_5, a VLM whose "
                               "vision_tower it drops for want of weights)"}
+        mark("checkpoint")
         stage = "import mlx_vlm"
         vlm = import_mlx_vlm(finder)
         result["env"].update(mlx_vlm=vlm.__version__, mlx_vlm_path=str(Path(sys.modules["mlx_vlm"].__file__).parent),
                              transformers="stubbed" if "transformers" in finder.roots else
                              importlib.metadata.version("transformers"))
+        mark("import mlx_vlm")
         stage = "load"
         model, draft, kind, quantization = load_peer(vlm, path, args.dtype, args.bits, args.group_size)
         result["target"] = {
@@ -351,6 +362,7 @@ def main(argv=None) -> None:
             "configured_block_size": draft.config.block_size, "bytes": nbytes(draft), "quantized": False,
             "how": "mlx_vlm.speculative.drafters.load_drafter(path, kind='mtp'): Qwen3_5MTPSplitter splits mtp.* "
                    "in memory; embeddings and LM head are the target's (bind)"}
+        mark("load mlx-vlm")
         ours = None
         if args.lattice:
             stage = "load lattice_mlx"
@@ -358,13 +370,14 @@ def main(argv=None) -> None:
             result["lattice"] = {"bytes": nbytes(ours), "how": "lattice_mlx.load.load_model(fuse=False), quantize "
                                  "(target only, as the bench's random models), fuse_projections; greedy; MTP legs "
                                  "are its pipelined rounds at the head's own (near-zero) acceptance"}
+            mark("load lattice_mlx")
         stage = "benchmark"
 
         def save(legs):
             result["legs"] = legs
             write(args.out, result)
 
-        result["legs"] = bench(vlm, model, draft, kind, ours, args, save)
+        result["legs"] = bench(vlm, model, draft, kind, ours, args, save, mark)
         result["peak_memory_bytes"] = mx.get_peak_memory()
         result["ran"] = True
     except Exception as e:  # the reason is the result
