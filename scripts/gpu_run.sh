@@ -71,6 +71,8 @@
 #   run21          the 0.8B headline (K = 2, 3, adaptive at oracle 0.8, CUPTI) and the tuner at oracle 0.3
 #   peer           mlx-vlm's MTP and this project's legs on one checkpoint (carry .device-wheels/vlm: the mlx-vlm
 #                  wheel, `pip download --no-deps mlx-vlm==0.7.10`, installed beside MLX's)
+#   save-ptx       MLX's compiled-kernel cache back under $OUT (carry it next time as .device-ptx/: saves the fresh
+#                  machine's first-process compiles, ~2 minutes of device time)
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
 #   diag-g64       the NaN logits of the group-64 tiny checkpoints: MLX's quantized ops and this project's kernel at
 #                  K = 64, and the tiny model's modules one by one, GPU vs CPU stream (scripts/gpu_diag_g64.py)
@@ -82,6 +84,13 @@ DEADLINE=${DEADLINE:-540}
 BIG=${BIG:-0.8b}  # a smaller shape (cpu-small, tiny) for a dry run on the CPU
 RES=${RES:-/tmp/res}  # two runs side by side (one per GPU) take a folder and a TAR name each
 mkdir -p "$RES"
+# MLX's CUDA backend keeps every kernel it compiles (NVRTC) under MLX_PTX_CACHE_DIR (/tmp/mlx/<version>/ptx by
+# default); a fresh machine compiles them all again: run 20's first process spent 139 s of device time on it, the
+# next process 22 s. Mode save-ptx returns the cache under $OUT; a later session carries it back in .device-ptx/.
+PTX=${MLX_PTX_CACHE_DIR:-/tmp/mlx/ptx} && export MLX_PTX_CACHE_DIR=$PTX && mkdir -p "$PTX"
+if compgen -G ".device-ptx/ptx_cache.tgz*" > /dev/null; then
+  cat .device-ptx/ptx_cache.tgz* | tar -xzf - -C "$PTX" && echo "PTX cache: $(ls "$PTX" | wc -l) files restored"
+fi
 LOCK=${LOCK:-/tmp/lattice_bench.lock}  # two runs side by side on two GPUs take a lock each
 B=(python3 -m lattice_mlx.bench --lock "$LOCK")
 step_kernels() {  # a decode step's kernels alone, CUPTI (scripts/bench_step_kernels.py)
@@ -411,6 +420,9 @@ for gs in (64, 32):
     step peer "${PEER_LIMIT:-300}" python3 scripts/peer_mlx_vlm.py --shape "$BIG" --dir /tmp/peer --k "${PEER_K:-3}" \
       --reps "${REPS:-10}" --prompts 2 --tokens 16,64 --dtype bfloat16 --lattice --out "$RES/peer_mlx_vlm.json"
     tail -n 5 "$RES/peer.log" ;;
+  save-ptx)  # the kernel cache as $OUT/ptx_cache.tgz.part_* (15 MB each: $OUT returns files of <= 16 MiB)
+    tar -czf - -C "$PTX" . | split -b 15m - "${OUT:-/tmp}/ptx_cache.tgz.part_"
+    ls -la "${OUT:-/tmp}"/ptx_cache.tgz.part_* ;;
   peer-probe) peer_probe ;;
   diag-g64) step diag_g64 150 python3 scripts/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   compiled-diag) step compiled_diag 200 python3 scripts/compiled_diag.py --out "$RES/compiled_diag.json" ;;
