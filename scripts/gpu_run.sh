@@ -71,6 +71,7 @@
 #   run21          the 0.8B headline (K = 2, 3, adaptive at oracle 0.8, CUPTI) and the tuner at oracle 0.3
 #   peer           mlx-vlm's MTP and this project's legs on one checkpoint (carry .device-wheels/vlm: the mlx-vlm
 #                  wheel, `pip download --no-deps mlx-vlm==0.7.10`, installed beside MLX's)
+#   tuner          the pipelined tuner at oracle 0.3 / 0.8 beside fixed K=3, with its decision log
 #   save-ptx       MLX's compiled-kernel cache back under $OUT (carry it next time as .device-ptx/: saves the fresh
 #                  machine's first-process compiles, ~2 minutes of device time)
 #   peer-probe     which of mlx-vlm's import-time dependencies the device's Python has (no registry to install them)
@@ -420,6 +421,15 @@ for gs in (64, 32):
     step peer "${PEER_LIMIT:-300}" python3 scripts/peer_mlx_vlm.py --shape "$BIG" --dir /tmp/peer --k "${PEER_K:-3}" \
       --reps "${REPS:-10}" --prompts 2 --tokens 16,64 --dtype bfloat16 --lattice --out "$RES/peer_mlx_vlm.json"
     tail -n 5 "$RES/peer.log" ;;
+  tuner)  # the pipelined tuner at oracle 0.3 and 0.8 beside fixed K=3, its decision log (changes of K with the costs
+          # behind them, off decisions, slow passes) printed from the JSON
+    for p in 0.3 0.8; do
+      step "tuner_p$p" "${TUNER_LIMIT:-150}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
+        --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p "$p" --no-stock \
+        --out "$RES/tuner_p$p"
+      python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(x) for g in d['groups'] for l in g['legs']
+        for x in (l.get('speculation') or {}).get('decisions', [])[:40]]" "$RES/tuner_p$p/decode.json" || true
+    done ;;
   save-ptx)  # the kernel cache as $OUT/ptx_cache.tgz.part_* (15 MB each: $OUT returns files of <= 16 MiB)
     tar -czf - -C "$PTX" . | split -b 15m - "${OUT:-/tmp}/ptx_cache.tgz.part_"
     ls -la "${OUT:-/tmp}"/ptx_cache.tgz.part_* ;;

@@ -394,6 +394,9 @@ def test_pipelined_tuner_does_not_time_the_passes_after_a_change_of_depth():
         ks.append(k)
     assert tuner.cost[0] == pytest.approx(1.0) and tuner.cost[2] == pytest.approx(1.5)
     assert not tuner.decisions and ks[-1] == 2
+    # the spikes (compiles inside a generation) are logged with the depths around them: the first is K=2's start
+    slow = [e for e in tuner.log if e.startswith("slow pass")]
+    assert slow and slow[0].startswith("slow pass: 150000 ms at K=2 after K=0") and len(slow) <= tuner.LOGGED_SWITCHES
 
 
 @pytest.mark.parametrize("name,k", [("pattern", 3), ("tied", 2)])

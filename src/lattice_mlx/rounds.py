@@ -372,14 +372,16 @@ class PipelinedTuner:
     speculation is probed again."""
 
     SKIP = 2  # passes after a change of K that are not timed
-    LOGGED_SWITCHES = 8  # changes of K recorded in `decisions` per generation (with the costs they were based on)
+    LOGGED_SWITCHES = 8  # changes of K (and slow passes) recorded in `decisions` per generation
+    SLOW_PASS = 20  # a pass this many plain steps long is logged (a round costs ~1-2): something compiled in it
 
     def __init__(self, k_max: int):
         self.k_max, self.cost = k_max, {}
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
         self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
-        self.switches, self.log = 0, []  # log: the off decisions and the first changes of K, with their costs
+        self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
+        # their costs, and the first slow passes
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -387,6 +389,11 @@ class PipelinedTuner:
 
     def observe(self, k: int, seconds: float) -> None:
         """One pass of the loop that dispatched a round of depth k."""
+        plain = self.cost.get(0)
+        if plain and seconds > self.SLOW_PASS * plain and self.slow < self.LOGGED_SWITCHES:  # a compile, likely
+            self.slow += 1
+            self.log.append(f"slow pass: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
+                            f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
         self.since = self.since + 1 if k == self.prev else 0
         self.prev = k
         if self.since < self.SKIP:
