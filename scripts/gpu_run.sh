@@ -428,7 +428,7 @@ for gs in (64, 32):
         --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p "$p" --no-stock \
         --out "$RES/tuner_p$p"
       python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(x) for g in d['groups'] for l in g['legs']
-        for x in (l.get('speculation') or {}).get('decisions', [])[:40]]" "$RES/tuner_p$p/decode.json" || true
+        for x in (l.get('speculation') or {}).get('tuner_log', [])[:40]]" "$RES/tuner_p$p/decode.json" || true
     done ;;
   save-ptx)  # the kernel cache as $OUT/ptx_cache.tgz.part_* (15 MB each: $OUT returns files of <= 16 MiB)
     tar -czf - -C "$PTX" . | split -b 15m - "${OUT:-/tmp}/ptx_cache.tgz.part_"

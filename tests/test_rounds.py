@@ -351,7 +351,7 @@ def test_pipelined_tuner_decides_from_round_costs():
     assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
     assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
     assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]
-    # the log (forwarded to SpecStats.decisions): the change of K and both off decisions, with the costs behind them
+    # the log (forwarded to SpecStats.tuner_log): the change of K and both off decisions, with the costs behind them
     assert tuner.log[0].startswith("K 2 -> 3: predicted ") and "K=0 1000.00 K=2 1500.00" in tuner.log[0]
     assert [e.split(";")[0] for e in tuner.log[1:]] == tuner.decisions and "K=3 1750.00" in tuner.log[-1]
 

@@ -47,7 +47,10 @@ def test_stats_record_sum_and_rates():
     b = SpecStats.of(SpecOptions(draft_tokens=3))
     b.record(2, 0)  # an adaptive round with K=2
     b.decisions.append("x")
+    a.tuner_log.append("K 2 -> 3")
+    b.tuner_log.append("slow pass")
     s = (a + b).to_dict()
+    assert s["tuner_log"] == ["K 2 -> 3", "slow pass"]
     assert s["rounds"] == 3 and s["proposed_at"] == [3, 3, 2] and s["accepted_at"] == [2, 1, 1]
     assert s["accepted_hist"] == [1, 1, 0, 1] and s["decisions"] == ["x"] and s["draft_time_s"] == 0.5
     assert s["acceptance_rate"] == pytest.approx(4 / 8)

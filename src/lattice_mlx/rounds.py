@@ -372,7 +372,7 @@ class PipelinedTuner:
     speculation is probed again."""
 
     SKIP = 2  # passes after a change of K that are not timed
-    LOGGED_SWITCHES = 8  # changes of K (and slow passes) recorded in `decisions` per generation
+    LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
     SLOW_PASS = 20  # a pass this many plain steps long is logged (a round costs ~1-2): something compiled in it
 
     def __init__(self, k_max: int):
@@ -469,7 +469,7 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden
-    verified, pending, r, last, logged = 0, None, 0, None, 0
+    verified, pending, r, last, logged, decided = 0, None, 0, None, 0, 0
     while True:
         tic = time.perf_counter()
         if tuner is not None:
@@ -495,9 +495,10 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
             if pk:
                 stats.record(pk, n)
             verified += n + 1
-            if tuner is not None and len(tuner.log) > logged:
-                stats.decisions += tuner.log[logged:]
-                logged = len(tuner.log)
+            if tuner is not None:
+                stats.decisions += tuner.decisions[decided:]
+                stats.tuner_log += tuner.log[logged:]
+                decided, logged = len(tuner.decisions), len(tuner.log)
             yield from tokens
         pending, r = (*out, k), r + 1
 

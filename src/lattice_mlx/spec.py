@@ -121,6 +121,8 @@ class SpecStats:
     verify_time_s: float = 0.0
     rollback_time_s: float = 0.0
     decisions: list[str] = field(default_factory=list)
+    # pipelined tuner diagnostics: its first changes of K and off decisions with the costs behind them, slow passes
+    tuner_log: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, options: SpecOptions) -> "SpecStats":
@@ -143,7 +145,7 @@ class SpecStats:
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats(self.draft, self.verify, max(self.draft_tokens, other.draft_tokens), self.tree,
-                        decisions=self.decisions + other.decisions)
+                        decisions=self.decisions + other.decisions, tuner_log=self.tuner_log + other.tuner_log)
         for name in ("rounds", "draft_time_s", "verify_time_s", "rollback_time_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("proposed_at", "accepted_at", "accepted_hist"):
