@@ -1,5 +1,6 @@
 import json
 import multiprocessing
+import statistics
 import subprocess
 import sys
 import time
@@ -356,3 +357,25 @@ def test_adaptive_leg_warms_up_every_depth_it_may_reach(tmp_path, monkeypatch):
                        "--out", str(tmp_path / "w")]) == 0
     warm = seen[: seen.index("pipelined-adaptive-oracle0.8") + 1]
     assert warm == ["plain", *[f"pipelined-K{k}-oracle0.8" for k in range(1, 5)], "pipelined-adaptive-oracle0.8"]
+
+
+def test_fixed_and_adaptive_legs_compare_on_one_measure(tmp_path):
+    """An adaptive leg's `x plain` is over the whole generation (its warm-up and decisions count), a fixed leg's over
+    the slope; every leg also gets the whole-generation ratio, paired by repetition, and the report prints it beside
+    the table when the group has an adaptive leg (run 21's docs set 1.88x slope against 1.43x whole)."""
+    assert bench.main(["decode", "--model", "tiny", "--dtype", "float32", "--reps", "2", "--lengths", "4,12",
+                       "--temps", "0", "--legs", "plain,plain-aa,pipelined", "--k", "2,adaptive", "--no-stock",
+                       "--out", str(tmp_path / "w")]) == 0
+    group = json.loads((tmp_path / "w" / "decode.json").read_text())["groups"][0]
+    legs = {s["leg"]: s for s in group["legs"]}
+    plain = [r["tok_s_whole"] for r in legs["plain"]["runs"]]
+    for name in ("plain-aa", "pipelined-K2-oracle0.8", "pipelined-adaptive-oracle0.8"):
+        whole = [r["tok_s_whole"] / p for r, p in zip(legs[name]["runs"], plain)]
+        assert legs[name]["vs_plain_whole"]["median"] == pytest.approx(statistics.median(whole))
+    assert "vs_plain_whole" not in legs["plain"]
+    # the adaptive leg's table ratio is its whole-generation one; the fixed leg's is the slope's
+    assert legs["pipelined-adaptive-oracle0.8"]["vs_plain"] == legs["pipelined-adaptive-oracle0.8"]["vs_plain_whole"]
+    md = (tmp_path / "w" / "decode.md").read_text()
+    k2 = legs["pipelined-K2-oracle0.8"]["vs_plain_whole"]["median"]
+    assert "Over the whole generation (the adaptive legs' measure), x plain: plain-aa" in md
+    assert f"pipelined-K2-oracle0.8 {k2:.2f}x" in md

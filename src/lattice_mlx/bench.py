@@ -602,6 +602,11 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
     for key, base in (("plain", plain_name), ("stock", "stock")):
         if base in records and base != rec.leg.name and records[base].runs:
             out[f"vs_{key}"] = bs.paired_ratio(rates, [r[rate] for r in records[base].runs])
+    base = records.get(plain_name)
+    if base is not None and base is not rec and base.runs and all("tok_s_whole" in r for r in rec.runs + base.runs):
+        # every leg over the whole generation too: the measure adaptive legs are compared on (bench_report)
+        out["vs_plain_whole"] = bs.paired_ratio([r["tok_s_whole"] for r in rec.runs],
+                                                [r["tok_s_whole"] for r in base.runs])
     if rec.spec is None:
         return out
     s = rec.spec.to_dict()

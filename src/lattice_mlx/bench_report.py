@@ -96,6 +96,16 @@ def aa_line(group: dict) -> str:
             f"range {aa['min']:.3f}-{aa['max']:.3f}: a ratio inside that range is noise.")
 
 
+def whole_line(group: dict) -> str:
+    """With adaptive legs in the group (timed from the first token): every leg's ratio to plain on that measure,
+    so fixed and adaptive legs compare like for like (the table's `x plain` of a fixed leg is the slope's)."""
+    if not any(s.get("adaptive") for s in group["legs"]):
+        return ""
+    cells = [f"{s['leg']} {w['median']:.2f}x ({w['min']:.2f}-{w['max']:.2f})"
+             for s in group["legs"] if (w := s.get("vs_plain_whole"))]
+    return f"\n\nOver the whole generation (the adaptive legs' measure), x plain: {', '.join(cells)}." if cells else ""
+
+
 def identity_line(group: dict) -> str:
     """Greedy MTP legs against plain decoding, token for token, on every prompt run."""
     cells = [f"{s['leg']} {s['identical_to_plain']}" + (" (against mlx-lm's own plain loop; this project's plain "
@@ -126,7 +136,7 @@ def group_tables(name: str, result: dict, render) -> list[str]:
         title = f"{name}: workload {g['workload']}, temp {g['temp']:g}"
         if name == "oracle" or g.get("oracle_p") is not None:
             title += f" -- {SYNTHETIC}"
-        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)) + aa_line(g) + identity_line(g))
+        out.append(title + "\n\n" + render(LEG_HEADER, leg_rows(g)) + aa_line(g) + whole_line(g) + identity_line(g))
     return out
 
 
