@@ -76,9 +76,10 @@ def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Samp
 # The round's bookkeeping on device scalars, each compiled into one fused kernel (on a GPU every op is a launch, and
 # a round is bound by its launches): after a verify that kept n drafts, the attention offset + n + 1, the GDN pick
 # index [n + 1, n, n, n] and the generated count + n + 1; before drafting, the head's offsets for its K steps.
-# The pick index is padded to four int32 (the kernel reads the first two): MLX's CUDA allocator serves arrays of
-# <= 8 bytes from a shared managed pool, and the GDN kernel reading an 8-byte pick from there cost 23.2 us per launch
-# at T = 1 against 7.4 us with the same values at the head of a 16-byte array (H200, run 20, bench_step_kernels.py).
+# The pick index is padded to four int32 (the kernel reads the first two): the GDN kernel reading an 8-byte pick cost
+# 23.2 us per launch at T = 1 against 7.4 us with the same values at the head of a 16-byte array (H200, run 20,
+# bench_step_kernels.py; why is not established: MLX's CUDA allocator serves arrays of <= 8 bytes from a shared
+# managed pool, but a 4-byte key count cost the attention kernel nothing).
 _PICK = mx.array([1, 0, 0, 0], dtype=mx.int32)
 
 

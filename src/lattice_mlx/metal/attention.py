@@ -222,9 +222,9 @@ def num_splits(L: int, split_keys: int = SPLIT_KEYS) -> int:
     return max(1, -(-L // split_keys))
 
 
-# Parameter arrays are padded to 16 bytes (the kernel reads the head): MLX's CUDA allocator serves arrays of <= 8
-# bytes from a shared managed pool, which a kernel reads more slowly (the attention kernel: 16.3 us against 14.9 us
-# per launch at T = 1, run 18; the GDN kernel's pick: 23.2 against 7.4 us, run 20).
+# Parameter arrays are padded to 16 bytes (the kernel reads the head): arrays of <= 8 bytes, which MLX's CUDA
+# allocator serves from a shared managed pool, were read more slowly in two measurements (this kernel: 16.3 us
+# against 14.9 us per launch at T = 1, run 18; the GDN kernel's pick: 23.2 against 7.4 us, run 20).
 @functools.cache
 def _int_pair(a: int, b: int) -> mx.array:
     return mx.array([a, b, 0, 0], dtype=mx.int32)
