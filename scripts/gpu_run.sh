@@ -88,7 +88,9 @@ mkdir -p "$RES"
 # MLX's CUDA backend keeps every kernel it compiles (NVRTC) under MLX_PTX_CACHE_DIR (/tmp/mlx/<version>/ptx by
 # default); a fresh machine compiles them all again: run 20's first process spent 139 s of device time on it, the
 # next process 22 s. Mode save-ptx returns the cache under $OUT; a later session carries it back in .device-ptx/.
-PTX=${MLX_PTX_CACHE_DIR:-/tmp/mlx/ptx} && export MLX_PTX_CACHE_DIR=$PTX && mkdir -p "$PTX"
+# (MLX's own default folder, so commands run outside this script on the same machine share the cache)
+PTX=${MLX_PTX_CACHE_DIR:-/tmp/mlx/$(python3 -c "import mlx.core as mx; print(mx.__version__)" 2>/dev/null)/ptx}
+export MLX_PTX_CACHE_DIR=$PTX && mkdir -p "$PTX"
 if compgen -G ".device-ptx/ptx_cache.tgz*" > /dev/null; then
   cat .device-ptx/ptx_cache.tgz* | tar -xzf - -C "$PTX" && echo "PTX cache: $(ls "$PTX" | wc -l) files restored"
 fi

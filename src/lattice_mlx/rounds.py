@@ -470,7 +470,7 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden
-    verified, pending, r, last, logged, decided = 0, None, 0, None, 0, 0
+    verified, pending, r, last, logged, decided = 0, None, 0, None, 0, 0  # (log/decisions entries forwarded)
     while True:
         tic = time.perf_counter()
         if tuner is not None:
@@ -496,7 +496,7 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
             if pk:
                 stats.record(pk, n)
             verified += n + 1
-            if tuner is not None:
+            if tuner is not None and len(tuner.log) > logged:  # every decision is logged too: one test per round
                 stats.decisions += tuner.decisions[decided:]
                 stats.tuner_log += tuner.log[logged:]
                 decided, logged = len(tuner.decisions), len(tuner.log)
