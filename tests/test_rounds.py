@@ -550,3 +550,57 @@ def test_traced_round_is_reused_across_generations_and_prompt_lengths(checkpoint
                               drafter=rounds.DeviceOracle(plain, 0.8, model.args.vocab_size, 2, seed=n))
         assert spec == plain
     assert len(model.__dict__["_round_traces"]) == 1
+
+
+def test_pipelined_tuner_starts_from_the_costs_measured_before():
+    """A tuner given the memory an earlier generation filled skips the plain baseline: it starts at the depth picked
+    last, from those costs, and keeps writing what it measures; an empty memory means the baseline. The memory is the
+    process's, per model and greedy/sampled, and goes with the model."""
+    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+
+    cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
+    memory = {}
+    first = rounds.PipelinedTuner(3, memory)
+    ks = _tune(first, [0.9, 0.8, 0.7], cost, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS + 8)
+    assert ks[0] == 0 and ks[-1] == 3
+    assert memory["k"] == 3 and memory["cost"][0] == pytest.approx(1.0) and memory["cost"][2] == pytest.approx(1.5)
+    second = rounds.PipelinedTuner(3, memory)
+    ks = _tune(second, [0.9, 0.8, 0.7], lambda k: 1.1 * cost(k), 12)
+    assert ks == [3] * 12 and second.log[0].startswith("start at K=3 from the costs measured before")
+    assert memory["cost"][3] > 1.76  # its own passes (10% dearer) moved the shared costs
+    # a tuner for a smaller K cap starts within it; without costs of rounds (or none at all) the baseline comes first
+    assert rounds.PipelinedTuner(2, memory).next_k([0.9, 0.8]) == 2
+    assert rounds.PipelinedTuner(3, {"cost": {0: 1.0}, "k": 3}).next_k([0.9]) == 0
+    assert rounds.PipelinedTuner(3).next_k([0.9]) == 0
+    model, other = sample.Sampler(), sample.Sampler()  # (any objects that take weak references)
+    m = rounds.tuner_memory(model, True)
+    assert rounds.tuner_memory(model, True) is m and rounds.tuner_memory(model, False) is not m
+    assert rounds.tuner_memory(other, True) is not m
+    key = (id(model), True)
+    del model
+    import gc
+
+    gc.collect()
+    assert key not in rounds._MEMORY
+
+
+def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
+    """Four rounds that read acceptance 0.25 predict no gain, but with spec.OFF_HOPE more accepted rounds they would:
+    the tuner keeps speculating (a wrong plain stretch costs 32+ tokens at plain speed) until its rounds tell; rates
+    as low as the hopeful ones still turn it off."""
+    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+
+    cost = lambda k: 1.0 + 0.2 * k  # noqa: E731
+    start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
+    stats = SpecStats.of(SpecOptions(draft_tokens=2))
+    for n in [0, 1, 0, 0]:
+        stats.record(2, n)
+    rates, hopeful = stats.accepted_per_position(8), stats.accepted_per_position(8, OFF_HOPE)
+    plain = rounds.PipelinedTuner(2)
+    _tune(plain, rates, cost, start)
+    assert plain.speedup(1, rates) < 1.05 and plain.speedup(1, hopeful) >= 1.05
+    assert plain.next_k(rates) == 0 and "off for 32 tokens" in plain.decisions[0]  # (without the hopeful rates)
+    hoping = rounds.PipelinedTuner(2)
+    _tune(hoping, rates, cost, start)
+    assert hoping.next_k(rates, hopeful) > 0 and not hoping.decisions
+    assert hoping.next_k([0.05], [0.08]) == 0 and hoping.decisions  # hopeless even with hope

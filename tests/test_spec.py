@@ -2,7 +2,7 @@
 
 import pytest
 
-from lattice_mlx.spec import SpecOptions, SpecStats, parse_tree
+from lattice_mlx.spec import SpecOptions, SpecStats, expected_tokens, parse_tree
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -57,6 +57,21 @@ def test_stats_record_sum_and_rates():
     assert s["accepted_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 2])
     assert s["mean_accepted_length"] == pytest.approx(4 / 3)
     assert a.to_dict()["rounds"] == 2  # + makes a new object
+
+
+def test_rates_for_the_tuner_need_rounds_at_a_position_and_can_hope():
+    """min_rounds: the first position always, deeper ones only once that many rounds drafted them (the rest is
+    expected_tokens' extrapolation); hope adds accepted rounds at every position."""
+    s = SpecStats.of(SpecOptions(draft_tokens=3))
+    for n in [2, 2, 1, 2, 0, 2, 2, 1, 2, 2]:
+        s.record(2, n)
+    s.record(3, 2)  # one round at K=3, its third draft rejected
+    assert s.accepted_per_position() == pytest.approx([10 / 11, 8 / 11, 0.0])
+    assert s.accepted_per_position(8) == pytest.approx([10 / 11, 8 / 11])
+    assert s.accepted_per_position(12) == pytest.approx([10 / 11])  # the first position even under min_rounds
+    assert s.accepted_per_position(8, 2.0) == pytest.approx([12 / 13, 10 / 13])
+    assert SpecStats.of(SpecOptions()).accepted_per_position(8) == []
+    assert expected_tokens(3, s.accepted_per_position(8)) > expected_tokens(3, s.accepted_per_position()) + 0.4
 
 
 def test_tree_stats_keep_child_ranks_per_depth():

@@ -19,6 +19,7 @@ import functools
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -37,6 +38,8 @@ from .spec import (
     ADAPTIVE_WARMUP_ROUNDS,
     FIRST_OFF_TOKENS,
     MAX_OFF_TOKENS,
+    MIN_POSITION_ROUNDS,
+    OFF_HOPE,
     PLAIN_TIMED_STEPS,
     PLAIN_WARMUP_STEPS,
     SPECULATE_MIN_GAIN,
@@ -361,6 +364,25 @@ class PipelinedRounds:
         return tokens, n
 
 
+# What a process's pipelined tuners measured of a model: (id(model), greedy) -> {"cost": {K: seconds per pass},
+# "k": the depth last picked}. A later generation on the same model starts from those costs at that depth instead of
+# timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain speed for
+# a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept apart.
+_MEMORY: dict[tuple[int, bool], dict] = {}
+
+
+def tuner_memory(model, greedy: bool) -> dict:
+    """The costs the tuners of this process measured on `model` (dropped with the model)."""
+    key = (id(model), bool(greedy))
+    if key not in _MEMORY:
+        try:
+            weakref.finalize(model, _MEMORY.pop, key, None)
+        except TypeError:  # an object that takes no weak references: nothing kept
+            return {}
+        _MEMORY[key] = {}
+    return _MEMORY[key]
+
+
 class PipelinedTuner:
     """Adaptive depth for pipelined rounds. In the loop's steady state the host builds and dispatches round r while
     the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
@@ -370,19 +392,28 @@ class PipelinedTuner:
     of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
     first (the baseline), then ADAPTIVE_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
     round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
-    speculation is probed again."""
+    speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
+    plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes what it
+    measures back. Acceptance is always this generation's own (it depends on the text)."""
 
     SKIP = 2  # passes after a change of K that are not timed
     LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
     SLOW_PASS = 20  # a pass this many plain steps long is logged (a round costs ~1-2): something compiled in it
 
-    def __init__(self, k_max: int):
-        self.k_max, self.cost = k_max, {}
+    def __init__(self, k_max: int, memory: dict | None = None):
+        self.k_max, self.memory = k_max, {} if memory is None else memory
+        self.cost = {d: c for d, c in self.memory.get("cost", {}).items() if d <= k_max}
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
         self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
+        if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
+            self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
+        else:
+            self.cost = {}
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -416,11 +447,13 @@ class PipelinedTuner:
         cost, plain = self.estimate(k), self.cost.get(0)
         return None if cost is None or plain is None else expected_tokens(k, rates) * plain / cost
 
-    def next_k(self, rates: list[float]) -> int:
-        """The depth of the next round."""
+    def next_k(self, rates: list[float], hopeful: list[float] | None = None) -> int:
+        """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
+        `hopeful` rates (spec.OFF_HOPE) predict no gain either."""
         if self.left > 0:
             self.left -= 1
             return self.k
+        self.memory.setdefault("cost", {}).update(self.cost)
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
             return self.k
@@ -430,6 +463,13 @@ class PipelinedTuner:
         k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
         if gain is None:  # nothing measured to decide on yet: stay
             return self.k
+        if gain < SPECULATE_MIN_GAIN and hopeful is not None:
+            hope = [(d, self.speedup(d, hopeful)) for d in near]
+            d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
+            if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
+                k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
+                self.k = self.probe_k = self.memory["k"] = k
+                return k
         if gain >= SPECULATE_MIN_GAIN:
             current = gains.get(self.k)
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN \
@@ -439,12 +479,12 @@ class PipelinedTuner:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
-            self.k = self.probe_k = k
+            self.k = self.probe_k = self.memory["k"] = k
             return k
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
-        self.probe_k = k
+        self.probe_k = self.memory["k"] = k
         self.k, self.left = 0, self.off_tokens - 1
         self.off_tokens = min(2 * self.off_tokens, MAX_OFF_TOKENS)
         return 0
@@ -460,7 +500,7 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     if not model.has_mtp:
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
-    tuner = PipelinedTuner(k) if options.adaptive else None
+    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy)) if options.adaptive else None
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
     first = sampler(logits).item()
     yield first
@@ -476,7 +516,8 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
         if tuner is not None:
             if last is not None:
                 tuner.observe(last[0], tic - last[1])
-            k = tuner.next_k(stats.accepted_per_position())
+            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                             stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
             last = (k, tic)
         rounds.bounds(r, verified)
         out = rounds.round(r, k)

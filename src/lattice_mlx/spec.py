@@ -33,6 +33,16 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 # speculating at a predicted 0.98-1.0x, moving K between 1 and 4, and the leg ran at 0.91x plain (fixed K=3: 0.99x).
 SPECULATE_MIN_GAIN = 1.05  # keep speculating only at a predicted speedup of at least this
 SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this much more than the current one
+# A draft position's measured acceptance is trusted from this many rounds that drafted it; before that the tuner
+# continues the shallower positions' rate. One round at a new depth whose deepest draft was rejected read as a rate of 0
+# there, and the tuner left that depth for good (a simulation of the H200's costs at acceptance 0.8 kept K=2 where K=3
+# pays more)
+MIN_POSITION_ROUNDS = 8
+# Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
+# decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
+# tokens at plain speed, while a round kept at low acceptance costs about a plain step (simulated at the H200's
+# costs: adaptive at acceptance 0.5 went off in 5 of 8 generations)
+OFF_HOPE = 2.0
 
 
 def expected_tokens(k: int, rates: list[float]) -> float:
@@ -155,9 +165,17 @@ class SpecStats:
         out.branch_hist = [_add_lists(a, b) for a, b in zip(pad(self.branch_hist), pad(other.branch_hist))]
         return out
 
-    def accepted_per_position(self) -> list[float]:
-        """Share of the rounds that drafted position i whose draft i was accepted (so were all before it)."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+    def accepted_per_position(self, min_rounds: int = 0, hope: float = 0.0) -> list[float]:
+        """Share of the rounds that drafted position i whose draft i was accepted (so were all before it). With
+        min_rounds: the first position, then the next ones while at least that many rounds drafted them (the
+        tuner's view: spec.expected_tokens continues the rest from the last conditional rate). `hope` adds that
+        many accepted rounds at every position (an optimistic estimate from few rounds)."""
+        out = []
+        for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at)):
+            if min_rounds and (not p or (i and p < min_rounds)):
+                break
+            out.append((a + hope) / (p + hope) if p else 0.0)
+        return out
 
     def to_dict(self) -> dict:
         drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
