@@ -224,7 +224,7 @@ SCHEDULE = [0] * 3 + [2, 2] + [0] * 11 + [3, 1] + [0] * 8 + [2] + [0] + [3] * 3 
 
 def _scheduled(monkeypatch, schedule):
     ks = itertools.cycle(schedule)
-    monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, rates: next(ks))
+    monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, rates, hopeful=None: next(ks))
 
 
 def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
