@@ -604,3 +604,30 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     _tune(hoping, rates, cost, start)
     assert hoping.next_k(rates, hopeful) > 0 and not hoping.decisions
     assert hoping.next_k([0.05], [0.08]) == 0 and hoping.decisions  # hopeless even with hope
+
+
+def test_pipelined_tuner_keeps_compiles_and_stalls_out_of_its_costs():
+    """H200 (b257909): a 2.4 s compile among the baseline's plain steps made cost(0) 478 ms; kept in the memory, every
+    later generation predicted huge gains, never ran plain steps again and never left K=2 (the line through cost(0)
+    put K=3 at a negative cost). Now such passes are logged and not timed: over SLOW_PASS times the cheapest cost,
+    over SPIKE times their own depth's; a first measurement that was a spike gives way to the next ordinary pass; and
+    an estimate is never below a shallower depth's cost."""
+    tuner = rounds.PipelinedTuner(3, memory := {})
+    passes = itertools.count()
+    ks = _tune(tuner, [0.8, 0.64, 0.51], lambda k: 478.0 if next(passes) == 6 else 1.0 + 0.25 * k, 30)
+    assert tuner.cost[0] == pytest.approx(1.0) and memory["cost"][0] == pytest.approx(1.0)
+    assert tuner.log[0].startswith("slow pass: 478000 ms at K=0")
+    assert 3 in ks and ks[-1] == 3
+    tuner = rounds.PipelinedTuner(2)
+    for s in [1.0, 1.0, 9.0, 1.0, 1.1]:  # (the first two after the start are not timed)
+        tuner.observe(0, s)
+    assert tuner.cost[0] == pytest.approx(1.02)  # the 9 s pass gave way to the first ordinary one
+    tuner.observe(0, 30.0)  # a compile: logged, not timed
+    assert tuner.cost[0] == pytest.approx(1.02) and tuner.log[-1].startswith("slow pass: 30000 ms at K=0")
+    tuner.observe(0, 3.0)  # 3x: timed (a round may cost 3 plain steps); over SPIKE times the cost so far is not
+    tuner.observe(0, 6.0)  # (> 4 x 1.416)
+    assert tuner.cost[0] == pytest.approx(0.8 * 1.02 + 0.2 * 3.0)
+    tuner.cost = {0: 2.0, 1: 1.5, 2: 2.2}  # noisy costs: the line through cost(0) and cost(2) falls at K=3
+    assert tuner.estimate(3) == pytest.approx(2.3) and tuner.estimate(1) == 1.5
+    tuner.cost = {0: 1.0, 1: 2.0, 2: 1.2}
+    assert tuner.estimate(3) == pytest.approx(2.0)  # not below K=1's measured cost

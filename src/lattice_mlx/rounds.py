@@ -398,7 +398,9 @@ class PipelinedTuner:
 
     SKIP = 2  # passes after a change of K that are not timed
     LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
-    SLOW_PASS = 20  # a pass this many plain steps long is logged (a round costs ~1-2): something compiled in it
+    SLOW_PASS = 20  # a pass this many times the cheapest cost is not timed and is logged (a round costs ~1-2.5 plain
+    # steps): something compiled in it
+    SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
 
     def __init__(self, k_max: int, memory: dict | None = None):
         self.k_max, self.memory = k_max, {} if memory is None else memory
@@ -420,28 +422,35 @@ class PipelinedTuner:
         return "ms per pass " + " ".join(f"K={k} {1e3 * c:.2f}" for k, c in sorted(self.cost.items()))
 
     def observe(self, k: int, seconds: float) -> None:
-        """One pass of the loop that dispatched a round of depth k."""
-        plain = self.cost.get(0)
-        if plain and seconds > self.SLOW_PASS * plain and self.slow < self.LOGGED_SWITCHES:  # a compile, likely
+        """One pass of the loop that dispatched a round of depth k. A pass over SLOW_PASS times the cheapest cost
+        measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one 2.4 s compile
+        among a generation's plain steps put cost(0) at 478 ms, and a tuner that kept that (in its memory) never
+        left K=2 again (H200, b257909)."""
+        cheapest = min(self.cost.values(), default=None)
+        slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
+        if slow and self.slow < self.LOGGED_SWITCHES:
             self.slow += 1
             self.log.append(f"slow pass: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
                             f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
         self.since = self.since + 1 if k == self.prev else 0
         self.prev = k
-        if self.since < self.SKIP:
-            return
         old = self.cost.get(k)
-        self.cost[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if self.since < self.SKIP or slow or old is not None and seconds > self.SPIKE * old:
+            return
+        # (a first measurement that was itself a spike gives way to the first ordinary pass)
+        self.cost[k] = seconds if old is None or old > self.SPIKE * seconds else 0.8 * old + 0.2 * seconds
 
     def estimate(self, k: int) -> float | None:
-        """cost(k): measured, or on the line through cost(0) and the deepest measured depth."""
+        """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
+        shallower depth's measured cost."""
         if k in self.cost:
             return self.cost[k]
         known = [d for d in self.cost if d > 0]
         if 0 not in self.cost or not known:
             return None
         m = max(known)
-        return self.cost[0] + (self.cost[m] - self.cost[0]) * k / m
+        line = self.cost[0] + (self.cost[m] - self.cost[0]) * k / m
+        return max(line, *(c for d, c in self.cost.items() if d < k))
 
     def speedup(self, k: int, rates: list[float]) -> float | None:
         cost, plain = self.estimate(k), self.cost.get(0)
