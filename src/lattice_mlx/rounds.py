@@ -125,7 +125,8 @@ def _traced_round(model, k: int):
             # layer by layer inside the trace: the per-layer traces (models/compiled.py) would add nothing to this
             # one, and tracing them inside it would swap tracers into their captured weights
             with compiled.forced(False):
-                drafts, q = rounds.draft(0, k)
+                # k = 0: a plain step's verify alone (its host part, the head's backlog, ran before the call)
+                drafts, q = rounds.draft(0, k) if k else (mx.zeros((0,), dtype=mx.int32), None)
                 tokens, n = rounds.verify(drafts, q)
             return rounds._state(), tokens, n
         finally:
@@ -312,18 +313,23 @@ class PipelinedRounds:
             c.conv, c.ssm, c.window_pick = next(it), next(it), next(it)
 
     def _can_trace(self, k: int) -> bool:
-        """A steady-state round: same K as the last one, its K + 1 rows pending for the head, no backlog, every
-        cache written once already; and no hidden tap (make_draft_model's, which would keep the trace's arrays)."""
-        return (self.traced and k > 0 and k == self.last_k and not self.backlog and self.ptok.shape[0] == k + 1
+        """A steady-state round: same K as the last one, its K + 1 rows pending for the head, no backlog (K = 0, a
+        plain step after a plain step: any backlog, which its host part feeds), every cache written once already;
+        and no hidden tap (make_draft_model's, which would keep the trace's arrays)."""
+        return (self.traced and k == self.last_k and (k == 0 or not self.backlog) and self.ptok.shape[0] == k + 1
                 and all(c.keys is not None for c in (*self.mcache, *self.kv))
                 and all(c.window_pick is not None for c in self.gdn)
                 and "_hidden_tap" not in self.model.__dict__)
 
     def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
         """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
-        Returns (tokens [k + 1], n) as `verify`."""
+        Returns (tokens [k + 1], n) as `verify`. A traced plain step runs its host part (`plain`: the head's
+        backlog) first and its verify as the trace: built op by op, the tuner's plain steps cost 2.26 ms per pass on
+        the H200 against plain decoding's 1.7 ms per token (run 22)."""
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
+        if k == 0:
+            self.plain()
         # what the graph depends on besides its inputs: K, the sampler's structure (its numbers are an input; a
         # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
         # hidden, the override's kind, the kernels switch
@@ -333,7 +339,7 @@ class PipelinedRounds:
         cached, _ = traces.cached(self.model, "_round_traces", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
-        need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache]
+        need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache if k]
         if any(c.needed(rows) > c.capacity() for c, rows in need):
             cap = max(c.needed(rows) for c, rows in need)
             for c, rows in need:
@@ -342,7 +348,7 @@ class PipelinedRounds:
         if vocab is not None:
             vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
         extras = ([self.values] if self.values is not None else []) + \
-            (self.override.device_inputs(k) if self.override is not None else [])
+            (self.override.device_inputs(k) if self.override is not None and k else [])
         tokens, n = traces.call(cached, key, self, [*self.mcache, *self.kv], extras)
         self.last_k = k
         return tokens, n
