@@ -220,7 +220,8 @@ def bench(vlm, model, draft, kind, ours, args, save, mark) -> dict:
         if k is None:
             steps = lattice_generate_step(ours, ids, sampler=Sampler(temp=0.0))
         else:
-            options = SpecOptions(draft_tokens=k, verify="pipelined")
+            # a fixed K, as mlx-vlm's leg (adaptive, the default, ran K=2 throughout at acceptance 0 in run 22)
+            options = SpecOptions(draft_tokens=k, verify="pipelined", adaptive=False)
             stats = SpecStats.of(options)
             steps = speculative_step(ours, ids, sampler=Sampler(temp=0.0), options=options, stats=stats)
         r = timed_run((int(t) for t in steps), (n1, n2))

@@ -32,5 +32,7 @@ def test_peer_runs_and_agrees_with_this_package(tmp_path):
     assert legs["lattice_mtp_k2"]["runs_unlike_lattice_plain"] == 0
     assert legs["lattice_mtp_k2"]["runs_unlike_mlx_vlm_plain"] == 0
     assert legs["mtp_k2"]["acceptance"]["drafted"] > 0  # mlx-vlm's MTP loop ran its drafter
+    # this package's leg drafts its K in every round, as mlx-vlm's (adaptive depth ran K=2 under a K=3 label once)
+    assert all(r["drafted"] == 2 * r["rounds"] > 0 for r in legs["lattice_mtp_k2"]["runs"])
     assert set(result["progress_s"]) >= {"checkpoint", "import mlx_vlm", "load mlx-vlm", "load lattice_mlx",
                                          "warmed up lattice_mtp_k2"}

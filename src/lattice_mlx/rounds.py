@@ -407,6 +407,7 @@ class PipelinedTuner:
     SLOW_PASS = 20  # a pass this many times the cheapest cost is not timed and is logged (a round costs ~1-2.5 plain
     # steps): something compiled in it
     SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
+    REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
 
     def __init__(self, k_max: int, memory: dict | None = None):
         self.k_max, self.memory = k_max, {} if memory is None else memory
@@ -416,6 +417,7 @@ class PipelinedTuner:
         self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
+        self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
@@ -431,20 +433,30 @@ class PipelinedTuner:
         """One pass of the loop that dispatched a round of depth k. A pass over SLOW_PASS times the cheapest cost
         measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one 2.4 s compile
         among a generation's plain steps put cost(0) at 478 ms, and a tuner that kept that (in its memory) never
-        left K=2 again (H200, b257909)."""
-        cheapest = min(self.cost.values(), default=None)
+        left K=2 again (H200, b257909). REJECTS such passes in a row at one depth are its cost now (a longer
+        context, a slower machine than the memory's): the next one is timed, as the depth's only measurement."""
+        cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
         slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
-        if slow and self.slow < self.LOGGED_SWITCHES:
+        stall = not slow and old is not None and seconds > self.SPIKE * old
+        if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
             self.slow += 1
-            self.log.append(f"slow pass: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
+            self.log.append(f"{'slow pass' if slow else 'stall'}: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
                             f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
         self.since = self.since + 1 if k == self.prev else 0
         self.prev = k
-        old = self.cost.get(k)
-        if self.since < self.SKIP or slow or old is not None and seconds > self.SPIKE * old:
+        if self.since < self.SKIP:
             return
-        # (a first measurement that was itself a spike gives way to the first ordinary pass)
-        self.cost[k] = seconds if old is None or old > self.SPIKE * seconds else 0.8 * old + 0.2 * seconds
+        if slow or stall:
+            self.rejected[k] = self.rejected.get(k, 0) + 1
+            if self.rejected[k] <= self.REJECTS:
+                return
+            old = None  # the new level: timed afresh
+        self.rejected[k] = 0
+        # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
+        # fast pass later is averaged in, as any other)
+        first = self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds if old is not None else False
+        self.timed[k] = 1 if old is None or first else self.timed.get(k, 0) + 1
+        self.cost[k] = seconds if old is None or first else 0.8 * old + 0.2 * seconds
 
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
@@ -459,8 +471,15 @@ class PipelinedTuner:
         return max(line, *(c for d, c in self.cost.items() if d < k))
 
     def speedup(self, k: int, rates: list[float]) -> float | None:
+        """Predicted tokens per second of depth k over plain steps'. A plain step does less than any round, so a
+        plain cost measured above a round's (a plain step built op by op against traced rounds: 2.26 ms against
+        1.83-2.21 for K=1 on the H200, run 22) is read as that round's: else a round accepting nothing predicts
+        a gain, and speculation never goes off."""
         cost, plain = self.estimate(k), self.cost.get(0)
-        return None if cost is None or plain is None else expected_tokens(k, rates) * plain / cost
+        if cost is None or plain is None:
+            return None
+        plain = min([plain, *(c for d, c in self.cost.items() if d > 0)])
+        return expected_tokens(k, rates) * plain / cost
 
     def next_k(self, rates: list[float], hopeful: list[float] | None = None) -> int:
         """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
@@ -483,6 +502,9 @@ class PipelinedTuner:
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
             if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
                 k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
+                if k != self.k and self.switches < self.LOGGED_SWITCHES:
+                    self.switches += 1
+                    self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
                 self.k = self.probe_k = self.memory["k"] = k
                 return k
         if gain >= SPECULATE_MIN_GAIN:
