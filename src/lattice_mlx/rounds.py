@@ -421,6 +421,7 @@ class PipelinedTuner:
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
         else:
             self.cost = {}
@@ -438,6 +439,8 @@ class PipelinedTuner:
         cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
         slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
         stall = not slow and old is not None and seconds > self.SPIKE * old
+        if stall and (self.since + 1 if k == self.prev else 0) < self.SKIP:
+            stall = False  # (the passes just after a change of K are slow by nature, and not timed anyway)
         if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
             self.slow += 1
             self.log.append(f"{'slow pass' if slow else 'stall'}: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
