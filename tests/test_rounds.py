@@ -608,8 +608,8 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     assert plain.next_k(rates) == 0 and "off for 32 tokens" in plain.decisions[0]  # (without the hopeful rates)
     hoping = rounds.PipelinedTuner(2)
     _tune(hoping, rates, cost, start)
-    assert hoping.next_k(rates, hopeful) > 0 and not hoping.decisions
-    assert hoping.next_k([0.05], [0.08]) == 0 and hoping.decisions  # hopeless even with hope
+    assert hoping.next_k(rates, lambda: hopeful) > 0 and not hoping.decisions
+    assert hoping.next_k([0.05], lambda: [0.08]) == 0 and hoping.decisions  # hopeless even with hope
 
 
 def test_pipelined_tuner_keeps_compiles_and_stalls_out_of_its_costs():
@@ -659,7 +659,7 @@ def test_pipelined_tuner_turns_off_when_nothing_is_accepted_even_if_its_plain_st
     tuner = rounds.PipelinedTuner(2, {"cost": {0: 2.26, 1: 1.9, 2: 2.5}, "k": 1})
     stats, ks = SpecStats.of(SpecOptions(draft_tokens=2)), []
     for _ in range(200):
-        k = tuner.next_k(stats.accepted_per_position(8), stats.accepted_per_position(8, OFF_HOPE))
+        k = tuner.next_k(stats.accepted_per_position(8), lambda: stats.accepted_per_position(8, OFF_HOPE))
         tuner.observe(k, {0: 2.26, 1: 1.9, 2: 2.5}[k])
         if k:
             stats.record(k, 0)

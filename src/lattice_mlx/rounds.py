@@ -411,7 +411,9 @@ class PipelinedTuner:
 
     def __init__(self, k_max: int, memory: dict | None = None):
         self.k_max, self.memory = k_max, {} if memory is None else memory
-        self.cost = {d: c for d, c in self.memory.get("cost", {}).items() if d <= k_max}
+        # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
+        # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
+        self.cost = self.memory.setdefault("cost", {})
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
         self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
@@ -423,8 +425,6 @@ class PipelinedTuner:
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
-        else:
-            self.cost = {}
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -484,13 +484,12 @@ class PipelinedTuner:
         plain = min([plain, *(c for d, c in self.cost.items() if d > 0)])
         return expected_tokens(k, rates) * plain / cost
 
-    def next_k(self, rates: list[float], hopeful: list[float] | None = None) -> int:
+    def next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None = None) -> int:
         """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
-        `hopeful` rates (spec.OFF_HOPE) predict no gain either."""
+        rates `hopeful()` gives (spec.OFF_HOPE; asked for only then) predict no gain either."""
         if self.left > 0:
             self.left -= 1
             return self.k
-        self.memory.setdefault("cost", {}).update(self.cost)
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
             return self.k
@@ -501,7 +500,8 @@ class PipelinedTuner:
         if gain is None:  # nothing measured to decide on yet: stay
             return self.k
         if gain < SPECULATE_MIN_GAIN and hopeful is not None:
-            hope = [(d, self.speedup(d, hopeful)) for d in near]
+            hoped = hopeful()
+            hope = [(d, self.speedup(d, hoped)) for d in near]
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
             if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
                 k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
@@ -551,13 +551,13 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden
     verified, pending, r, last, logged, decided = 0, None, 0, None, 0, 0  # (log/decisions entries forwarded)
+    hopeful = functools.partial(stats.accepted_per_position, MIN_POSITION_ROUNDS, OFF_HOPE)
     while True:
         tic = time.perf_counter()
         if tuner is not None:
             if last is not None:
                 tuner.observe(last[0], tic - last[1])
-            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
-                             stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS), hopeful)
             last = (k, tic)
         rounds.bounds(r, verified)
         out = rounds.round(r, k)
