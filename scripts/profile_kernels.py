@@ -1,5 +1,5 @@
 """GPU kernels per forward, from CUPTI (the profiler in ../shared/device/gpu_kernels.py, copied into .device-tools/):
-kernels, GPU kernel time, busy and span per forward over T = 1, 2, 4, 8 tokens (a decode step and verifies that
+kernels, GPU kernel time, busy and span per forward (and its wall time with and without the profiler) over T = 1, 2, 4, 8 tokens (a decode step and verifies that
 record per-step GDN states and roll back), for lattice and for mlx-lm's own model on the same weights, plus the
 kernel names by count for T = 1.
 
@@ -30,6 +30,11 @@ def profile(kernel_profile, fn, steps: int = STEPS) -> dict:
         fn()
     mx.synchronize()
     tic = time.perf_counter()
+    for _ in range(steps):  # wall time without the profiler's own cost
+        fn()
+    mx.synchronize()
+    bare = (time.perf_counter() - tic) / steps
+    tic = time.perf_counter()
     with kernel_profile(steps=steps) as prof:
         for _ in range(steps):
             fn()
@@ -38,6 +43,7 @@ def profile(kernel_profile, fn, steps: int = STEPS) -> dict:
     counts = collections.Counter(e["name"][:90] for e in prof.events if e["cat"] == "kernel")
     s["by_count"] = [{"name": k, "per_step": c / steps} for k, c in counts.most_common(25)]
     s["wall_us_per_step"] = wall * 1e6
+    s["wall_us_bare"] = bare * 1e6
     return s
 
 
@@ -104,7 +110,7 @@ def main() -> None:
         if isinstance(s, dict):
             print(f"{name:22s} kernels {s['kernels_per_step']:6.1f}  kernel_us {s['kernel_us_per_step']:8.1f}  "
                   f"busy_us {s['busy_us_per_step']:8.1f}  span_us {s['span_us_per_step']:8.1f}  "
-                  f"wall_us {s['wall_us_per_step']:8.1f}", flush=True)
+                  f"wall_us {s['wall_us_per_step']:8.1f}  bare_wall_us {s['wall_us_bare']:8.1f}", flush=True)
     print("T=1 decode kernels by count:")
     for k in results["lattice_T1_decode"]["by_count"]:
         print(f"  {k['per_step']:5.1f}  {k['name']}")
