@@ -17,10 +17,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "peer_mlx_vlm.py"
 
 
 def test_peer_runs_and_agrees_with_this_package(tmp_path):
+    # group size 32: the tiny shape's K = 64 projections at group 64 meet MLX 0.32.4's CUDA quantized_matmul fault
+    # (wrong for two rows or more, docs/bench/h200/run15), which mlx-vlm's model goes through and this package's not
     out = tmp_path / "peer.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--dir", str(tmp_path), "--k", "2",
                            "--reps", "2", "--prompts", "2", "--tokens", "4,16", "--dtype", "float32", "--lattice",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--group-size", "32", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["ran"], result.get("reason")
