@@ -4,6 +4,8 @@
 #   bash scripts/gpu_run.sh MODE [MODE ...]
 # Modes, named by what they measure:
 #   suite          tests/metal and the rest side by side with pytest-xdist (the final-revision run)
+#   suite-metal    tests/metal alone (pytest -v -n 14, SUITE_LIMIT 540 s); suite-rest: the rest alone. The whole
+#                  suite no longer fits one call (run 23), so each half takes its own call
 #   tests          the whole suite on the GPU (everything that skips on the CPU runs here); summary in tests.txt;
 #                  TESTS="tests/metal/test_x.py ..." runs those files only, TEST_LIMIT seconds at most (480)
 #   invariance     whether verify rows are bitwise decode steps: the first differing op over 40 positions, whole
@@ -131,6 +133,14 @@ for mode in "$@"; do
     wait
     for f in suite_metal suite_rest; do echo "== $f"; tail -n 4 "$RES/$f.out"; grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" \
       "$RES/$f.out" | head -n 30; done | tee -a "$RES/steps.txt" ;;
+  suite-metal|suite-rest)  # one half of the suite alone, in its own call (run 23: the halves side by side took over
+    # 470 s and 430 s and were both cut): -v names every outcome as it ends; SUITE_LIMIT s (540), SUITE_WORKERS (14)
+    if [ "$mode" = suite-metal ]; then files=tests/metal; else files=$(ls tests/test_*.py); fi
+    # shellcheck disable=SC2086
+    timeout --signal=INT --kill-after=20 "${SUITE_LIMIT:-540}" python3 -m pytest -v -n "${SUITE_WORKERS:-14}" -rfE \
+      --tb=line -p no:cacheprovider $files > "$RES/$mode.out" 2>&1; echo "rc=$?" >> "$RES/$mode.out"
+    { echo "== $mode"; tail -n 4 "$RES/$mode.out"; grep -cE "^\[gw[0-9]+\] .*(PASSED|SKIPPED|FAILED|ERROR)" "$RES/$mode.out"
+      grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" "$RES/$mode.out" | head -n 30; } | tee -a "$RES/steps.txt" ;;
   tests)
     # shellcheck disable=SC2086
     step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
