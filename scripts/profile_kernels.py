@@ -1,7 +1,7 @@
 """GPU kernels per forward, from CUPTI (the profiler in ../shared/device/gpu_kernels.py, copied into .device-tools/):
-kernels, GPU kernel time, busy and span per forward (and its wall time with and without the profiler) over T = 1, 2, 4, 8 tokens (a decode step and verifies that
-record per-step GDN states and roll back), for lattice and for mlx-lm's own model on the same weights, plus the
-kernel names by count for T = 1.
+kernels, GPU kernel time, busy and span per forward, and its wall time with and without the profiler, over T = 1, 2,
+4, 8 tokens (a decode step and verifies that record per-step GDN states and roll back), for lattice and for mlx-lm's
+own model on the same weights, plus the kernel names by count for T = 1.
 
 Usage (GPU machine): python scripts/profile_kernels.py --out DIR [--shape 0.8b] [--dtype bfloat16] [--tools DIR]
 Writes DIR/profile_kernels.json and prints one line per measurement.
