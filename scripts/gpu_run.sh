@@ -116,6 +116,16 @@ step() {  # step NAME LIMIT CMD...: one bounded process, logged under $RES, skip
   timeout --signal=INT --kill-after=5 "$limit" "$@" > "$RES/$name.out" 2> "$RES/$name.log"
   echo "$name: rc=$? in $((SECONDS - t0))s (limit $limit)" | tee -a "$RES/steps.txt"
 }
+suite_half() {  # suite_half NAME WORKERS LIMIT FILES...: one pytest process over FILES; NAME.out, NAME.summary
+  # -v: each test's outcome is written as it ends, so a run cut by the limit still names its failures (run 15 lost
+  # one: pytest names them only in its closing summary, which a cut run never prints)
+  local name=$1 workers=$2 limit=$3; shift 3
+  timeout --signal=INT --kill-after=20 "$limit" python3 -m pytest -v -n "$workers" -rfE --tb=line \
+    -p no:cacheprovider "$@" > "$RES/$name.out" 2>&1; echo "rc=$?" >> "$RES/$name.out"
+  { echo "== $name"; tail -n 4 "$RES/$name.out"
+    echo "outcomes: $(grep -cE "^\[gw[0-9]+\] .*(PASSED|SKIPPED|FAILED|ERROR)" "$RES/$name.out")"
+    grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" "$RES/$name.out" | head -n 30; } > "$RES/$name.summary"
+}
 for mode in "$@"; do
   case $mode in
   tests-each)  # TESTS one pytest process each, EACH_LIMIT seconds apiece (a cut run keeps the others' tracebacks)
@@ -123,24 +133,18 @@ for mode in "$@"; do
       step "test_$(basename "${t%%::*}" .py)_$((++n))" "${EACH_LIMIT:-60}" python3 -m pytest -q --tb=short \
         -p no:cacheprovider "$t"
     done ;;
-  suite)  # the whole suite on one GPU: tests/metal (pytest -n 4) beside the rest (-n 8), SUITE_LIMIT s each (500)
-    ( timeout --signal=INT --kill-after=10 "${SUITE_LIMIT:-500}" python3 -m pytest -q -n 4 -rfE --tb=line \
-        -p no:cacheprovider tests/metal > "$RES/suite_metal.out" 2>&1; echo "rc=$?" >> "$RES/suite_metal.out" ) &
-    # -v: each test's outcome is written as it ends, so a run cut by the limit still names its failures (run 15 lost
-    # one: pytest names them only in its closing summary, which a cut run never prints)
-    timeout --signal=INT --kill-after=30 "${SUITE_LIMIT:-500}" python3 -m pytest -v -n 8 -rfE --tb=line \
-      -p no:cacheprovider $(ls tests/test_*.py) > "$RES/suite_rest.out" 2>&1; echo "rc=$?" >> "$RES/suite_rest.out"
+  suite)  # the whole suite on one GPU: tests/metal (-n 4) beside the rest (-n 8), SUITE_LIMIT s each (500); both
+    # halves were cut at run 23's 480 s: suite-metal and suite-rest take a call each
+    suite_half suite_metal 4 "${SUITE_LIMIT:-500}" tests/metal &
+    suite_half suite_rest 8 "${SUITE_LIMIT:-500}" $(ls tests/test_*.py)
     wait
-    for f in suite_metal suite_rest; do echo "== $f"; tail -n 4 "$RES/$f.out"; grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" \
-      "$RES/$f.out" | head -n 30; done | tee -a "$RES/steps.txt" ;;
-  suite-metal|suite-rest)  # one half of the suite alone, in its own call (run 23: the halves side by side took over
-    # 470 s and 430 s and were both cut): -v names every outcome as it ends; SUITE_LIMIT s (540), SUITE_WORKERS (14)
-    if [ "$mode" = suite-metal ]; then files=tests/metal; else files=$(ls tests/test_*.py); fi
-    # shellcheck disable=SC2086
-    timeout --signal=INT --kill-after=20 "${SUITE_LIMIT:-540}" python3 -m pytest -v -n "${SUITE_WORKERS:-14}" -rfE \
-      --tb=line -p no:cacheprovider $files > "$RES/$mode.out" 2>&1; echo "rc=$?" >> "$RES/$mode.out"
-    { echo "== $mode"; tail -n 4 "$RES/$mode.out"; grep -cE "^\[gw[0-9]+\] .*(PASSED|SKIPPED|FAILED|ERROR)" "$RES/$mode.out"
-      grep -E "^(\[gw[0-9]+\] .*)?(FAILED|ERROR)" "$RES/$mode.out" | head -n 30; } | tee -a "$RES/steps.txt" ;;
+    cat "$RES/suite_metal.summary" "$RES/suite_rest.summary" | tee -a "$RES/steps.txt" ;;
+  suite-metal)  # tests/metal alone, in its own call: SUITE_WORKERS (14), SUITE_LIMIT s (540)
+    suite_half suite_metal "${SUITE_WORKERS:-14}" "${SUITE_LIMIT:-540}" tests/metal
+    tee -a "$RES/steps.txt" < "$RES/suite_metal.summary" ;;
+  suite-rest)  # the rest of the suite alone, in its own call
+    suite_half suite_rest "${SUITE_WORKERS:-14}" "${SUITE_LIMIT:-540}" $(ls tests/test_*.py)
+    tee -a "$RES/steps.txt" < "$RES/suite_rest.summary" ;;
   tests)
     # shellcheck disable=SC2086
     step tests "${TEST_LIMIT:-480}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${TESTS:-tests}
