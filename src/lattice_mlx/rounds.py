@@ -457,9 +457,9 @@ class PipelinedTuner:
         self.rejected[k] = 0
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
         # fast pass later is averaged in, as any other)
-        first = self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds if old is not None else False
-        self.timed[k] = 1 if old is None or first else self.timed.get(k, 0) + 1
-        self.cost[k] = seconds if old is None or first else 0.8 * old + 0.2 * seconds
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
+        self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
+        self.cost[k] = seconds if fresh else 0.8 * old + 0.2 * seconds
 
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
