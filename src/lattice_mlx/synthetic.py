@@ -303,3 +303,9 @@ class OracleTreeDrafter(TreeDrafter):
                 wrong = truth(depth if depth is not None else 0)
                 out.append(t if t != wrong else (t + 1) % self.vocab)
         return out, parents, ranks
+
+
+# The family's text configs (hub layout, one MTP layer as the checkpoints have) that the Metal source check covers
+# (tests/metal/test_metal_sources.py).
+FAMILY = {name: hub_config(**shape)["text_config"] for name, shape in (
+    ("0.8b", QWEN3_5_0_8B), ("4b", QWEN3_5_4B), ("27b", QWEN3_5_27B), ("35b-a3b", QWEN3_5_35B_A3B))}

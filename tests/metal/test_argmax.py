@@ -4,13 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.argmax import argmax, argmax_kernel, argmax_ref, supported
 
-needs_gpu = pytest.mark.skipif(
-    not use_kernels(),
-    reason="the kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref; the CPU runs the reference",
-)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
 
 
 def logits(shape, dtype, seed=0, ties=False):

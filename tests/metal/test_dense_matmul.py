@@ -7,8 +7,14 @@ import pytest
 from _tol import assert_close, out_key
 from test_q4_matmul import PRE_KINDS, make_pre, needs_gpu
 
-from lattice_mlx.metal.q4_matmul import (Pre, dense_matmul, dense_matmul_kernel, dense_matmul_ref, dense_supported,
-                                         prologue_ref)
+from lattice_mlx.metal.q4_matmul import (
+    Pre,
+    dense_matmul,
+    dense_matmul_kernel,
+    dense_matmul_ref,
+    dense_supported,
+    prologue_ref,
+)
 from lattice_mlx.models.qwen3_5 import project
 
 

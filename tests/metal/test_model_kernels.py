@@ -4,9 +4,8 @@ import mlx.core as mx
 import pytest
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.metal import use_kernels
 
-pytestmark = pytest.mark.skipif(not use_kernels(), reason="no GPU kernels on this backend (CPU runs the references)")
+pytestmark = pytest.mark.kernels  # a GPU backend, or LATTICE_KERNELS=cpu (tests/metal/conftest.py)
 
 
 def test_demo_logits_with_kernels_equal_the_reference(monkeypatch):

@@ -5,14 +5,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.q4_embedding import q4_embedding, q4_embedding_kernel, rounding_for, supported
 from lattice_mlx.models.qwen3_5 import Q4Embedding, route_quantized
 
-needs_gpu = pytest.mark.skipif(
-    not use_kernels(),
-    reason="the embedding kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref",
-)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
 
 
 def table(V, K, group_size, dtype, seed=0):

@@ -3,14 +3,10 @@ import numpy as np
 import pytest
 from _tol import assert_close, out_key
 
-from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal import q4_matmul as q4_module
 from lattice_mlx.metal.q4_matmul import Pre, prologue_ref, q4_matmul, q4_matmul_kernel, q4_matmul_ref, quantized_matmul
 
-needs_gpu = pytest.mark.skipif(
-    not use_kernels(),
-    reason="Q4 kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref; the CPU runs the reference",
-)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
 
 
 def make(M, N, K, group_size, dtype, *, seed=0, lead=()):

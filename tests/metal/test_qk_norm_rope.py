@@ -10,10 +10,10 @@ import pytest
 from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
-from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import _dialect
 from lattice_mlx.metal.qk_norm_rope import _BODY, qk_norm_rope, qk_norm_rope_kernel, qk_norm_rope_ref, supported
 
-needs_gpu = pytest.mark.skipif(not use_kernels(), reason="the kernel needs an MLX GPU backend; the CPU runs the reference")
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
 
 
 def make(Hq, Hkv, D, T, dtype, *, seed=0):

@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 from _tol import assert_close, out_key
 
-from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.rms_pair import rms_pair, rms_pair_kernel, rms_pair_ref, supported
 
-needs_gpu = pytest.mark.skipif(
-    not use_kernels(),
-    reason="the kernel needs an MLX GPU backend (Metal or CUDA) and LATTICE_KERNELS != ref; the CPU runs the reference",
-)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
 
 
 def case(shape, dtype, seed=0, norms_n=2):

@@ -1,13 +1,22 @@
-"""Dialect macros: one kernel body (with `LX_*` names) renders to Metal or CUDA source for MLX custom kernels.
+"""Dialect macros: one kernel body (with `LX_*` names) renders to Metal or CUDA source for MLX custom kernels, or to
+C++ for the CPU render (cpu_render.py), which runs the same body on this machine's CPU as a GPU would run it.
 
 The body is written once; `render(body, dialect)` swaps each `LX_*` name for the dialect's spelling and
-`header(dialect)` holds the few helpers that cannot be a plain substitution (warp sum, 8-wide loads).
+`header(dialect)` holds the few helpers that cannot be a plain substitution (warp sum, 8-wide loads). `build` gives
+the `Kernel` every dispatcher calls: it launches on the backend in use, checks each new variant once (a failure to
+build or launch falls back to the op's reference for that kernel alone), and can be recorded instead of launched
+(`recording`: the variants a model asks for, with no device and nothing computed).
 """
 
 import functools
 import hashlib
 import math
+import os
 import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -70,6 +79,36 @@ _CUDA = {
     "LX_FMA": "fmaf",
 }
 
+# The CPU render (cpu_render.h): thread positions are the current fiber's, threadgroup memory is a static array in a
+# section the runtime fills with NaN bytes before every threadgroup, SIMD operations wait for their group's lanes.
+_CPU = {
+    "LX_TID_X": "lx_thr().tid.x",
+    "LX_GID_X": "lx_thr().gid.x",
+    "LX_GID_Y": "lx_thr().gid.y",
+    "LX_BID_Z": "lx_thr().bid.z",
+    "LX_BID_X": "lx_thr().bid.x",
+    "LX_BID_Y": "lx_thr().bid.y",
+    "LX_NBLK_X": "lx_thr().nblk.x",
+    "LX_SHARED": 'static __attribute__((section("lxtg")))',
+    "LX_BARRIER": "lx_barrier()",
+    "LX_SIMD_SUM": "lx_simd_sum",
+    "LX_SHFL": "lx_shfl",
+    "LX_SHFL_XOR": "lx_shfl_xor",
+    "LX_EXP": "std::exp",
+    "LX_EXP2": "std::exp2",
+    "LX_COS": "std::cos",
+    "LX_SIN": "std::sin",
+    "LX_LOG": "std::log",
+    "LX_RSQRT": "lx_rsqrt",
+    "LX_FMAX": "std::fmax",
+    "LX_FABS": "std::fabs",
+    "LX_LOAD8": "lx_load8",
+    "LX_LOAD_U4": "lx_load_u4",
+    "LX_BYTE_F": "lx_byte_f",
+    "LX_F32": "static_cast<float>",
+    "LX_FMA": "std::fma",
+}
+
 # Metal: the compiler vectorises the plain loop; lx_byte_f reads byte i (a value < 256) as a float.
 _METAL_HEADER = """
 template <typename T>
@@ -115,8 +154,8 @@ __device__ __forceinline__ float lx_byte_f(uint32_t u, int i) {
 }
 """
 
-_TABLES = {"metal": _METAL, "cuda": _CUDA}
-_HEADERS = {"metal": _METAL_HEADER, "cuda": _CUDA_HEADER}
+_TABLES = {"metal": _METAL, "cuda": _CUDA, "cpu": _CPU}
+_HEADERS = {"metal": _METAL_HEADER, "cuda": _CUDA_HEADER, "cpu": ""}  # cpu: in cpu_render.h
 _NAME = re.compile(r"\bLX_[A-Z0-9_]+\b")
 
 
@@ -130,8 +169,23 @@ def header(dialect: str) -> str:
     return _HEADERS[dialect]
 
 
+MODES = ("", "ref", "cpu")
+
+
+def mode() -> str:
+    """LATTICE_KERNELS, read here only: "" (kernels on a GPU backend), "ref" (the plain-ops references everywhere) or
+    "cpu" (the kernel bodies run through the CPU render: slow, for tests and the doctor)."""
+    value = os.environ.get("LATTICE_KERNELS", "").lower()
+    if value not in MODES:
+        raise ValueError(f"LATTICE_KERNELS={value!r}: use ref (plain-ops references), cpu (the kernel bodies on the "
+                         "CPU render) or leave it unset")
+    return value
+
+
 def backend() -> str:
-    """'metal' or 'cuda': the dialect of the GPU MLX runs on."""
+    """'metal', 'cuda' or 'cpu' (the CPU render): the dialect kernels launch in."""
+    if mode() == "cpu":
+        return "cpu"
     return "metal" if mx.metal.is_available() else "cuda"
 
 
@@ -166,30 +220,202 @@ def declare(consts: tuple[tuple[str, str], ...]) -> str:
     return "".join(f"  const {ctype(v)} {k} = {v};\n" for k, v in consts)
 
 
+class KernelFailed(RuntimeError):
+    """The kernel cannot build or launch here: its dispatcher runs the op's reference instead."""
+
+
+_FAILED: dict[str, str] = {}  # kernel name -> why it failed, for this process
+
+
+def failed() -> dict[str, str]:
+    """The kernels that failed in this process (name -> the first line of the error)."""
+    return dict(_FAILED)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """A call of an op's kernel function (`op`): the function, its reference (same contract) and the arguments."""
+
+    fn: Callable
+    reference: Callable
+    args: tuple
+    kwargs: dict
+
+
+_ops: list[OpCall] = []  # the op calls in progress while recording
+
+
+def op(reference: Callable) -> Callable:
+    """Decorates an op's kernel function (`<op>_kernel`) with its reference, so that a recorded launch knows the
+    op call it came from (`Call.op`): `python -m lattice_mlx.doctor` reruns that on other inputs against the
+    reference. The reference takes the kernel function's arguments (keywords it has no use for are dropped)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if _recorder is None:
+                return fn(*args, **kwargs)
+            _ops.append(OpCall(call, reference, args, kwargs))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _ops.pop()
+
+        call.reference = reference
+        return call
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class Call:
+    """One launch a dispatcher asked for: the kernel and its arguments (what `recording` collects), and the op call
+    it came from."""
+
+    kernel: "Kernel"
+    inputs: tuple
+    template: tuple
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple
+    output_dtypes: tuple
+    init_value: float | None = None
+    op: OpCall | None = None
+
+    def variant(self) -> tuple:
+        """What the compiled source depends on (MLX's metal_kernel: the template, each input's dtype and whether it
+        is a scalar or under 8 elements, the output dtypes) and the threadgroup, which a launch checks."""
+        ins = tuple((str(a.dtype), a.ndim == 0, a.size < 8) for a in self.inputs)
+        return (self.kernel.name, tuple((k, str(v)) for k, v in self.template), ins,
+                tuple(str(d) for d in self.output_dtypes), self.threadgroup)
+
+    def launch(self, impl, inputs=None) -> list[mx.array]:
+        return impl(inputs=list(self.inputs if inputs is None else inputs), template=list(self.template),
+                    grid=self.grid, threadgroup=self.threadgroup, output_shapes=[tuple(s) for s in self.output_shapes],
+                    output_dtypes=list(self.output_dtypes), init_value=self.init_value)
+
+
+_recorder: list[Call] | None = None
+_spying = False
+
+
+def recording_active() -> bool:
+    """Inside `recording()` (not `recording(spy=True)`)."""
+    return _recorder is not None and not _spying
+
+
+def collecting() -> bool:
+    """Inside `recording()` either way: use_kernels() is true, whatever the backend."""
+    return _recorder is not None
+
+
+@contextmanager
+def recording(*, spy: bool = False) -> Iterator[list[Call]]:
+    """Inside the block every kernel call is collected (into the list it yields) instead of launched, and returns
+    lazy zeros of its output shapes; use_kernels() is true whatever the backend. Nothing is computed.
+
+    With `spy`, a collected call then raises KernelFailed (nothing marked failed), so every dispatcher runs its
+    reference: a real decode loop runs as it would, with real values, and shows which calls it makes."""
+    global _recorder, _spying
+    before, _recorder, spied, _spying = _recorder, [], _spying, spy
+    try:
+        yield _recorder
+    finally:
+        _recorder, _spying = before, spied
+
+
+class Kernel:
+    """One kernel (a body, its argument names and constants), launched through MLX on Metal or CUDA, or the CPU render.
+
+    The first call of each variant (`Call.variant`) on Metal or CUDA also runs it once on zero inputs of the same
+    shapes and evaluates that, inside a guard: MLX builds custom kernels when a graph is evaluated, and the model's
+    own calls are often inside an mx.compile trace, where nothing can be evaluated. A kernel that fails to build or
+    launch is marked failed for the process, one line says so on stderr, and `KernelFailed` sends its dispatcher to
+    the reference."""
+
+    def __init__(self, name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...], *,
+                 ensure_row_contiguous: bool, consts: tuple[tuple[str, str], ...]):
+        self.name, self.inputs, self.outputs = name, inputs, outputs
+        self.ensure_row_contiguous, self.consts = ensure_row_contiguous, consts
+        self.body = declare(consts) + body
+        # the name MLX caches a build under carries a hash of the source and the inputs (MLX's CUDA backend caches on
+        # disk by name, under the temp folder): an edited body or other constants must not reuse an old build
+        key = "\x00".join([self.body, *inputs, *outputs])
+        self.build_name = f"{name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        self._impls: dict[str, Callable] = {}
+        self.launched: set[tuple] = set()
+
+    def source(self, dialect: str) -> str:
+        return render(self.body, dialect)
+
+    def _impl(self, dialect: str) -> Callable:
+        if dialect not in self._impls:
+            if dialect == "cpu":
+                from lattice_mlx.metal import cpu_render
+
+                make = cpu_render.kernel
+            else:
+                make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+            self._impls[dialect] = make(name=self.build_name, input_names=list(self.inputs),
+                                        output_names=list(self.outputs), source=self.source(dialect),
+                                        header=header(dialect), ensure_row_contiguous=self.ensure_row_contiguous)
+        return self._impls[dialect]
+
+    def __call__(self, *, inputs: list[mx.array], template: list, grid: tuple, threadgroup: tuple,
+                 output_shapes: list, output_dtypes: list, init_value: float | None = None) -> list[mx.array]:
+        if self.name in _FAILED:
+            raise KernelFailed(f"{self.name}: {_FAILED[self.name]}")
+        call = Call(self, tuple(inputs), tuple(template), tuple(grid), tuple(threadgroup),
+                    tuple(tuple(s) for s in output_shapes), tuple(output_dtypes), init_value,
+                    _ops[-1] if _ops else None)
+        if _recorder is not None:
+            _recorder.append(call)
+            if _spying:
+                raise KernelFailed("spied: the reference runs")
+            return [mx.zeros(s, dtype=d) for s, d in zip(call.output_shapes, call.output_dtypes)]
+        dialect = backend()
+        if dialect == "cpu":  # the render reads its inputs now: not possible inside an mx.compile trace
+            try:
+                mx.eval(list(call.inputs))
+            except Exception as e:  # noqa: BLE001 (not the kernel's failure: the reference runs, nothing is marked)
+                raise KernelFailed(f"the CPU render cannot read these inputs ({e})") from e
+        try:
+            impl = self._impl(dialect)
+            variant = call.variant()
+            if dialect != "cpu" and variant not in self.launched:
+                zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in call.inputs]
+                mx.eval(call.launch(impl, zeros))
+            self.launched.add(variant)
+            return call.launch(impl)
+        except KernelFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 (any failure of a build or launch: this kernel falls back for good)
+            self.fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", dialect)
+            raise KernelFailed(f"{self.name}: {_FAILED[self.name]}") from e
+
+    def fail(self, why: str, dialect: str) -> None:
+        _FAILED[self.name] = why
+        print(f"lattice_mlx: kernel {self.name} failed on {dialect} ({why[:300]}); its plain-ops reference runs "
+              "instead for the rest of this process. Please report it with the output of `python -m "
+              "lattice_mlx.doctor`.", file=sys.stderr)
+
+
+def kernels() -> list[Kernel]:
+    """Every kernel built in this process (`Kernel.launched`: the variants of it that ran)."""
+    return list(_BUILT)
+
+
+_BUILT: list[Kernel] = []
+
+
 @functools.cache
-def build(
-    name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...], *, ensure_row_contiguous: bool = True,
-    consts: tuple[tuple[str, str], ...] = (),
-):
-    """The MLX kernel object for this backend, made once per (name, body, consts). With `ensure_row_contiguous=False`
-    inputs arrive as they are (views of a bigger buffer too); the body indexes them through `<input>_strides`.
+def build(name: str, body: str, inputs: tuple[str, ...], outputs: tuple[str, ...], *,
+          ensure_row_contiguous: bool = True, consts: tuple[tuple[str, str], ...] = ()) -> Kernel:
+    """The kernel of (name, body, consts), made once. With `ensure_row_contiguous=False` inputs arrive as they are
+    (views of a bigger buffer too); the body indexes them through `<input>_strides`.
 
     `consts` (from `constants`) become literals at the top of the body (the name gets a hash of it all), instead
-    of small input arrays made on the host: on the H200 the GDN kernel took 23.7 us per launch with two such inputs
-    (strides and columns, a step pick) and 7.1 us with their values as literals (and 32-bit offsets;
-    docs/bench/h200/run19). Values that change per call (offsets, lengths) stay inputs."""
-    dialect = backend()
-    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-    body = declare(consts) + body
-    # the name carries a hash of the source and the inputs: MLX caches a compiled kernel by its name (CUDA: on disk,
-    # under the temp folder), so an edited body or other constants must not reuse an old build
-    key = "\x00".join([body, *inputs, *outputs])
-    name = f"{name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-    return make(
-        name=name,
-        input_names=list(inputs),
-        output_names=list(outputs),
-        source=render(body, dialect),
-        header=header(dialect),
-        ensure_row_contiguous=ensure_row_contiguous,
-    )
+    of small input arrays made on the host: a launch with two such inputs cost over 3x one with literals
+    (docs/kernels.md). Values that change per call (offsets, lengths) stay inputs."""
+    kernel = Kernel(name, body, inputs, outputs, ensure_row_contiguous=ensure_row_contiguous, consts=consts)
+    _BUILT.append(kernel)
+    return kernel

@@ -77,6 +77,7 @@ def supported(x: mx.array) -> bool:
             and x.size // N <= 65535)  # grid y = rows (CUDA's limit)
 
 
+@_dialect.op(argmax_ref)
 def argmax_kernel(x: mx.array) -> mx.array:
     """The GPU kernel (Metal or CUDA); same contract as `argmax_ref`."""
     N = x.shape[-1]
@@ -97,5 +98,8 @@ def argmax(x: mx.array) -> mx.array:
     """Index of the first maximum along the last axis (uint32): the kernel on a GPU where it applies, MLX's
     argmax otherwise."""
     if use_kernels() and supported(x):
-        return argmax_kernel(x)
+        try:
+            return argmax_kernel(x)
+        except _dialect.KernelFailed:
+            pass
     return argmax_ref(x)

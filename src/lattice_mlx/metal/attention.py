@@ -252,6 +252,13 @@ def supported(q: mx.array, k: mx.array, v: mx.array, *, causal: bool) -> bool:
     )
 
 
+def sdpa_kernel_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool,
+                    length: mx.array | None = None) -> mx.array:
+    """`sdpa_ref` with the kernel's arguments (causal rather than a mask)."""
+    return sdpa_ref(q, k, v, scale=scale, mask="causal" if causal and q.shape[2] > 1 else None, length=length)
+
+
+@_dialect.op(sdpa_kernel_ref)
 def sdpa_kernel(
     q: mx.array,
     k: mx.array,
@@ -317,5 +324,8 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
     """The one entry point the model calls; same contract as `sdpa_ref`. Array masks go to the reference."""
     causal = isinstance(mask, str) and mask == "causal"
     if use_kernels() and (mask is None or causal) and supported(q, k, v, causal=causal):
-        return sdpa_kernel(q, k, v, scale=scale, causal=causal, length=length)
+        try:
+            return sdpa_kernel(q, k, v, scale=scale, causal=causal, length=length)
+        except _dialect.KernelFailed:
+            pass
     return sdpa_ref(q, k, v, scale=scale, mask=mask, length=length)

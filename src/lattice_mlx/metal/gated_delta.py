@@ -333,6 +333,7 @@ def supported(q: mx.array, v: mx.array) -> bool:
     return Dk % 32 == 0 and Dk <= 256 and Dv % 4 == 0 and Hv % Hk == 0 and v.shape[1] > 0
 
 
+@_dialect.op(gated_delta_ref)
 def gated_delta_kernel(
     q: mx.array,
     k: mx.array,
@@ -389,7 +390,10 @@ def gated_delta_update(
 ) -> tuple[mx.array, mx.array]:
     """The one entry point the model calls; same contract as `gated_delta_ref`."""
     if use_kernels() and supported(q, v):
-        return gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
+        try:
+            return gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
+        except _dialect.KernelFailed:
+            pass
     if not step_states and q.shape[1] >= CHUNKED_FROM_T:
         return gated_delta_chunked_ref(q, k, v, a, b, A_log, dt_bias, state)
     return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state, step_states=step_states)
@@ -523,12 +527,14 @@ def picked(conv_state: mx.array, state: mx.array | None, pick: mx.array | None, 
 
 
 def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *, heads: tuple[int, int, int, int],
-                         step_states: bool = False, pick: mx.array | None = None
-                         ) -> tuple[mx.array, mx.array, mx.array]:
+                         step_states: bool = False, pick: mx.array | None = None,
+                         packed: tuple[mx.array, int, int] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Reference of the fused form: conv_in = [conv_state; qkv], conv + SiLU, split into q/k/v, the recurrence.
     heads = (Hk, Dk, Hv, Dv). Returns y [B, T, Hv, Dv], the state (final or per step) and conv_in. `pick`: see
-    `picked`."""
+    `picked`; `packed`: see `gated_delta_conv_kernel`."""
     Hk, Dk, Hv, Dv = heads
+    if packed is not None:
+        qkv, a, b = unpack(packed, 2 * Hk * Dk + Hv * Dv, Hv)
     B, T, _ = qkv.shape
     conv_state, state = picked(conv_state, state, pick, conv_w.shape[-1] - 1)
     conv_in = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)
@@ -544,6 +550,7 @@ def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array
     return src[..., :C], src[..., a_col : a_col + Hv], src[..., b_col : b_col + Hv]
 
 
+@_dialect.op(gated_delta_conv_ref)
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
                             heads: tuple[int, int, int, int], step_states: bool = False,
                             packed: tuple[mx.array, int, int] | None = None, pick: mx.array | None = None,
@@ -606,9 +613,10 @@ def gated_delta_conv_update(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
     Hk, Dk, Hv, Dv = heads
     T = (packed[0] if packed is not None else qkv).shape[1]
     if use_kernels() and T <= CONV_FUSED_MAX_T and Dk % 32 == 0 and Dk <= 256 and Dv % 4 == 0 and Hv % Hk == 0:
-        return gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
-                                       step_states=step_states, packed=packed, pick=pick)
-    if packed is not None:
-        qkv, a, b = unpack(packed, 2 * Hk * Dk + Hv * Dv, Hv)
+        try:
+            return gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
+                                           step_states=step_states, packed=packed, pick=pick)
+        except _dialect.KernelFailed:
+            pass
     return gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, heads=heads,
-                                step_states=step_states, pick=pick)
+                                step_states=step_states, pick=pick, packed=packed)

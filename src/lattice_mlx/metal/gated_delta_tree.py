@@ -40,6 +40,7 @@ def _check_parents(parents: Sequence[int]) -> None:
     assert all(-1 <= p < i for i, p in enumerate(parents)), f"parents[i] must be in [-1, i): {list(parents)}"
 
 
+@_dialect.op(gated_delta_tree_ref)
 def gated_delta_tree_kernel(
     q: mx.array,
     k: mx.array,
@@ -91,5 +92,8 @@ def gated_delta_tree(
 ) -> tuple[mx.array, mx.array]:
     """Tree-verify entry point; same contract as `gated_delta_tree_ref`."""
     if use_kernels() and supported(q, v):
-        return gated_delta_tree_kernel(q, k, v, a, b, A_log, dt_bias, state, parents)
+        try:
+            return gated_delta_tree_kernel(q, k, v, a, b, A_log, dt_bias, state, parents)
+        except _dialect.KernelFailed:
+            pass
     return gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, list(parents))

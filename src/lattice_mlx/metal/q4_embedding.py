@@ -13,8 +13,6 @@ and keeps the one that matches bitwise, or falls back to MLX's four launches if 
 fp32: an 8- or 11-bit significand times a 4-bit integer.) The probe and the kernel have not run on Apple hardware.
 """
 
-import functools
-
 import mlx.core as mx
 import numpy as np
 
@@ -52,6 +50,12 @@ def supported(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array | N
             and ids.dtype in (mx.int32, mx.uint32, mx.int64, mx.uint64))
 
 
+def q4_embedding_ref(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
+    """The specification: MLX's own lookup (gather the rows, their scales and biases, then dequantize)."""
+    return mx.dequantize(w[ids], scales=scales[ids], biases=biases[ids], group_size=group_size, bits=4)
+
+
+@_dialect.op(q4_embedding_ref)
 def q4_embedding_kernel(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                         rounding: int | None = None, init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA): ids [...] -> [..., K] in scales' dtype. `rounding`: the body's ROUND
@@ -72,27 +76,54 @@ def q4_embedding_kernel(ids: mx.array, w: mx.array, scales: mx.array, biases: mx
     return out.reshape(*ids.shape, KW * 8)
 
 
-@functools.cache
-def rounding_for(dtype: mx.Dtype) -> int | None:
-    """The body's ROUND that gives MLX's lookup bitwise for this dtype on this device, None if neither does."""
+_ROUNDING: dict[tuple[mx.Dtype, str], int | None] = {}
+_PROBE = (64, 256, 64)  # the probe's table: rows, columns, group size
+
+
+def _probe_table(dtype: mx.Dtype):
     rng = np.random.default_rng(7)
-    V, K, G = 64, 256, 64
+    V, K, G = _PROBE
     dense = rng.standard_normal((V, K)) * np.exp2(rng.integers(-6, 4, size=(V, 1)))
     w, s, b = mx.quantize(mx.array(dense.astype(np.float32)).astype(dtype), group_size=G, bits=4)
-    ids = mx.array(np.arange(V, dtype=np.int32))
-    expect = mx.dequantize(w[ids], scales=s[ids], biases=b[ids], group_size=G, bits=4)
+    return mx.array(np.arange(V, dtype=np.int32)), w, s, b
+
+
+def rounding_for(dtype: mx.Dtype) -> int | None:
+    """The body's ROUND that gives MLX's lookup bitwise for this dtype on this backend, None if neither does (or the
+    kernel failed to build). Probed once per process and backend."""
+    key = (dtype, _dialect.backend())
+    if key in _ROUNDING:
+        return _ROUNDING[key]
+    ids, w, s, b = _probe_table(dtype)
+    expect = q4_embedding_ref(ids, w, s, b, group_size=_PROBE[2])
+    found = None
     for rounding in (0, 1):
-        got = q4_embedding_kernel(ids, w, s, b, group_size=G, rounding=rounding)
+        try:
+            got = q4_embedding_kernel(ids, w, s, b, group_size=_PROBE[2], rounding=rounding)
+        except _dialect.KernelFailed:
+            break
         if mx.array_equal(got, expect).item():
-            return rounding
-    return None
+            found = rounding
+            break
+    if not _dialect.collecting():  # (a spied probe learns nothing about the device)
+        _ROUNDING[key] = found
+    return found
 
 
 def q4_embedding(ids: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
                  bits: int, mode: str = "affine") -> mx.array:
     """MLX's quantized embedding lookup (`nn.QuantizedEmbedding.__call__`): one kernel on a GPU where it applies."""
-    if (use_kernels() and supported(ids, w, scales, biases, group_size, bits, mode)
-            and rounding_for(scales.dtype) is not None):
-        return q4_embedding_kernel(ids, w, scales, biases, group_size=group_size)
+    if use_kernels() and supported(ids, w, scales, biases, group_size, bits, mode):
+        if _dialect.recording_active():  # the probe's calls and both roundings: a device keeps one of them
+            probe = _probe_table(scales.dtype)
+            for rounding in (0, 1):
+                q4_embedding_kernel(*probe, group_size=_PROBE[2], rounding=rounding)
+                out = q4_embedding_kernel(ids, w, scales, biases, group_size=group_size, rounding=rounding)
+            return out
+        if rounding_for(scales.dtype) is not None:
+            try:
+                return q4_embedding_kernel(ids, w, scales, biases, group_size=group_size)
+            except _dialect.KernelFailed:
+                pass
     return mx.dequantize(w[ids], scales=scales[ids], biases=biases[ids] if biases is not None else None,
                          group_size=group_size, bits=bits, mode=mode)

@@ -429,6 +429,15 @@ def _launch(fmt: str, x: mx.array, weights: list[mx.array], template: list, *, p
     return y
 
 
+def dense_matmul_ref(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
+                     glu: bool = False) -> mx.array:
+    """The specification of the dense kernel: the prologue with plain ops, one fp32 matmul rounded to the activation
+    dtype, then the SwiGLU epilogue or the residual added."""
+    return unfused(lambda x: (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype), x, pre=pre,
+                   residual=residual, glu=glu)
+
+
+@_dialect.op(q4_matmul_ref)
 def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                      bits: int = 4, pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
                      rows: int | None = None, init_value: float | None = None) -> mx.array:
@@ -439,19 +448,12 @@ def q4_matmul_kernel(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                    rows=rows, init_value=init_value)
 
 
+@_dialect.op(dense_matmul_ref)
 def dense_matmul_kernel(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
                         glu: bool = False, rows: int | None = None, init_value: float | None = None) -> mx.array:
     """The same kernel on an unquantized weight w [N, K] (x's dtype); same result as `dense_matmul_ref`."""
     assert dense_supported(x, w, pre, residual, glu), "shape, type or layout not handled by the kernel"
     return _launch("dense", x, [w], [], pre=pre, residual=residual, glu=glu, rows=rows, init_value=init_value)
-
-
-def dense_matmul_ref(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
-                     glu: bool = False) -> mx.array:
-    """The specification of the dense kernel: the prologue with plain ops, one fp32 matmul rounded to the activation
-    dtype, then the SwiGLU epilogue or the residual added."""
-    return unfused(lambda x: (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype), x, pre=pre,
-                   residual=residual, glu=glu)
 
 
 # MLX 0.32.4's CUDA quantized matmul returns wrong rows at K = 64 with group size 64 once x has two rows or more
@@ -487,8 +489,11 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
     decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
     `mx.quantized_matmul`, the SwiGLU ops (`glu`) and an add."""
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
-        return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre, residual=residual,
-                                glu=glu)
+        try:
+            return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre,
+                                    residual=residual, glu=glu)
+        except _dialect.KernelFailed:
+            pass
     return unfused(lambda x: quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits), x, pre=pre,
                    residual=residual, glu=glu)
 
@@ -506,5 +511,8 @@ def dense_matmul(x: mx.array, w: mx.array, *, pre: Pre | None = None, residual: 
     wherever it applies and w is no larger than DENSE_MAX_WEIGHTS, else the prologue's plain ops, `x @ w.T`, the
     SwiGLU ops and an add."""
     if use_kernels() and w.size <= DENSE_MAX_WEIGHTS and dense_supported(x, w, pre, residual, glu):
-        return dense_matmul_kernel(x, w, pre=pre, residual=residual, glu=glu)
+        try:
+            return dense_matmul_kernel(x, w, pre=pre, residual=residual, glu=glu)
+        except _dialect.KernelFailed:
+            pass
     return unfused(lambda x: x @ w.T, x, pre=pre, residual=residual, glu=glu)

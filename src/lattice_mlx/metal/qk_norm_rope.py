@@ -104,6 +104,7 @@ def supported(src: mx.array, q_norm, k_norm, *, heads: tuple[int, int, int], rop
             and src.shape[0] * src.shape[1] <= 65535)  # grid z = B * T (CUDA's limit)
 
 
+@_dialect.op(qk_norm_rope_ref)
 def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads: tuple[int, int, int],
                         rope_dims: int, base: float, init_value: float | None = None
                         ) -> tuple[mx.array, mx.array, mx.array]:
@@ -127,5 +128,8 @@ def qk_norm_rope(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads
                  rope_dims: int, base: float) -> tuple[mx.array, mx.array, mx.array]:
     """The model's entry point: the kernel on a GPU where it applies, the reference otherwise."""
     if use_kernels() and supported(src, q_norm, k_norm, heads=heads, rope_dims=rope_dims):
-        return qk_norm_rope_kernel(src, q_norm, k_norm, offset, heads=heads, rope_dims=rope_dims, base=base)
+        try:
+            return qk_norm_rope_kernel(src, q_norm, k_norm, offset, heads=heads, rope_dims=rope_dims, base=base)
+        except _dialect.KernelFailed:
+            pass
     return qk_norm_rope_ref(src, q_norm, k_norm, offset, heads=heads, rope_dims=rope_dims, base=base)

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from lattice_mlx.metal import _dialect, use_kernels
 
+
 # One warp per (row m, half j): lane l takes elements l, l + 32, ... of e (j = 0) or h (j = 1). With a pre-norm
 # (`_body(True)`), the h half is first normalised by its own weight `wp` (eps PRE_EPS), rounded as the unfused
 # norm rounds it, and that row is what the h half's norm reads: three passes over h's row instead of two.
@@ -68,6 +69,7 @@ def supported(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> bool:
             and norm_e.eps == norm_h.eps and 0 < e.size // H <= 65535)  # grid z = rows (CUDA's limit)
 
 
+@_dialect.op(rms_pair_ref)
 def rms_pair_kernel(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None, *,
                     init_value: float | None = None) -> mx.array:
     """The GPU kernel (Metal or CUDA); same contract as `rms_pair_ref`. `init_value` poisons the output (tests)."""
@@ -97,5 +99,8 @@ def rms_pair(e: mx.array, h: mx.array, norm_e, norm_h, pre_h=None) -> mx.array:
     goes through first (a draft step's hidden is the head's output before its final norm; the lm_head applies that
     norm in its own prologue, and this kernel again, so no launch computes it on its own)."""
     if use_kernels() and supported(e, h, norm_e, norm_h, pre_h):
-        return rms_pair_kernel(e, h, norm_e, norm_h, pre_h)
+        try:
+            return rms_pair_kernel(e, h, norm_e, norm_h, pre_h)
+        except _dialect.KernelFailed:
+            pass
     return rms_pair_ref(e, h, norm_e, norm_h, pre_h)

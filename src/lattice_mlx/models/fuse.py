@@ -40,11 +40,12 @@ def _concat(parts: list[nn.Module]) -> nn.Module:
     return fused
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
+def fuse_projections(model: nn.Module, *, evaluate: bool = True) -> nn.Module:
     """Fuse every group in FUSIONS whose members are the same kind of linear (same quantization, no bias).
     The owner records the output sizes of the parts as `<fused name>_sizes` and the offsets to split the fused
     output at as `<fused name>_points` (on the owner, so that re-quantizing the fused linear keeps them; computed
-    once here, not per call). Returns the model."""
+    once here, not per call). `evaluate=False` leaves the fused weights lazy (placeholder models that are never
+    computed: lattice_mlx.variants). Returns the model."""
     for _, module in list(model.named_modules()):
         for fused_name, names in FUSIONS.items():
             if not all(n in module for n in names):
@@ -61,8 +62,10 @@ def fuse_projections(model: nn.Module) -> nn.Module:
             module[fused_name] = fused
             # evaluated group by group: the parts (lazy checkpoint tensors, or a tensor-parallel rank's slices of
             # them) are freed as each group is built, so loading peaks near the model's size, not near twice it
-            mx.eval(fused.parameters())
-    mx.eval(model.parameters())
+            if evaluate:
+                mx.eval(fused.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
     return model
 
 
