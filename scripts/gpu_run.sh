@@ -12,6 +12,7 @@
 #                  oracle generations, and a long (key-split) context (scripts/batch_invariance.py)
 #   q4-fused       the fused 4-bit projections' GPU time by rows M, SwiGLU epilogue vs prologue (CUPTI)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (scripts/bench_kernels.py)
+#   doctor         python -m lattice_mlx.doctor on the demo and on the family's shapes (DOCTOR_SHAPES)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (scripts/gpu_model_checks.py)
 #   kernels-per-forward  CUPTI kernels, GPU time, busy and span per forward, T = 1..8 (scripts/profile_kernels.py)
 #   profile        where a decode step's time goes, op by op, by wall time (scripts/profile_step.py)
@@ -158,6 +159,18 @@ for mode in "$@"; do
       --paths layers --out "$RES/invariance_long" ;;
   q4-fused) step q4_fused 200 python3 scripts/bench_q4_fused.py --profiler-dir .device-tools --out "$RES/q4_fused.json" ;;
   kernels) step kernels 240 python3 scripts/bench_kernels.py --out "$RES/kernels.json" ;;
+  doctor)  # python -m lattice_mlx.doctor on the demo, and on config-only checkpoints of the family's shapes
+           # (DOCTOR_SHAPES, bf16 4-bit g64: the doctor reads config.json alone)
+    step doctor_demo 120 python3 -m lattice_mlx.doctor --json "$RES/doctor_demo.json"
+    for shape in ${DOCTOR_SHAPES:-0.8b 35b-a3b}; do
+      python3 -c "import json, os, sys; from lattice_mlx.synthetic import FAMILY; d = sys.argv[2]; os.makedirs(d,
+        exist_ok=True); json.dump({'model_type': 'qwen3_5', 'text_config': {**FAMILY[sys.argv[1]], 'dtype':
+        'bfloat16'}, 'quantization': {'bits': 4, 'group_size': 64}}, open(d + '/config.json', 'w'))" \
+        "$shape" "/tmp/doctor_$shape"
+      step "doctor_$shape" 150 python3 -m lattice_mlx.doctor --model "/tmp/doctor_$shape" \
+        --json "$RES/doctor_$shape.json"
+    done
+    tail -n 3 "$RES"/doctor_*.out ;;
   model-checks) step model_checks 240 python3 scripts/gpu_model_checks.py --out "$RES/model_checks" ;;
   kernels-per-forward) step kernels_per_forward 300 python3 scripts/profile_kernels.py --out "$RES/kernels_per_forward" ;;
   profile) step profile 300 python3 scripts/profile_step.py --out "$RES/profile" --dtype bfloat16 ;;

@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 
 import mlx.core as mx
@@ -28,9 +29,11 @@ from .metal import _dialect, cpu_render, use_kernels
 from .metal.q4_matmul import Pre
 from .variants import SMALL, model_calls
 
-# the largest error a kernel may show against its reference, relative to the reference's largest magnitude, by the
-# output's dtype: fp32 sums in another order; fp16 / bf16 outputs round once from fp32 values that differ so
-TOLERANCE = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+# The largest error a kernel may show against its reference, relative to the reference's largest magnitude, by the
+# op's activation dtype. A kernel sums in another order than the plain ops and rounds its intermediates once where
+# MLX's ops round per op: on random inputs a bf16 GDN output came within 2e-2 of its reference (cancellation in
+# small dot products), where an indexing or synchronisation bug is off by O(1). The bounds sit between the two.
+TOLERANCE = {mx.float32: 1e-3, mx.float16: 1e-2, mx.bfloat16: 6e-2}
 MAX_ROWS = 16384  # a matmul's weight rows at most (the kernel's variant is the same from 8k rows up)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -98,9 +101,10 @@ def _outputs(x) -> list[mx.array]:
     return [x] if isinstance(x, mx.array) else [a for a in x if isinstance(a, mx.array)]
 
 
-def compare(got, expect) -> tuple[float, float]:
-    """(error, tolerance): the largest |got - expect| over the largest |expect|, per output, the worst; integer
-    outputs (argmax) must be equal (error = the fraction that differ)."""
+def compare(got, expect, dtype: mx.Dtype) -> tuple[float, float]:
+    """(error, tolerance): the largest |got - expect| over the largest |expect|, per output, the worst, against
+    TOLERANCE[dtype] (the activation dtype); integer outputs (argmax) must be equal (error = the fraction that
+    differ)."""
     err, tol = 0.0, 0.0
     for g, e in zip(_outputs(got), _outputs(expect)):
         if g.shape != e.shape:
@@ -112,8 +116,32 @@ def compare(got, expect) -> tuple[float, float]:
         scale = max(mx.abs(e32).max().item(), 1e-30)
         diff = mx.abs(g32 - e32).max().item()
         err = max(err, diff / scale if np.isfinite(diff) else float("inf"))
-        tol = max(tol, TOLERANCE.get(e.dtype, 1e-4))
+        tol = TOLERANCE.get(dtype, TOLERANCE[mx.float32])
     return err, tol
+
+
+def activation_dtype(args: tuple) -> mx.Dtype:
+    """The dtype of the op's first floating array argument."""
+    for a in args:
+        if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating):
+            return a.dtype
+        if isinstance(a, tuple) and a and isinstance(a[0], mx.array):  # a packed projection (src, b_col, a_col)
+            return a[0].dtype
+    return mx.float32
+
+
+@contextmanager
+def kernels(mode: str):
+    """LATTICE_KERNELS=mode inside the block ("" for the device's kernels)."""
+    before = os.environ.get("LATTICE_KERNELS")
+    os.environ["LATTICE_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LATTICE_KERNELS")
+        else:
+            os.environ["LATTICE_KERNELS"] = before
 
 
 def _time(fn, repeats: int) -> float:
@@ -133,7 +161,8 @@ def variant_label(call: _dialect.Call) -> str:
 
 
 def run_row(call: _dialect.Call, size: str, backend: str, repeats: int) -> dict:
-    """One kernel against its reference on random inputs of the recorded call's shapes."""
+    """One kernel against its reference (plain ops all the way down) on random inputs of the recorded call's
+    shapes."""
     op = _capped(call.op)
     rng = np.random.default_rng(0)
     args, kwargs = _random_like(op.args, rng), _random_like(op.kwargs, rng)
@@ -141,18 +170,21 @@ def run_row(call: _dialect.Call, size: str, backend: str, repeats: int) -> dict:
     ref_kwargs = {k: v for k, v in kwargs.items() if k in params}
     row = dict(kernel=call.kernel.name, size=size, variant=variant_label(call), backend=backend, error=None,
                tolerance=None, us=None, status="ok")
+    mode = "cpu" if backend == "cpu render" else ""
     try:
-        expect = op.reference(*args, **ref_kwargs)
-        mx.eval(expect)
-        if backend == "reference":
-            row["us"] = _time(lambda: op.reference(*args, **ref_kwargs), repeats)
-            row["status"] = "reference"
-            return row
-        got = op.fn(*args, **kwargs)
-        mx.eval(got)
-        row["error"], row["tolerance"] = compare(got, expect)
-        row["status"] = "ok" if row["error"] <= row["tolerance"] else "WRONG"
-        row["us"] = _time(lambda: op.fn(*args, **kwargs), 1 if backend == "cpu render" else repeats)
+        with kernels("ref"):
+            expect = op.reference(*args, **ref_kwargs)
+            mx.eval(expect)
+            if backend == "reference":
+                row["us"] = _time(lambda: op.reference(*args, **ref_kwargs), repeats)
+                row["status"] = "reference"
+                return row
+        with kernels(mode):
+            got = op.fn(*args, **kwargs)
+            mx.eval(got)
+            row["error"], row["tolerance"] = compare(got, expect, activation_dtype(op.args))
+            row["status"] = "ok" if row["error"] <= row["tolerance"] else "WRONG"
+            row["us"] = _time(lambda: op.fn(*args, **kwargs), 1 if mode == "cpu" else repeats)
     except _dialect.KernelFailed as e:
         row["status"] = f"FAILED: {e}"
     except Exception as e:  # noqa: BLE001 (reported in its row: the doctor checks everything it can)
@@ -173,11 +205,7 @@ def run(text: dict, dtype: mx.Dtype, bits: int | None, group_size: int, *, repea
                     rows.append(run_row(calls[name], size, _dialect.backend(), repeats))
             continue
         if name in small and cpu_render.available():
-            os.environ["LATTICE_KERNELS"] = "cpu"
-            try:
-                rows.append(run_row(small[name], "small", "cpu render", repeats))
-            finally:
-                os.environ.pop("LATTICE_KERNELS")
+            rows.append(run_row(small[name], "small", "cpu render", repeats))
         if name in full:
             rows.append(run_row(full[name], "model", "reference", max(1, repeats // 4)))
     return rows

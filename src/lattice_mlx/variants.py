@@ -102,15 +102,21 @@ def _head_forwards(model: Model, widths: Iterable[int]) -> None:
 def model_calls(args: dict, *, dtype: mx.Dtype, bits: int | None, group_size: int,
                 widths: Iterable[int] = WIDTHS) -> list[_dialect.Call]:
     """The kernel calls a model of text config `args` makes (reduced to one layer of each kind) with weights of
-    `dtype` quantized to `bits` (None: unquantized) in groups of `group_size`."""
+    `dtype` quantized to `bits` (None: unquantized) in groups of `group_size`: once with every kernel there, and
+    once with every kernel failing, so that the calls a reference makes in its place (the fused GDN form's reference
+    runs the plain recurrence kernel) are listed too."""
     widths = tuple(widths)
     model = placeholder_model(ModelArgs.from_dict(reduced(args)), dtype=dtype, bits=bits, group_size=group_size)
-    # layer by layer: a compiled layer calls the same kernels, but its recorded arguments would be trace placeholders
-    with compiled.forced(False), _dialect.recording() as calls:
-        _target_forwards(model, widths)
-        if model.has_mtp:
-            _head_forwards(model, widths)
-    return list(calls)
+    found = []
+    for spy in (False, True):
+        # layer by layer: a compiled layer calls the same kernels, but its recorded arguments would be trace
+        # placeholders
+        with compiled.forced(False), _dialect.recording(spy=spy) as calls:
+            _target_forwards(model, widths)
+            if model.has_mtp:
+                _head_forwards(model, widths)
+        found += calls
+    return found
 
 
 def distinct(calls: Iterable[_dialect.Call]) -> dict[tuple, _dialect.Call]:
