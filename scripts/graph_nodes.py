@@ -13,6 +13,7 @@ else differs. Values are meaningless (the stand-ins output zeros), shapes are ex
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -44,13 +45,12 @@ def fake_kernels() -> None:
     mx.fast.cuda_kernel = make
     mx.fast.metal_kernel = make
     mx.cuda.is_available = lambda: True
-    import lattice_mlx.metal as metal
     from lattice_mlx.metal import q4_embedding
 
     q4_embedding.rounding_for = lambda dtype: 0  # (it calibrates against MLX's lookup by running the kernel)
 
     def on() -> bool:
-        return metal.os.environ.get("LATTICE_KERNELS", "").lower() != "ref"
+        return os.environ.get("LATTICE_KERNELS", "").lower() != "ref"
 
     for name, module in list(sys.modules.items()):
         if name.startswith("lattice_mlx") and getattr(module, "use_kernels", None) is not None:

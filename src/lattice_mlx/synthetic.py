@@ -27,6 +27,16 @@ QWEN3_5_4B = dict(
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
     linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
 )
+QWEN3_5_2B = dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
+)
+QWEN3_5_9B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False,
+)
 # Qwen3.5-27B's text shape (64 layers, 48 GDN : 16 attention; untied): ~15 GB at Q4, for multi-GPU benchmarks.
 QWEN3_5_27B = dict(
     hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
@@ -40,6 +50,19 @@ QWEN3_5_35B_A3B = dict(
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
     linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
     moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+# The larger MoE shapes (every layer MoE; the dense intermediate size is unused), for the Metal source check.
+QWEN3_5_122B_A10B = dict(
+    hidden_size=3072, intermediate_size=1024, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+)
+QWEN3_5_397B_A17B = dict(
+    hidden_size=4096, intermediate_size=1024, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
 )
 
 
@@ -307,5 +330,7 @@ class OracleTreeDrafter(TreeDrafter):
 
 # The family's text configs (hub layout, one MTP layer as the checkpoints have) that the Metal source check covers
 # (tests/metal/test_metal_sources.py).
+# Shapes from public configs (Qwen3.5 model cards and training scripts that carry their config.json values).
 FAMILY = {name: hub_config(**shape)["text_config"] for name, shape in (
-    ("0.8b", QWEN3_5_0_8B), ("4b", QWEN3_5_4B), ("27b", QWEN3_5_27B), ("35b-a3b", QWEN3_5_35B_A3B))}
+    ("0.8b", QWEN3_5_0_8B), ("2b", QWEN3_5_2B), ("4b", QWEN3_5_4B), ("9b", QWEN3_5_9B), ("27b", QWEN3_5_27B),
+    ("35b-a3b", QWEN3_5_35B_A3B), ("122b-a10b", QWEN3_5_122B_A10B), ("397b-a17b", QWEN3_5_397B_A17B))}

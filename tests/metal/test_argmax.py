@@ -6,7 +6,7 @@ import pytest
 
 from lattice_mlx.metal.argmax import argmax, argmax_kernel, argmax_ref, supported
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def logits(shape, dtype, seed=0, ties=False):

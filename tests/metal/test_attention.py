@@ -13,7 +13,7 @@ from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, c
 from lattice_mlx.metal import _dialect, attention, use_kernels
 from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_kernel, sdpa_ref, supported
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def make_inputs(B, Hq, Hkv, T, L, D, dtype, *, seed=0, pad=13):

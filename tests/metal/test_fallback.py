@@ -1,6 +1,6 @@
 """A kernel that fails to build falls back to its reference, alone, with one line on stderr, and the generation is
 the all-reference one; and the CPU render catches an off-by-one planted in a kernel body. Runs on a GPU backend, or
-through the CPU render (tests/metal/conftest.py)."""
+through the CPU render (tests/conftest.py)."""
 
 import mlx.core as mx
 import numpy as np

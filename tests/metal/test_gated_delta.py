@@ -17,7 +17,7 @@ from lattice_mlx.metal.gated_delta import (
     gated_delta_update,
 )
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, *, seed=0, with_state=True):

@@ -15,7 +15,7 @@ from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, g
 from lattice_mlx.metal.gated_delta_tree import _BODY, gated_delta_tree, gated_delta_tree_kernel
 from lattice_mlx.spec import parse_tree
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def drafter_parents(spec: str) -> list[int]:

@@ -5,7 +5,7 @@ import pytest
 
 from lattice_mlx import SpecOptions, generate, load
 
-pytestmark = pytest.mark.kernels  # a GPU backend, or LATTICE_KERNELS=cpu (tests/metal/conftest.py)
+pytestmark = pytest.mark.kernels  # a GPU backend, or LATTICE_KERNELS=cpu (tests/conftest.py)
 
 
 def test_demo_logits_with_kernels_equal_the_reference(monkeypatch):

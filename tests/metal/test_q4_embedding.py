@@ -8,7 +8,7 @@ import pytest
 from lattice_mlx.metal.q4_embedding import q4_embedding, q4_embedding_kernel, rounding_for, supported
 from lattice_mlx.models.qwen3_5 import Q4Embedding, route_quantized
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def table(V, K, group_size, dtype, seed=0):

@@ -6,7 +6,7 @@ from _tol import assert_close, out_key
 from lattice_mlx.metal import q4_matmul as q4_module
 from lattice_mlx.metal.q4_matmul import Pre, prologue_ref, q4_matmul, q4_matmul_kernel, q4_matmul_ref, quantized_matmul
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def make(M, N, K, group_size, dtype, *, seed=0, lead=()):

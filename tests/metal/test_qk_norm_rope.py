@@ -13,7 +13,7 @@ from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, c
 from lattice_mlx.metal import _dialect
 from lattice_mlx.metal.qk_norm_rope import _BODY, qk_norm_rope, qk_norm_rope_kernel, qk_norm_rope_ref, supported
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def make(Hq, Hkv, D, T, dtype, *, seed=0):

@@ -8,7 +8,7 @@ from _tol import assert_close, out_key
 
 from lattice_mlx.metal.rms_pair import rms_pair, rms_pair_kernel, rms_pair_ref, supported
 
-needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/metal/conftest.py)
+needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
 def case(shape, dtype, seed=0, norms_n=2):
