@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 
@@ -192,23 +193,21 @@ def run_row(call: _dialect.Call, size: str, backend: str, repeats: int) -> dict:
     return row
 
 
-def run(text: dict, dtype: mx.Dtype, bits: int | None, group_size: int, *, repeats: int = 20) -> list[dict]:
-    """The rows for a model of text config `text` (see the module docstring)."""
+def run(text: dict, dtype: mx.Dtype, bits: int | None, group_size: int, *, repeats: int = 20) -> Iterator[dict]:
+    """The rows for a model of text config `text` (see the module docstring), one at a time."""
     small = first_per_kernel(model_calls({**text, **SMALL}, dtype=dtype, bits=bits, group_size=group_size))
     full = first_per_kernel(model_calls(text, dtype=dtype, bits=bits, group_size=group_size))
     gpu = use_kernels() and _dialect.mode() != "cpu"
-    rows = []
     for name in sorted(set(small) | set(full)):
         if gpu:
             for size, calls in (("small", small), ("model", full)):
                 if name in calls:
-                    rows.append(run_row(calls[name], size, _dialect.backend(), repeats))
+                    yield run_row(calls[name], size, _dialect.backend(), repeats)
             continue
         if name in small and cpu_render.available():
-            rows.append(run_row(small[name], "small", "cpu render", repeats))
+            yield run_row(small[name], "small", "cpu render", repeats)
         if name in full:
-            rows.append(run_row(full[name], "model", "reference", max(1, repeats // 4)))
-    return rows
+            yield run_row(full[name], "model", "reference", max(1, repeats // 4))
 
 
 def versions() -> dict:
@@ -222,21 +221,21 @@ def versions() -> dict:
         chip = mx.device_info().get("device_name", "")
     except Exception:  # noqa: BLE001 (an older MLX, or no device: the OS's word instead)
         chip = ""
-    return {"mlx": version("mlx"), "mlx-lm": version("mlx-lm"), "lattice-mlx": version("lattice-mlx"),
+    from . import __version__
+
+    return {"mlx": version("mlx"), "mlx-lm": version("mlx-lm"), "lattice-mlx": __version__,
             "os": platform.platform(), "chip": chip or platform.processor() or platform.machine(),
             "backend": "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "cpu"}
 
 
-def table(rows: list[dict]) -> str:
-    head = f"{'kernel':32} {'size':5} {'backend':10} {'max error':>10} {'tolerance':>9} {'us/call':>9}  status  variant"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        err = "-" if r["error"] is None else f"{r['error']:.2e}"
-        tol = "-" if r["tolerance"] is None else f"{r['tolerance']:.0e}"
-        us = "-" if r["us"] is None else f"{r['us']:.1f}"
-        lines.append(f"{r['kernel']:32} {r['size']:5} {r['backend']:10} {err:>10} {tol:>9} {us:>9}  {r['status']}  "
-                     f"{r['variant']}")
-    return "\n".join(lines)
+HEADER = f"{'kernel':32} {'size':5} {'backend':10} {'max error':>10} {'tolerance':>9} {'us/call':>9}  status  variant"
+
+
+def format_row(r: dict) -> str:
+    err = "-" if r["error"] is None else f"{r['error']:.2e}"
+    tol = "-" if r["tolerance"] is None else f"{r['tolerance']:.0e}"
+    us = "-" if r["us"] is None else f"{r['us']:.1f}"
+    return f"{r['kernel']:32} {r['size']:5} {r['backend']:10} {err:>10} {tol:>9} {us:>9}  {r['status']}  {r['variant']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model: {args.model or 'the embedded demo model'} ({dtype}, "
           f"{f'{bits}-bit, group {group_size}' if bits else 'unquantized'})")
-    rows = run(text, dtype, bits, group_size, repeats=args.repeats)
-    print(table(rows))
+    print(HEADER + "\n" + "-" * len(HEADER), flush=True)
+    rows = []
+    for row in run(text, dtype, bits, group_size, repeats=args.repeats):  # a row as soon as it is known
+        rows.append(row)
+        print(format_row(row), flush=True)
     info = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     bad = [r for r in rows if r["status"] not in ("ok", "reference")]
