@@ -266,6 +266,14 @@ def op(reference: Callable) -> Callable:
     return wrap
 
 
+def variant_key(name: str, inputs, template, output_dtypes, threadgroup) -> tuple:
+    """What the compiled source depends on (MLX's metal_kernel: the template, each input's dtype and whether it is a
+    scalar or under 8 elements, the output dtypes) and the threadgroup, which a launch checks. Hashable, and cheap:
+    a launch outside a trace computes it (~2 us)."""
+    return (name, tuple(template), tuple((a.dtype, a.ndim == 0, a.size < 8) for a in inputs), tuple(output_dtypes),
+            tuple(threadgroup))
+
+
 @dataclass(frozen=True)
 class Call:
     """One launch a dispatcher asked for: the kernel and its arguments (what `recording` collects), and the op call
@@ -282,16 +290,7 @@ class Call:
     op: OpCall | None = None
 
     def variant(self) -> tuple:
-        """What the compiled source depends on (MLX's metal_kernel: the template, each input's dtype and whether it
-        is a scalar or under 8 elements, the output dtypes) and the threadgroup, which a launch checks."""
-        ins = tuple((str(a.dtype), a.ndim == 0, a.size < 8) for a in self.inputs)
-        return (self.kernel.name, tuple((k, str(v)) for k, v in self.template), ins,
-                tuple(str(d) for d in self.output_dtypes), self.threadgroup)
-
-    def launch(self, impl, inputs=None) -> list[mx.array]:
-        return impl(inputs=list(self.inputs if inputs is None else inputs), template=list(self.template),
-                    grid=self.grid, threadgroup=self.threadgroup, output_shapes=[tuple(s) for s in self.output_shapes],
-                    output_dtypes=list(self.output_dtypes), init_value=self.init_value)
+        return variant_key(self.kernel.name, self.inputs, self.template, self.output_dtypes, self.threadgroup)
 
 
 _recorder: list[Call] | None = None
@@ -364,10 +363,10 @@ class Kernel:
                  output_shapes: list, output_dtypes: list, init_value: float | None = None) -> list[mx.array]:
         if self.name in _FAILED:
             raise KernelFailed(f"{self.name}: {_FAILED[self.name]}")
-        call = Call(self, tuple(inputs), tuple(template), tuple(grid), tuple(threadgroup),
-                    tuple(tuple(s) for s in output_shapes), tuple(output_dtypes), init_value,
-                    _ops[-1] if _ops else None)
         if _recorder is not None:
+            call = Call(self, tuple(inputs), tuple(template), tuple(grid), tuple(threadgroup),
+                        tuple(tuple(s) for s in output_shapes), tuple(output_dtypes), init_value,
+                        _ops[-1] if _ops else None)
             _recorder.append(call)
             if _spying:
                 raise KernelFailed("spied: the reference runs")
@@ -375,19 +374,20 @@ class Kernel:
         dialect = backend()
         if dialect == "cpu":  # the render reads its inputs now: not possible inside an mx.compile trace
             try:
-                mx.eval(list(call.inputs))
+                mx.eval(inputs)
             except Exception as e:  # noqa: BLE001 (not the kernel's failure: the reference runs, nothing is marked)
                 raise KernelFailed(f"the CPU render cannot read these inputs ({e})") from e
+        launch = dict(template=template, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
+                      output_dtypes=output_dtypes, init_value=init_value)
         try:
             impl = self._impl(dialect)
-            variant = call.variant()
-            if dialect != "cpu" and variant not in self.launched:
-                zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in call.inputs]
-                mx.eval(call.launch(impl, zeros))
-            self.launched.add(variant)
-            return call.launch(impl)
-        except KernelFailed:
-            raise
+            variant = variant_key(self.name, inputs, template, output_dtypes, threadgroup)
+            if variant not in self.launched:
+                if dialect != "cpu":
+                    zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in inputs]
+                    mx.eval(impl(inputs=zeros, **launch))
+                self.launched.add(variant)
+            return impl(inputs=inputs, **launch)
         except Exception as e:  # noqa: BLE001 (any failure of a build or launch: this kernel falls back for good)
             self.fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", dialect)
             raise KernelFailed(f"{self.name}: {_FAILED[self.name]}") from e
