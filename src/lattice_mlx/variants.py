@@ -82,11 +82,10 @@ def _target_forwards(model: Model, widths: Iterable[int]) -> None:
         argmax(model(_tokens(model, len(parents)), cache, tree=Tree(parents)))
 
 
-def _head_forwards(model: Model, widths: Iterable[int]) -> None:
+def _head_forwards(model: Model, widths: Iterable[int], vocabs: list[DraftVocab]) -> None:
     """The MTP head as the drafters run it: fed T verified positions, a draft step from its own output (the hidden's
     norm fused into its input), the logits of its output over the whole vocabulary and over draft vocabularies."""
     head, H = model.mtp, model.args.hidden_size
-    vocabs = [DraftVocab(range(n)) for n in DRAFT_VOCABS if n < model.args.vocab_size]
     for T in widths:
         cache = head.make_cache()
         embeds = model.model.embed_tokens(_tokens(model, T))
@@ -108,13 +107,15 @@ def model_calls(args: dict, *, dtype: mx.Dtype, bits: int | None, group_size: in
     widths = tuple(widths)
     model = placeholder_model(ModelArgs.from_dict(reduced(args)), dtype=dtype, bits=bits, group_size=group_size)
     found = []
+    # made once: a draft vocabulary gathers its lm_head rows on first use (the one thing here that is evaluated)
+    vocabs = [DraftVocab(range(n)) for n in DRAFT_VOCABS if n < model.args.vocab_size] if model.has_mtp else []
     for spy in (False, True):
         # layer by layer: a compiled layer calls the same kernels, but its recorded arguments would be trace
         # placeholders
         with compiled.forced(False), _dialect.recording(spy=spy) as calls:
             _target_forwards(model, widths)
             if model.has_mtp:
-                _head_forwards(model, widths)
+                _head_forwards(model, widths, vocabs)
         found += calls
     return found
 

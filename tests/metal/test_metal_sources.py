@@ -20,7 +20,12 @@ from lattice_mlx.metal import metal_source  # noqa: E402
 from lattice_mlx.synthetic import FAMILY  # noqa: E402
 
 DEMO = Path(variants.__file__).parent / "assets" / "demo" / "config.json"
-CONFIGS = {"demo": json.loads(DEMO.read_text())["text_config"], **FAMILY}
+_demo = json.loads(DEMO.read_text())["text_config"]
+# Head dims the dispatchers take that no checkpoint above has: attention D = 128, GDN Dk = 96 (an odd number of
+# 32-lane chunks) with Dv = 48, and GDN Dk = Dv = 256 (the largest Dk the kernels take)
+DIMS = {"dims-d128-dk96": {**_demo, "head_dim": 128, "linear_key_head_dim": 96, "linear_value_head_dim": 48},
+        "dims-dk256": {**_demo, "linear_key_head_dim": 256, "linear_value_head_dim": 256}}
+CONFIGS = {"demo": _demo, **FAMILY, **DIMS}
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 # (bits, group size): 4-bit affine in every group size the kernels take, 8-bit (no fused matmul kernel: the other
 # kernels still run) and unquantized weights (the dense matmul kernel)
