@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from lattice_mlx import load
+from lattice_mlx import load, make_draft_model
 from lattice_mlx.cache import TRIM_WINDOW, GDNCache
 from lattice_mlx.synthetic import random_checkpoint
 
@@ -104,7 +104,7 @@ def test_trim_is_exact_and_bounded(pair):
         trim_prompt_cache(cache, 1)
 
 
-# --- the MTP head as mlx-lm's draft model (Model.make_draft_model, draft_model.py) ---
+# --- the MTP head as mlx-lm's draft model (lattice_mlx.make_draft_model, draft_model.py) ---
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -114,7 +114,7 @@ def test_mtp_draft_model_in_mlx_lm_is_greedy_exact(checkpoints, k):
         target, tok = load(path)
         for prompt in ([5, 9, 33, 21, 7, 100], [250]):
             plain = _tokens(target, tok, prompt, 30)
-            got = _tokens(target, tok, prompt, 30, draft_model=target.make_draft_model(), num_draft_tokens=k)
+            got = _tokens(target, tok, prompt, 30, draft_model=make_draft_model(target), num_draft_tokens=k)
             assert got == plain, (name, prompt)
 
 
@@ -144,7 +144,7 @@ def test_mtp_draft_model_accepts_what_the_own_loop_accepts(prompt_len):
     plain = _tokens(target, tok, prompt, 60)
     for k in (1, 3):
         out = list(mlx_lm_generate.stream_generate(target, tok, prompt, max_tokens=60,
-                                                   draft_model=target.make_draft_model(), num_draft_tokens=k))
+                                                   draft_model=make_draft_model(target), num_draft_tokens=k))
         assert [r.token for r in out] == plain
         own = _own_accepted(target, prompt, 60, k)
         assert own >= 10 and sum(r.from_draft for r in out) >= 0.8 * own, (k, own, sum(r.from_draft for r in out))
@@ -156,7 +156,7 @@ def test_mtp_draft_model_with_a_draft_vocabulary_drafts_inside_it():
     target, tok = load()
     prompt = tok.encode("import os\n")
     plain = _tokens(target, tok, prompt, 30)
-    draft = target.make_draft_model()
+    draft = make_draft_model(target)
     target.mtp.draft_vocab = DraftVocab(range(64))  # ids 0..63 only
     try:
         cache = draft.make_cache()
@@ -174,11 +174,11 @@ def test_sampled_speculation_with_the_mtp_draft_model_keeps_the_distribution(tmp
                                          intermediate_size=64, num_hidden_layers=4))
     trials = 400
     plain = _sampled(target, tok, None, range(10, 10 + trials))
-    spec = _sampled(target, tok, target.make_draft_model(), range(600_000, 600_000 + trials))
+    spec = _sampled(target, tok, make_draft_model(target), range(600_000, 600_000 + trials))
     assert _min_pvalue(plain, spec) > 1e-3
 
 
 def test_make_draft_model_without_mtp_weights_is_one_clear_error(no_mtp_checkpoint):
     target, _ = load(no_mtp_checkpoint)
     with pytest.raises(ValueError, match=r"make_draft_model\(\) needs MTP weights"):
-        target.make_draft_model()
+        make_draft_model(target)

@@ -47,7 +47,7 @@ from .bench_report import (
 )
 from .cli import ArgumentParser
 from .decode import generate_step
-from .draft_model import OracleDraftModel
+from .draft_model import OracleDraftModel, make_draft_model
 from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
 from .models import compiled
 from .models.fuse import hf_parameters
@@ -393,11 +393,11 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
 
 def mlx_lm_spec_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max: int,
                        reference: list[int] | None, seed: int):
-    """mlx-lm's speculative_generate_step with `Model.make_draft_model()` (or, with leg.p, SYNTHETIC drafts: the
+    """mlx-lm's speculative_generate_step with `make_draft_model(model)` (or, with leg.p, SYNTHETIC drafts: the
     head runs for its cost, then OracleDraftModel proposes the recorded continuation with probability p). Its
     rounds are read back from mlx-lm's from_draft flags into SpecStats."""
     mlx_lm_generate = importlib.import_module("mlx_lm.generate")
-    draft = target.model.make_draft_model() if leg.p is None else \
+    draft = make_draft_model(target.model) if leg.p is None else \
         OracleDraftModel(target.model, reference, leg.p, len(ids), seed=seed)
     stats = SpecStats(draft="mtp", verify="mlx-lm", draft_tokens=leg.k)
     steps = mlx_lm_generate.speculative_generate_step(mx.array(ids), target.model, draft, num_draft_tokens=leg.k,

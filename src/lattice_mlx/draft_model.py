@@ -1,5 +1,5 @@
-"""The MTP head as an mlx-lm draft model: `model.make_draft_model()` for `mlx_lm.stream_generate(model, tokenizer,
-prompt, draft_model=..., num_draft_tokens=K)` (mlx-lm's own speculative loop; the target's GDN caches are trimmable,
+"""The MTP head as an mlx-lm draft model: `lattice_mlx.make_draft_model(model)` for `mlx_lm.stream_generate(model,
+tokenizer, prompt, draft_model=..., num_draft_tokens=K)` (mlx-lm's own speculative loop; the target's GDN caches are trimmable,
 cache.GDNCache).
 
 mlx-lm calls a draft model with tokens only, `draft(tokens [1, T], cache)`; the head also needs the target's hidden
@@ -21,6 +21,12 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .decode import PREFILL_STEP
+
+
+def make_draft_model(model) -> "MTPDraftModel":
+    """The MTP head of `model` as a draft model for mlx-lm's speculative loop: from now on the model publishes the
+    hidden of each forward to it (`MTPDraftModel.close` stops that)."""
+    return MTPDraftModel(model)
 
 
 class HiddenTap:

@@ -525,7 +525,7 @@ class Model(nn.Module):
                  return_hidden: bool = False, mask: mx.array | str | None = None, tree: Tree | None = None):
         """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
-        tap = self.__dict__.get("_hidden_tap")  # make_draft_model(): the MTP draft model reads every hidden
+        tap = self.__dict__.get("_hidden_tap")  # lattice_mlx.make_draft_model: the draft model reads every hidden
         first = next((c for c in cache if hasattr(c, "offset")), None) if tap is not None and cache else None
         start = first.offset if first is not None else None
         pre = self.model(inputs, cache, input_embeddings, mask, tree)
@@ -536,13 +536,6 @@ class Model(nn.Module):
         if start is not None and tree is None:
             tap.record(start, hidden[0], first)
         return (logits, hidden) if return_hidden else logits
-
-    def make_draft_model(self):
-        """The MTP head as a draft model for mlx-lm's speculative loop (draft_model.MTPDraftModel): from now on
-        this model publishes the hidden of each forward to it."""
-        from ..draft_model import MTPDraftModel
-
-        return MTPDraftModel(self)
 
     def head_input(self, pre: mx.array) -> mx.array:
         """The final hidden the MTP head reads: after the final norm unless the head says `input_hidden = "pre"`."""
