@@ -59,7 +59,7 @@ class FixedKVCache:
     fixed capacity, `offset` an int32 scalar array. A forward writes its T rows at `offset` without moving it; the
     loop then advances it by the accepted count, itself a device array, so no round waits for the host. The rows
     go in with one scatter per buffer (`mx.put_along_axis` at device row indices): a `mx.slice_update` at a device
-    start costs two kernels on MLX's CUDA backend, ~14 us each (run 14, CUPTI: 330 us of a 1.5 ms step). Attention
+    start costs two kernels on MLX's CUDA backend (docs/results/code_measurements.md, 'Device-side KV writes'). Attention
     reads the first `bound` + T rows (`bound`: a host-side upper bound of the offset, kept by the loop) and masks to
     `length` (offset + T) on the device; rows past the length are stale drafts, never read. The write's start is clamped
     on the device (MLX bounds-checks neither a scatter nor a dynamic slice), and the buffers grow in blocks of GROW rows

@@ -14,8 +14,8 @@ from .switches import Switch
 PREFILL_STEP = 512
 
 # Traced plain steps: a decode step (forward, sampling, cache writes) is one mx.compile trace, replayed every step.
-# Python building a 0.8B step's graph took ~0.8 ms of a ~1.9 ms step on the H200 host even with the per-layer
-# traces of models/compiled.py (run 12, scripts/round_host.py), and the GPU then idled (span / busy 1.8).
+# Building a step's graph in Python is a large part of a step on a fast GPU even with the per-layer traces of
+# models/compiled.py, and the GPU then idles (docs/results/code_measurements.md, 'Host-bound decoding, and traces').
 # LATTICE_TRACE_STEPS=0 builds every step in Python (layer by layer, or per-layer traces).
 _SWITCH = Switch("LATTICE_TRACE_STEPS", "traced plain steps", "built per step")
 tracing_enabled = _SWITCH.enabled

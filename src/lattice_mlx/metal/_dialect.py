@@ -269,7 +269,7 @@ def op(reference: Callable) -> Callable:
 def variant_key(name: str, inputs, template, output_dtypes, threadgroup) -> tuple:
     """What the compiled source depends on (MLX's metal_kernel: the template, each input's dtype and whether it is a
     scalar or under 8 elements, the output dtypes) and the threadgroup, which a launch checks. Hashable, and cheap:
-    a launch outside a trace computes it (~2 us)."""
+    every launch outside a trace computes it."""
     return (name, tuple(template), tuple((a.dtype, a.ndim == 0, a.size < 8) for a in inputs), tuple(output_dtypes),
             tuple(threadgroup))
 

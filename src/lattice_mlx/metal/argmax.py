@@ -1,7 +1,7 @@
 """Greedy argmax over the vocabulary in one launch: one threadgroup of 1,024 threads per row.
 
-MLX's CUDA `arg_reduce` took 28-40 us of GPU time for one 248,320-wide row on the H200 (CUPTI, run 16): 36.6 us of
-a plain step's 1,236, and 162 us of a K=3 round's (three drafts and the verify). A row of logits is ~0.5 MB; here
+MLX's CUDA `arg_reduce` spends tens of microseconds of GPU time on one 248,320-wide row, a few percent of a plain
+step and more of a round (docs/results/code_measurements.md, 'Argmax'). A row of logits is ~0.5 MB; here
 1,024 threads each read 16-byte chunks, four in flight, keep the first maximum they meet, and a warp shuffle and one
 threadgroup pass pick the first maximum of the row. Same result as `mx.argmax(x, axis=-1)`: the index of the first
 maximal value (uint32), except that a NaN is never chosen here (a row of NaNs gives 0).

@@ -223,8 +223,8 @@ def num_splits(L: int, split_keys: int = SPLIT_KEYS) -> int:
 
 
 # Parameter arrays are padded to 16 bytes (the kernel reads the head): arrays of <= 8 bytes, which MLX's CUDA
-# allocator serves from a shared managed pool, were read more slowly in two measurements (this kernel: 16.3 us
-# against 14.9 us per launch at T = 1, run 18; the GDN kernel's pick: 23.2 against 7.4 us, run 20).
+# allocator serves from a shared managed pool, were read more slowly (docs/results/code_measurements.md, 'Small
+# parameter arrays').
 @functools.cache
 def _int_pair(a: int, b: int) -> mx.array:
     return mx.array([a, b, 0, 0], dtype=mx.int32)
@@ -311,12 +311,10 @@ def sdpa_kernel(
 
 
 # The kernel serves every T <= 16 at every length, so that a verify row and the decode step at its position run the
-# same reduction (batch invariance; MLX's SDPA picks other kernels for one row and for several). On the H200 (run 3,
-# docs/bench/h200/run3/kernels_new.out, Qwen3.5-0.8B attention shapes, the earlier split rule) the kernel won at T = 1
-# at every length measured, up to 16,384 keys (77 vs 81 us), and at T=4 (16,384 keys: 137 vs 145 us); it lost at T=9
-# past ~7k keys (16,384 keys: 231 vs 153 us), a cost accepted for exactness. An earlier cap sent longer contexts to
-# MLX's SDPA: at 20,000 keys, T=16, bf16 its output missed the fp32 reference by a relative RMS of 0.0197 (H200 at
-# 124521f, test_kernel_qwen_shapes[verify-20k]; the kernel's tolerance is 0.008), so there is no cap now.
+# same reduction (batch invariance; MLX's SDPA picks other kernels for one row and for several). It is slower than
+# MLX's SDPA only for wide verifies over long contexts, a cost accepted for exactness; an earlier cap that sent long
+# contexts to MLX's SDPA lost accuracy past the kernel's tolerance there, so there is no cap
+# (docs/results/code_measurements.md, 'Attention at every length').
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,

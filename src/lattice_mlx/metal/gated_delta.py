@@ -319,8 +319,8 @@ _BODY_BATCHED = _PREAMBLE + """
 """
 
 _BODIES = {"serial": _BODY, "batched": _BODY_BATCHED}
-# H200, B=1, 16 heads x 128 x 128, bf16 (docs/bench/kernels/): serial 11.4 / 15.7 / 27.4 us at T = 1 / 4 / 9,
-# batched 21.1 / 18.0 / 25.7 us; at T = 512 / 2048 serial 432 / 2071 us, batched 248 / 1274 us.
+# The batched form from this T on: below it the serial form is faster, above it the batched one
+# (docs/results/code_measurements.md, 'GDN kernel's two forms').
 BATCHED_FROM_T = 16
 _INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in")
 _OUTPUTS = ("y", "state_out")
@@ -401,7 +401,7 @@ def gated_delta_update(
 
 # --- decode / verify with the causal conv fused in -----------------------------------------------------------------
 # The GDN mixer's conv (depthwise, width KC, then SiLU) fed the kernel through concatenate + conv1d + SiLU + split +
-# three contiguous copies: ~7 ops of ~6 us each on the H200, against ~9 us for the recurrence itself. This form
+# three contiguous copies: ~7 launches, costing more than the recurrence itself (the same page). This form
 # reads the raw projection and the conv state, keeps each channel's window in registers, and writes the
 # concatenated conv input [B, KC-1+T, C] that the cache slices (new conv state) or keeps (rollback).
 _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
@@ -508,7 +508,7 @@ def conv_silu_ref(conv_in: mx.array, conv_w: mx.array) -> mx.array:
 
     KC shifted multiply-adds accumulated in fp32, the sum rounded to the activation type before the SiLU (where
     conv1d and the fused kernel round), not `mx.conv1d`: on CUDA conv1d goes through cuDNN, which plans per input
-    shape, so every new prompt length paid ~155-205 ms once (docs/bench/h200/run4/first_call.out)."""
+    shape, so every new prompt length paid a plan once (docs/results/code_measurements.md)."""
     KC = conv_w.shape[1]
     T = conv_in.shape[1] - KC + 1
     w = conv_w.astype(mx.float32)

@@ -1,7 +1,7 @@
 """The 4-bit embedding lookup in one kernel: out[t] = dequant(w[ids[t]]), MLX packing (as q4_matmul.py).
 
 MLX's `QuantizedEmbedding` gathers the weight rows, their scales and their biases, then dequantizes: four launches
-per lookup, and on MLX's CUDA backend every launch costs ~9 us of host dispatch. A plain step looks up one token and
+per lookup, and on MLX's CUDA backend every launch costs host dispatch (docs/results/code_measurements.md). A plain step looks up one token and
 an MTP round four times (the verify's rows and the head's three forwards), so this saves 3 launches a step and 12 a
 K = 3 round.
 

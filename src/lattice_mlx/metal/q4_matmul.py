@@ -4,7 +4,8 @@ dequant(w)[n, k] = s[n, k / G] q[n, k] + z[n, k / G]; P is an optional prologue 
 Shapes: x [..., K] (M = prod of the leading dims; other layouts per `Pre`); w [N, K / 8] uint32 (8 nibbles a word,
 low nibble first); scales, biases [N, K / G]; r and y [..., N] in x's dtype. With no prologue and no residual the
 result is `mx.quantized_matmul(..., transpose=True)`. One kernel launch replaces the norm / gate / residual ops
-around a projection: on MLX's CUDA backend every launch costs ~9 us of host dispatch whatever it computes.
+around a projection: on MLX's CUDA backend every launch costs host dispatch whatever it computes
+(docs/results/code_measurements.md, 'Launch costs').
 
 The same body also reads unquantized weights (`dense_matmul`: w [N, K] in x's dtype), for the linears a model keeps
 in bf16 (the MTP head, which `convert -q` leaves unquantized by default, or a whole unquantized checkpoint), so
@@ -317,11 +318,11 @@ def body(kind: str, residual: bool, glu: bool = False, fmt: str = "q4") -> str:
             .replace("{NO}", "N / 2" if glu else "N").replace("{RR}", "(2 * R)" if glu else "R"))
 
 
-# Rows of w per block by M, from the H200 sweep on the 248320 x 1024 lm_head (g64, us for R = 2 / 4 / 8):
-# M=1 97 / 84 / 80, M=2 125 / 105 / 115, M=4 189 / 154 / 174, M=6 269 / 190 / 243, M=8 352 / 281 / 284.
+# Rows of w per block by M: the fastest in a sweep on the 248,320 x 1,024 lm_head (docs/results/code_measurements.md,
+# 'rows per block').
 ROWS = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
-# Fewer rows per block (and K split over up to 4 warps where N is small) until this many warps are in flight: on
-# the H200 a 1024 x 3584 projection with 4 rows a warp ran 256 warps, too few to hide the loads' latency.
+# Fewer rows per block (and K split over up to 4 warps where N is small) until this many warps are in flight: fewer
+# warps cannot hide the loads' latency (the same page).
 MIN_WARPS = 1024
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -457,7 +458,7 @@ def dense_matmul_kernel(x: mx.array, w: mx.array, *, pre: Pre | None = None, res
 
 
 # MLX 0.32.4's CUDA quantized matmul returns wrong rows at K = 64 with group size 64 once x has two rows or more
-# (H200 run 15, scripts/gpu_diag_g64.py: max error 23-47 against the CPU stream; one row, and group 32, exact). Only
+# (docs/results/code_measurements.md, 'small K'; one row, and group 32, are exact). Only
 # the tiny test shapes have a K that small, where it turned the prefill logits NaN; below SMALL_K on a CUDA device
 # the weight is dequantized and multiplied instead (the fused kernel covers up to 8 rows wherever it applies).
 SMALL_K = 256
@@ -498,10 +499,9 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
                    residual=residual, glu=glu)
 
 
-# The dense kernel's weights at most (elements). H200 run 16 (CUPTI, bf16, us): at the MTP head's shapes (up to 7.3M
-# weights) it took 1 launch for the plain ops' 2-5 and less GPU time at M = 1 (3.7-5.3 against 4.3-7.9); on a bf16
-# lm_head (248,320 x 1,024) it read at ~3.5 TB/s against cuBLAS's ~4.4 (145 against 115 us at M = 1, 199 against 121
-# at M = 4), more than the launch it saves. Above this size the plain ops run.
+# The dense kernel's weights at most (elements): at the MTP head's shapes it saves launches and GPU time, but on a
+# whole bf16 lm_head it reads slower than cuBLAS by more than the launch it saves (docs/results/code_measurements.md,
+# 'dense kernel'). Above this size the plain ops run.
 DENSE_MAX_WEIGHTS = 1 << 25
 
 

@@ -2,7 +2,8 @@
 
 The head reads the embedding of the next token and the target's hidden, each through its own RMSNorm, and
 concatenates them for its fc projection. MLX runs that as two norms and two copies: four launches per head forward,
-twelve per K = 3 round, and on MLX's CUDA backend every launch costs ~9 us of host dispatch. Rounding as the unfused
+twelve per K = 3 round, and on MLX's CUDA backend every launch costs host dispatch
+(docs/results/code_measurements.md). Rounding as the unfused
 ops round (as qk_norm_rope.py): x * rsqrt(mean(x^2) + eps) to the activation type, times the weight, rounded again.
 The sum of squares runs in another order than MLX's norm, so the result is within the activation type's rounding of
 the reference, not bitwise.

@@ -1,11 +1,10 @@
 """Compiled decode/verify forward (on by default; `LATTICE_COMPILE=0` runs layer by layer): each layer replayed
 from an `mx.compile` trace.
 
-Why: on the H200 decoding is host-bound (docs/adr/0001-e1-batched-verifier.md): building a 0.8B step's ~500 graph
-nodes in Python costs ~2.4 ms, which a verify round cannot hide and plain decoding hides only in part. Under
-`mx.compile` a layer is traced once per input shape (T = 1 for decode, K+1 for verify) and later calls replay the
-trace without running the layer's Python. Measured on the H200 (0.8B, 4B shapes, demo): plain decoding 1.16-1.56x
-faster, fixed-K MTP rounds 1.06-1.24x.
+Why: on a fast GPU decoding is host-bound (docs/adr/0001-e1-batched-verifier.md): building a step's graph in Python
+costs time a verify round cannot hide and plain decoding hides only in part. Under `mx.compile` a layer is traced
+once per input shape (T = 1 for decode, K+1 for verify) and later calls replay the trace without running the layer's
+Python (docs/results/code_measurements.md, 'Host-bound decoding, and traces', for what that bought).
 
 What is compiled: a GDN decoder layer whole (its cache passes in and out as arrays: conv window, state, and the
 per-step states when recording); a full-attention layer in two pieces around the KV-cache write and attention
@@ -15,9 +14,8 @@ forward of T <= MAX_T tokens is compiled (decode, verify, and prompts or prefill
 chunks, tree verifies, explicit masks and uncached calls take the layer path.
 
 Exactness (tests/test_compiled.py): the same logits and caches as the layer path to 1e-5 and the same greedy and
-seeded-sampled MTP tokens, on the CPU. On the H200 (run 4, an earlier version of those tests): the same greedy and
-seeded-sampled tokens, but a recorded 4-token verify's fp32 logits differed by up to 4.6e-3 in rows 1-3 (row 0 equal);
-TF32 matmuls are the suspect, not yet confirmed (the tests now switch TF32 off; ADR 0001). The layers'
+seeded-sampled MTP tokens, on the CPU, and on a GPU with TF32 matmuls off (the tests switch it off; with it on a
+recorded verify's fp32 logits differed in rows 1-3: the same page, ADR 0001). The layers'
 arrays are trace inputs read on every call, so weights changed after tracing are used; a replaced layer object or a
 changed LATTICE_KERNELS gets its own traces. Not detected: a submodule swapped for one of another class that keeps
 the very same arrays (retrace by deleting the owner's `_compiled`).

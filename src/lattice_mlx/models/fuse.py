@@ -1,8 +1,8 @@
 """Projection fusion: linears that read the same input become one matmul (exact; a load-time transform).
 
-On MLX's CUDA backend every op costs ~6 us whatever its size, so a decode step is bound by its op count: the
-GDN mixer's four input projections, the attention's q/k/v and the MLP's gate/up each become one matmul
-(H200, 0.8B shape, bf16 Q4 g64, T=1: 25.5 us -> 11.0 us, 21.4 -> 8.7, 14.7 -> 10.8; docs/bench/h200/).
+On MLX's CUDA backend every op costs host dispatch whatever its size, so a decode step is bound by its op count:
+the GDN mixer's four input projections, the attention's q/k/v and the MLP's gate/up each become one matmul
+(docs/results/code_measurements.md, 'Launch costs').
 Rows of a weight are independent (affine quantization groups run along the input dimension), so stacking the
 quantized rows, scales and biases is the same as quantizing the stacked matrix. Checkpoints keep Hugging Face
 names: conversion works on unfused models and `hf_parameters` splits a fused model's tensors back.

@@ -443,7 +443,7 @@ class Pipe:
     """This process's stage: layers [start, end) of a pipeline over `group` (rank size-1 runs the first layers,
     rank 0 the last, as mlx-lm's PipelineMixin orders them). `transport`: how a stage's hidden reaches the next one:
     "sendrecv" (mx.distributed.send / recv_like, what mlx-lm uses) or "collective" (all_sum with zeros from every
-    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv, seen on the H200; chosen for the whole CUDA
+    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv; chosen for the whole CUDA
     backend, so a ring or MPI group on a CUDA machine takes it too, which is exact there as well)."""
 
     group: Any
