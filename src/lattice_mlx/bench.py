@@ -289,8 +289,8 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
     same weight arrays for the stock leg."""
     if name in SHAPES:
         mx.random.seed(seed)
-        # float32 everywhere by default: on the H200 in bf16, the near-uniform logits of random weights let the
-        # batched verify and the recorded plain run disagree on argmax (oracle p=1 measured alpha ~0.1).
+        # float32 everywhere by default: in bf16 on a GPU, the near-uniform logits of random weights let the batched
+        # verify and the recorded plain run disagree on argmax (docs/results/code_measurements.md, 'Random weights').
         dtype = dtype or "float32"
         config = hub_config(**SHAPES[name])
         config["quantization"] = {"group_size": group_size, "bits": bits} if bits else None
@@ -524,7 +524,7 @@ def run_group(target: Target, legs: list[Leg], prompts: list[list[int]], *, temp
     for leg in legs:  # compiles kernels for every shape the leg uses, outside the timed runs
         log(f"[{label}] warming up {leg.name}")
         # an adaptive leg may reach any depth up to its K inside a timed run, and a verify shape's first use compiles
-        # it (seconds under CUDA: run 12's adaptive legs had 0.005-0.011x repetitions): every depth is run once first
+        # it (seconds under CUDA: docs/results/code_measurements.md, 'First use'): every depth is run once first
         warm = [dataclasses.replace(leg, adaptive=False, k=k) for k in range(1, leg.k + 1)] if leg.adaptive else []
         for w in [*warm, leg]:
             stream, _ = token_stream(target, w, prompts[0], temp, n_max=n_max, reference=reference(w, 0), seed=seed)

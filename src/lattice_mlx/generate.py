@@ -253,7 +253,7 @@ def setup_arg_parser() -> ArgumentParser:
                    "--prompt continues its prompt (raw text) and only the new tokens are prefilled")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers into stages, one per process (default: tensor parallel); "
-                   "for one stream the faster split on two H200s (docs/adr/0007-tensor-vs-pipeline.md)")
+                   "for one stream the faster split on two GPUs (docs/adr/0007-tensor-vs-pipeline.md)")
     add_speculation_args(p)
     return p
 

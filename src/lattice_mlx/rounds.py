@@ -79,10 +79,9 @@ def accept(logits: mx.array, drafts: mx.array, q: mx.array | None, sampler: Samp
 # The round's bookkeeping on device scalars, each compiled into one fused kernel (on a GPU every op is a launch, and
 # a round is bound by its launches): after a verify that kept n drafts, the attention offset + n + 1, the GDN pick
 # index [n + 1, n, n, n] and the generated count + n + 1; before drafting, the head's offsets for its K steps.
-# The pick index is padded to four int32 (the kernel reads the first two): the GDN kernel reading an 8-byte pick cost
-# 23.2 us per launch at T = 1 against 7.4 us with the same values at the head of a 16-byte array (H200, run 20,
-# bench_step_kernels.py; why is not established: MLX's CUDA allocator serves arrays of <= 8 bytes from a shared
-# managed pool, but a 4-byte key count cost the attention kernel nothing).
+# The pick index is padded to four int32 (the kernel reads the first two): an 8-byte pick made the GDN kernel's launch
+# several times slower than the same values at the head of a 16-byte array, for a reason not established
+# (docs/results/code_measurements.md, 'Small parameter arrays').
 _PICK = mx.array([1, 0, 0, 0], dtype=mx.int32)
 
 
@@ -99,8 +98,8 @@ def _head_offsets(k: int):
 
 
 # Traced rounds: a steady-state round (the same K as the round before, no plain-step backlog) is one
-# mx.compile trace, replayed every round. Building a round in Python took ~1.4 ms on the H200 host (of a ~3.7 ms
-# round; run 13, scripts/round_host.py); a replay hands MLX the same graph for ~0.45 ms. The caches' arrays, the
+# mx.compile trace, replayed every round: a replay hands MLX the graph for a fraction of the host time that building
+# the round in Python takes (docs/results/code_measurements.md, 'Host-bound decoding, and traces'). The caches' arrays, the
 # newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
 # key are captured inputs (read at every call: weights changed in place are what the next round computes with).
 # LATTICE_TRACE_ROUNDS=0 builds every round in Python.
@@ -226,7 +225,7 @@ class PipelinedRounds:
             # Always CATCH_UP_ROWS rows (the backlog pieces' count), the tail being copies of the newest slot: past
             # the head's true end (offset + pn + 1), scratch rows the next ones overwrite, as a draft step's are.
             # A remainder of its own length was a new row count per plain stretch's length, and a new count compiles
-            # new kernels on a GPU, seconds inside a generation (run 19: an adaptive repetition at 9.3 tok/s).
+            # new kernels on a GPU, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner').
             if rows < CATCH_UP_ROWS:
                 tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_ROWS - rows)])
                 hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_ROWS - rows, axis=0)])
@@ -324,8 +323,8 @@ class PipelinedRounds:
     def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
         """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
         Returns (tokens [k + 1], n) as `verify`. A traced plain step runs its host part (`plain`: the head's
-        backlog) first and its verify as the trace: built op by op, the tuner's plain steps cost 2.26 ms per pass on
-        the H200 against plain decoding's 1.7 ms per token (run 22)."""
+        backlog) first and its verify as the trace: built op by op, the tuner's plain steps cost about a third more
+        than plain decoding's (docs/results/code_measurements.md, 'pipelined tuner')."""
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
         if k == 0:
@@ -432,9 +431,10 @@ class PipelinedTuner:
 
     def observe(self, k: int, seconds: float) -> None:
         """One pass of the loop that dispatched a round of depth k. A pass over SLOW_PASS times the cheapest cost
-        measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one 2.4 s compile
-        among a generation's plain steps put cost(0) at 478 ms, and a tuner that kept that (in its memory) never
-        left K=2 again (H200, b257909). REJECTS such passes in a row at one depth are its cost now (a longer
+        measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one compile among a
+        generation's plain steps made cost(0) hundreds of times a step's, and a tuner that kept that (in its memory)
+        never left K=2 again (docs/results/code_measurements.md, 'pipelined tuner'). REJECTS such passes in a row at
+        one depth are its cost now (a longer
         context, a slower machine than the memory's): the next one is timed, as the depth's only measurement."""
         cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
         slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
@@ -475,8 +475,8 @@ class PipelinedTuner:
 
     def speedup(self, k: int, rates: list[float]) -> float | None:
         """Predicted tokens per second of depth k over plain steps'. A plain step does less than any round, so a
-        plain cost measured above a round's (a plain step built op by op against traced rounds: 2.26 ms against
-        1.83-2.21 for K=1 on the H200, run 22) is read as that round's: else a round accepting nothing predicts
+        plain cost measured above a round's (a plain step built op by op against traced rounds: the same page) is
+        read as that round's: else a round accepting nothing predicts
         a gain, and speculation never goes off."""
         cost, plain = self.estimate(k), self.cost.get(0)
         if cost is None or plain is None:

@@ -340,10 +340,9 @@ def make_handler(engine: Engine):
 
 def warm_up(model, speculation: SpecOptions | None) -> None:
     """A few tokens plain and with every draft depth 1..K the adaptive loop may pick, greedy and sampled, before the
-    first request (a 16-token prompt: other prompt lengths still pay their own first call). On the H200 the first
-    generation at each new verify depth of the 35B-A3B MoE shape took 9-17 s (run 9; judged from the log's
-    timestamps to be kernels compiled at first use), which would otherwise land on whichever request first uses that
-    depth. Plain steps and pipelined rounds are traced once per sampler structure (decode.TracedSteps, rounds.py):
+    first request (a 16-token prompt: other prompt lengths still pay their own first call). A new verify depth's first
+    generation compiles kernels for seconds on a GPU (docs/results/code_measurements.md, 'First use'), which would
+    otherwise land on whichever request first uses that depth. Plain steps and pipelined rounds are traced once per sampler structure (decode.TracedSteps, rounds.py):
     greedy, and sampled without top-k / top-p / min-p (a request's temperature is an input of that trace)."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]

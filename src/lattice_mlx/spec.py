@@ -29,19 +29,17 @@ PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next 
 PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
 # The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
-# refilling pipeline), so a depth near break-even costs more than it predicts: run 19 (H200, oracle 0.3) kept
-# speculating at a predicted 0.98-1.0x, moving K between 1 and 4, and the leg ran at 0.91x plain (fixed K=3: 0.99x).
+# refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to
+# plain decoding at low acceptance (docs/results/code_measurements.md, 'pipelined tuner').
 SPECULATE_MIN_GAIN = 1.05  # keep speculating only at a predicted speedup of at least this
 SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this much more than the current one
 # A draft position's measured acceptance is trusted from this many rounds that drafted it; before that the tuner
 # continues the shallower positions' rate. One round at a new depth whose deepest draft was rejected read as a rate of 0
-# there, and the tuner left that depth for good (a simulation of the H200's costs at acceptance 0.8 kept K=2 where K=3
-# pays more)
+# there, and the tuner left that depth for good (the same page)
 MIN_POSITION_ROUNDS = 8
 # Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
-# tokens at plain speed, while a round kept at low acceptance costs about a plain step (simulated at the H200's
-# costs: adaptive at acceptance 0.5 went off in 5 of 8 generations)
+# tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
 OFF_HOPE = 2.0
 
 
@@ -95,8 +93,8 @@ class SpecOptions:
                                  "combination (drop the draft source)")
 
     def resolved(self, *, split: bool = False, host_drafter: bool = False) -> "SpecOptions":
-        """'auto' made concrete: pipelined rounds for MTP chains (H200 run 13, 0.8B shape at oracle 0.8: K=3
-        1.57x plain pipelined against 1.00x batched; adaptive 1.29x against 0.90x), batched for other draft
+        """'auto' made concrete: pipelined rounds for MTP chains (the faster verifier in every leg measured:
+        docs/results/code_measurements.md, 'pipelined tuner'), batched for other draft
         sources, trees, a model split over processes (`split`) or a draft source that runs on the host
         (`host_drafter`: an object with `propose`, e.g. synthetic.OracleDrafter)."""
         if self.verify != "auto":

@@ -44,7 +44,7 @@ QWEN3_5_27B = dict(
     linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False,
 )
 
-# Qwen3.5-35B-A3B's text shape (HF's Qwen3_5MoeTextConfig defaults): ~18 GB at Q4, for the H200 benchmark.
+# Qwen3.5-35B-A3B's text shape (HF's Qwen3_5MoeTextConfig defaults): ~18 GB at Q4, for GPU benchmarks.
 QWEN3_5_35B_A3B = dict(
     hidden_size=2048, intermediate_size=512, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
