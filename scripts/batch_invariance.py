@@ -16,14 +16,14 @@ import mlx.core as mx
 import numpy as np
 
 from lattice_mlx import cache as cache_ops
-from lattice_mlx.bench import DTYPES, SHAPES
+from lattice_mlx.bench.oracles import OracleDrafter
+from lattice_mlx.bench.run import DTYPES, SHAPES
+from lattice_mlx.bench.synthetic import random_model
 from lattice_mlx.decode import generate_step
 from lattice_mlx.models import compiled
 from lattice_mlx.models import qwen3_5 as q35
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
-from lattice_mlx.synthetic import OracleDrafter, random_model
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 # (module, name, axis of T in the output, output index when the op returns a tuple)
 PATCH = [
@@ -160,7 +160,7 @@ def loop_check(model, prompts: list[list[int]], n: int, ks: list[int], p: float)
             opts = SpecOptions(draft_tokens=k, adaptive=False)
             stats = SpecStats.of(opts)
             drafter = OracleDrafter(model, Sampler(), ref, p, seed=i)
-            got = [t for t, _ in zip(speculative_step(model, mx.array(ids), sampler=Sampler(), options=opts,
+            got = [t for t, _ in zip(speculate(model, mx.array(ids), sampler=Sampler(), options=opts,
                                                       stats=stats, drafter=drafter), range(n))]
             first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
             row[f"K{k}"] = {"first_divergence": first, "acceptance": round(stats.to_dict()["acceptance_rate"], 3)}

@@ -24,14 +24,14 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from lattice_mlx import bench
-from lattice_mlx.bench import DTYPES, SHAPES, Leg, Target, leg_summary, mtp_legs, run_group
+from lattice_mlx.bench import run as bench
+from lattice_mlx.bench.run import DTYPES, SHAPES, Leg, Target, leg_summary, mtp_legs, run_group
+from lattice_mlx.bench.synthetic import hub_config, random_model
 from lattice_mlx.convert import save_weights
 from lattice_mlx.decode import generate_step
 from lattice_mlx.load import load_model
 from lattice_mlx.models.fuse import fuse_projections
 from lattice_mlx.sample import Sampler
-from lattice_mlx.synthetic import hub_config, random_model
 
 
 def build(shape: str, mode: str, group, *, bits: int, group_size: int, dtype: str, fuse: bool = True,

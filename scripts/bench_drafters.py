@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.bench import HELDOUT_PROMPTS
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
+from lattice_mlx.bench.run import HELDOUT_PROMPTS
 
 SOURCES = [("mtp", 2), ("mtp", 3), ("self", 2), ("self:first:4", 2), ("ngram", 4), ("mtp+ngram", 3)]
 

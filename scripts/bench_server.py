@@ -16,7 +16,7 @@ import sys
 import time
 
 from lattice_mlx import generate, load
-from lattice_mlx.spec import SpecOptions
+from lattice_mlx.speculative import SpecOptions
 
 PROMPT = "def fibonacci(n):\n"
 

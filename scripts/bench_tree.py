@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.bench import HELDOUT_PROMPTS
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
+from lattice_mlx.bench.run import HELDOUT_PROMPTS
 
 # Pairs at equal node budgets: 3 nodes, 4 nodes, 6 nodes.
 SHAPES = ["1-1-1", "3", "1-1-1-1", "2-1", "4", "1-1-1-1-1-1", "2-2", "3-1"]
@@ -84,12 +84,12 @@ def write_results(out: Path, results: dict, *, model: str, prompts: int, vs_plai
 
 def oracle_main(args) -> None:
     """Random model, oracle tree drafts (SYNTHETIC): per prompt, plain (warmed) then every shape, tok/s by slope."""
-    from lattice_mlx import bench
+    from lattice_mlx.bench import run as bench
+    from lattice_mlx.bench.oracles import OracleTreeDrafter
     from lattice_mlx.decode import generate_step
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.spec import SpecStats, parse_tree
-    from lattice_mlx.synthetic import OracleTreeDrafter
-    from lattice_mlx.tree import tree_step
+    from lattice_mlx.speculative import SpecStats, parse_tree
+    from lattice_mlx.speculative.tree import run_tree
 
     if args.oracle_p is None:
         raise SystemExit("error: a random model needs --oracle-p (random heads accept ~0%)")
@@ -105,7 +105,7 @@ def oracle_main(args) -> None:
     def tree_stream(ids, shape, reference, stats):
         dims = parse_tree(shape)
         drafter = OracleTreeDrafter(model, dims, reference, args.oracle_p, seed=len(reference))
-        return tree_step(model, mx.array(ids), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
+        return run_tree(model, mx.array(ids), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
 
     for i, ids in enumerate(prompts):
         reference = [t for t, _ in zip(plain_stream(ids), range(n2 + 16))]

@@ -48,9 +48,9 @@ def forward(model, compile_flag: str, tokens: list[int], recorded: bool):
 def child() -> dict:
     import mlx.core as mx
 
+    from lattice_mlx.bench.synthetic import random_checkpoint
     from lattice_mlx.load import load_model
     from lattice_mlx.metal import use_kernels
-    from lattice_mlx.synthetic import random_checkpoint
 
     res = {"device": str(mx.default_device()), "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32", "default")}
     with tempfile.TemporaryDirectory() as d:

@@ -34,12 +34,11 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from lattice_mlx import load
-from lattice_mlx.bench import quantized_head
+from lattice_mlx.bench.run import quantized_head
 from lattice_mlx.load import DEMO_MODEL, resolve_path
 from lattice_mlx.models.fuse import hf_parameters
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling build_corpus.py
 from build_corpus import legacy_heldout, read_documents, sample_documents  # noqa: E402
@@ -183,7 +182,7 @@ def acceptance(model, tok, prompts: list[str], k: int, tokens: int, temp: float 
     for text in prompts:
         options = SpecOptions(draft_tokens=k, adaptive=False)
         stats = SpecStats.of(options)
-        gen = speculative_step(model, mx.array(tok.encode(text)), sampler=Sampler(temp=temp), options=options,
+        gen = speculate(model, mx.array(tok.encode(text)), sampler=Sampler(temp=temp), options=options,
                                stats=stats)
         ids = [int(t) for _, t in zip(range(tokens), gen)]
         gen.close()

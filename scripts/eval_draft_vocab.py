@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
 from lattice_mlx.models.mtp import DraftVocab
 
 HELDOUT = Path(__file__).resolve().parents[1] / "src/lattice_mlx/assets/prompts/demo_heldout.json"
@@ -97,7 +97,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     model.mtp.draft_vocab = None
-    from lattice_mlx.synthetic import QWEN3_5_0_8B, random_model
+    from lattice_mlx.bench.synthetic import QWEN3_5_0_8B, random_model
 
     big = random_model(**{**QWEN3_5_0_8B, "num_hidden_layers": 1}, mtp=False, bits=4)
     shape_08b = {"rows_full": big.args.vocab_size, "ms_full_cpu": lm_head_ms(big, None),

@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.bench import HELDOUT_PROMPTS
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
+from lattice_mlx.bench.run import HELDOUT_PROMPTS
 from lattice_mlx.convert import convert
 
 VARIANTS = {"bf16": {}, "q4-g64": {"quantize_bits": 4, "group_size": 64},

@@ -135,9 +135,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    from lattice_mlx.bench.synthetic import random_checkpoint
     from lattice_mlx.convert import convert
-    from lattice_mlx.synthetic import random_checkpoint
-
     from lattice_mlx.metal import use_kernels
 
     result = {"device": str(mx.default_device()), "mlx_ops": mlx_ops(),

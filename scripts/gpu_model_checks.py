@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a small random shape instead of 0.8B (CPU dry run)")
     args = p.parse_args()
     from lattice_mlx import load
-    from lattice_mlx.synthetic import QWEN3_5_0_8B, random_model
+    from lattice_mlx.bench.synthetic import QWEN3_5_0_8B, random_model
 
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -163,7 +163,7 @@ for mode in "$@"; do
            # (DOCTOR_SHAPES, bf16 4-bit g64: the doctor reads config.json alone)
     step doctor_demo 120 python3 -m lattice_mlx.doctor --json "$RES/doctor_demo.json"
     for shape in ${DOCTOR_SHAPES:-0.8b 35b-a3b}; do
-      python3 -c "import json, os, sys; from lattice_mlx.synthetic import FAMILY; d = sys.argv[2]; os.makedirs(d,
+      python3 -c "import json, os, sys; from lattice_mlx.bench.synthetic import FAMILY; d = sys.argv[2]; os.makedirs(d,
         exist_ok=True); json.dump({'model_type': 'qwen3_5', 'text_config': {**FAMILY[sys.argv[1]], 'dtype':
         'bfloat16'}, 'quantization': {'bits': 4, 'group_size': 64}}, open(d + '/config.json', 'w'))" \
         "$shape" "/tmp/doctor_$shape"
@@ -374,7 +374,7 @@ for mode in "$@"; do
       tests/test_speculative.py::test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail \
       "tests/test_tree.py::test_greedy_tree_equals_plain_greedy[3-1]"
     grep -E "FAILED|ERROR|^E " "$RES/rest_tests.out" | head -n 40; tail -n 3 "$RES/rest_tests.out"
-    step moe_stock_gs 60 python3 -c 'from lattice_mlx import bench
+    step moe_stock_gs 60 python3 -c 'from lattice_mlx.bench import run as bench
 for gs in (64, 32):
     t = bench.load_target("tiny-moe", bits=4, group_size=gs, dtype="float32", seed=0, stock=True)
     print("group", gs, "stock max logit diff", t.stock_max_logit_diff, flush=True)'

@@ -95,9 +95,10 @@ def step_nodes(model, ids: list[int], steps: int = 4) -> dict:
 def round_nodes(model, ids: list[int], k: int, rounds_n: int = 4) -> dict:
     """A traced pipelined round's graph (oracle drafts, as the benchmark runs it): its tokens, n and every state
     array it writes."""
+    from lattice_mlx.bench.oracles import DeviceOracle
     from lattice_mlx.decode import prefill
-    from lattice_mlx.rounds import DeviceOracle, PipelinedRounds, tracing
     from lattice_mlx.sample import Sampler
+    from lattice_mlx.speculative.pipelined import PipelinedRounds, tracing
 
     sampler = Sampler(temp=0.0)
     with tracing(True):
@@ -134,8 +135,10 @@ def main() -> int:
     if DOT_DIR is not None:
         DOT_DIR.mkdir(parents=True, exist_ok=True)
     import lattice_mlx.cli  # noqa: F401  (every module imported, so fake_kernels reaches each one's use_kernels)
-    from lattice_mlx import bench, decode, rounds  # noqa: F401
-    from lattice_mlx.synthetic import random_model
+    from lattice_mlx import decode  # noqa: F401
+    from lattice_mlx.bench import run as bench  # noqa: F401
+    from lattice_mlx.bench.synthetic import random_model
+    from lattice_mlx.speculative import pipelined as rounds  # noqa: F401
 
     fake_kernels()
     mx.random.seed(0)

@@ -14,12 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import load
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
-from lattice_mlx.synthetic import random_checkpoint
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 PROMPT = [5, 9, 33, 21, 7, 100, 3, 17]
 
@@ -44,7 +43,7 @@ def main() -> None:
             plain = leg(generate_step(model, ids, sampler=Sampler()), args.tokens)
             options = SpecOptions(draft_tokens=2, adaptive=False)
             stats = SpecStats.of(options)
-            spec = leg(speculative_step(model, ids, sampler=Sampler(), options=options, stats=stats), args.tokens)
+            spec = leg(speculate(model, ids, sampler=Sampler(), options=options, stats=stats), args.tokens)
             row = {"identical": spec["tokens"] == plain["tokens"],
                    "first_difference": next((i for i, (a, b) in enumerate(zip(spec["tokens"], plain["tokens"]))
                                              if a != b), None),

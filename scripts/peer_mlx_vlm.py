@@ -1,5 +1,5 @@
 """Peer benchmark: mlx-vlm 0.7.10 decoding Qwen3.5 greedily, plain and with its own native-MTP drafter, on the same
-random hub-layout checkpoint (`mtp.*` included) that lattice_mlx.synthetic writes.
+random hub-layout checkpoint (`mtp.*` included) that lattice_mlx.bench.synthetic writes.
 
 Measures, interleaved in one process (ABBA leg order, one warm-up run per leg first): decode tokens/s of mlx-vlm's
 plain greedy `generate_step` and of its MTP greedy `generate_step(draft_model=..., draft_kind="mtp",
@@ -35,16 +35,15 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from lattice_mlx import bench_stats as bs
-from lattice_mlx.bench import DEFAULT_LENGTHS, DEFAULT_PROMPT_TOKENS, SHAPES, timed_run
+from lattice_mlx.bench import stats as bs
+from lattice_mlx.bench.run import DEFAULT_LENGTHS, DEFAULT_PROMPT_TOKENS, SHAPES, timed_run
+from lattice_mlx.bench.synthetic import hub_config, random_checkpoint
 from lattice_mlx.decode import generate_step as lattice_generate_step
 from lattice_mlx.load import load_model as lattice_load_model
 from lattice_mlx.load import quantize as lattice_quantize
 from lattice_mlx.models.fuse import fuse_projections
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
-from lattice_mlx.synthetic import hub_config, random_checkpoint
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 NOTE = "acceptance on random weights; not comparable to oracle legs"
 MISMATCH_NOTE = ("random weights give near-uniform logits: in bfloat16 the (K+1)-token verify and the one-token step "
@@ -223,7 +222,7 @@ def bench(vlm, model, draft, kind, ours, args, save, mark) -> dict:
             # a fixed K, as mlx-vlm's leg (adaptive, the default, ran K=2 throughout at acceptance 0 in run 22)
             options = SpecOptions(draft_tokens=k, verify="pipelined", adaptive=False)
             stats = SpecStats.of(options)
-            steps = speculative_step(ours, ids, sampler=Sampler(temp=0.0), options=options, stats=stats)
+            steps = speculate(ours, ids, sampler=Sampler(temp=0.0), options=options, stats=stats)
         r = timed_run((int(t) for t in steps), (n1, n2))
         if k is not None:
             r.update(rounds=stats.rounds, accepted=int(sum(stats.accepted_at)), drafted=int(sum(stats.proposed_at)))
@@ -341,7 +340,7 @@ def main(argv=None) -> None:
         path, written = build_checkpoint(args.dir, args.shape, args.seed)
         result["checkpoint"] = {
             "path": str(path), "shape": args.shape, "seed": args.seed, "written_now": written,
-            "source": "lattice_mlx.synthetic.random_checkpoint (hub layout, fp32, mtp.* included)",
+            "source": "lattice_mlx.bench.synthetic.random_checkpoint (hub layout, fp32, mtp.* included)",
             "config_changes": "none: mlx-vlm loads the hub config.json as is (model_type qwen3_5, a VLM whose "
                               "vision_tower it drops for want of weights)"}
         mark("checkpoint")

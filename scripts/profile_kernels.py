@@ -17,10 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from lattice_mlx import cache as caches
-from lattice_mlx.bench import SHAPES, build_stock
-from lattice_mlx.bench_report import git_revision
+from lattice_mlx.bench.report import git_revision
+from lattice_mlx.bench.run import SHAPES, build_stock
+from lattice_mlx.bench.synthetic import hub_config, random_model
 from lattice_mlx.decode import prefill
-from lattice_mlx.synthetic import hub_config, random_model
 
 STEPS = 30
 

@@ -94,8 +94,8 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a small shape (CPU dry run)")
     p.add_argument("--tokens", type=int, default=96)
     args = p.parse_args()
-    from lattice_mlx.bench import build_stock
-    from lattice_mlx.synthetic import QWEN3_5_0_8B, hub_config, random_model
+    from lattice_mlx.bench.run import build_stock
+    from lattice_mlx.bench.synthetic import QWEN3_5_0_8B, hub_config, random_model
 
     dtype = getattr(mx, args.dtype)
     try:
@@ -223,8 +223,8 @@ def main() -> None:
     sto = statistics.median(RESULTS[f"stock_tok_s_{r}"] for r in range(3))
     record("lattice_over_stock", lat / sto, "x")
     # Cached forward over T tokens inside a speculative region (per-step GDN states recorded), rolled back each time.
-    from lattice_mlx.drafters import MTPDrafter
     from lattice_mlx.sample import Sampler
+    from lattice_mlx.speculative.drafters import MTPDrafter
 
     for T in range(1, 10):
         times = []

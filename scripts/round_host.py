@@ -20,11 +20,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from lattice_mlx.bench import DTYPES, SHAPES
+from lattice_mlx.bench.oracles import DeviceOracle
+from lattice_mlx.bench.run import DTYPES, SHAPES
+from lattice_mlx.bench.synthetic import random_model
 from lattice_mlx.decode import TracedSteps, prefill
-from lattice_mlx.rounds import DeviceOracle, PipelinedRounds, tracing
 from lattice_mlx.sample import Sampler
-from lattice_mlx.synthetic import random_model
+from lattice_mlx.speculative.pipelined import PipelinedRounds, tracing
 
 
 def graph_nodes(*outs: mx.array) -> dict:

@@ -9,8 +9,8 @@ import re
 import mlx.core as mx
 import pytest
 
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.metal import cpu_render, use_kernels
-from lattice_mlx.synthetic import random_checkpoint
 
 CONFIGS = {
     "tied": dict(seed=0),

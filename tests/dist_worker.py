@@ -101,7 +101,7 @@ def main() -> int:
     import random
     import types
 
-    from lattice_mlx import speculative
+    from lattice_mlx.speculative import chain as speculative
 
     clock = speculative.time
     if rank:

@@ -9,10 +9,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from lattice_mlx import bench
-from lattice_mlx import bench_stats as bs
+from lattice_mlx.bench import run as bench
+from lattice_mlx.bench import stats as bs
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.models import compiled
-from lattice_mlx.synthetic import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,7 @@ from lattice_mlx import load
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.load import load_model
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 PROMPT = [5, 9, 33, 21, 7, 100, 3, 3, 17]
 # Relative tolerance (of max(1, |reference|)) between the compiled and the layer path. fp32 throughout, on the GPU
@@ -126,7 +125,7 @@ def test_compiled_greedy_mtp_equals_plain_greedy(checkpoints, monkeypatch, k):
     ref = [next(plain) for _ in range(40)]
     monkeypatch.setenv("LATTICE_COMPILE", "1")
     options = SpecOptions(draft_tokens=k, verify="batched", adaptive=False)  # (pipelined rounds trace whole)
-    gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
+    gen = speculate(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert [next(gen) for _ in range(40)] == ref
     assert model.mtp.__dict__.get("_compiled") is not None
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from lattice_mlx import load
-from lattice_mlx.drafters import mtp_step
+from lattice_mlx.speculative.drafters import mtp_step
 
 spec = importlib.util.spec_from_file_location("distill_demo_head",
                                               Path(__file__).parents[1] / "scripts/distill_demo_head.py")

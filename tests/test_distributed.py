@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.convert import convert
-from lattice_mlx.synthetic import random_checkpoint
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on the PATH")

@@ -12,15 +12,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lattice_mlx import SpecOptions, generate, rounds
+from lattice_mlx import SpecOptions, generate
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.convert import convert
 from lattice_mlx.decode import generate_step
 from lattice_mlx.load import LoadError, load, quantize
 from lattice_mlx.models.mtp import DraftVocab
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecStats
-from lattice_mlx.speculative import speculative_step
-from lattice_mlx.synthetic import random_checkpoint
+from lattice_mlx.speculative import SpecStats, speculate
+from lattice_mlx.speculative import pipelined as rounds
 
 
 @pytest.mark.parametrize("bits", [None, 4, 8], ids=["dense", "q4", "q8"])
@@ -114,7 +114,7 @@ def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
     for seed in seeds:
         mx.random.seed(seed)
         if spec:
-            gen = speculative_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
+            gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
                                    stats=SpecStats.of(options))
         else:
             gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)

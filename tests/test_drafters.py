@@ -7,10 +7,9 @@ from conftest import two_token_pvalue
 
 from lattice_mlx import load
 from lattice_mlx.decode import generate_step, prefill
-from lattice_mlx.drafters import NgramDrafter, SelfSpecDrafter, parse_layers
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
+from lattice_mlx.speculative.drafters import NgramDrafter, SelfSpecDrafter, parse_layers
 
 # A prompt that repeats itself, so prompt lookup finds matches (copy-heavy workload).
 COPY_PROMPT = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9]
@@ -19,7 +18,7 @@ COPY_PROMPT = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9]
 def spec_tokens(model, prompt, n, draft, *, sampler=None, **options):
     options = SpecOptions(draft=draft, **{"draft_tokens": 3, "adaptive": False, **options})
     stats = SpecStats.of(options)
-    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats)
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
 

@@ -192,7 +192,7 @@ def test_api_seed_sampler_and_logits_processors(checkpoints):
     import mlx.core as mx
 
     from lattice_mlx import Sampler
-    from lattice_mlx.spec import SpecOptions
+    from lattice_mlx.speculative import SpecOptions
 
     model, tok = load(checkpoints["untied"])
     prompt = [5, 9, 33, 21, 7, 100]
@@ -237,7 +237,7 @@ def test_max_kv_size_bounds_the_attention_caches(checkpoints, monkeypatch):
     goes on past the window with the attention caches' buffers held to max_kv_size rows, on both decode paths."""
     from mlx_lm.models.cache import RotatingKVCache
 
-    from lattice_mlx.spec import SpecOptions
+    from lattice_mlx.speculative import SpecOptions
 
     model, tok = load(checkpoints["untied"])
     prompt = list(range(3, 23))  # 20 tokens

@@ -12,8 +12,8 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from lattice_mlx import load, make_draft_model
+from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.cache import TRIM_WINDOW, GDNCache
-from lattice_mlx.synthetic import random_checkpoint
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the package re-exports a function of that name
 
@@ -123,12 +123,11 @@ def _own_accepted(model, prompt, n, k) -> int:
     import itertools
 
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.spec import SpecOptions, SpecStats
-    from lattice_mlx.speculative import speculative_step
+    from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
     options = SpecOptions(draft_tokens=k, adaptive=False)
     stats = SpecStats.of(options)
-    list(itertools.islice(speculative_step(model, mx.array(prompt), sampler=Sampler(), options=options,
+    list(itertools.islice(speculate(model, mx.array(prompt), sampler=Sampler(), options=options,
                                            stats=stats), n))
     return sum(stats.accepted_at)
 

@@ -23,8 +23,8 @@ from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 
 import lattice_mlx  # noqa: E402
-from lattice_mlx.drafters import mtp_step  # noqa: E402
-from lattice_mlx.synthetic import random_checkpoint  # noqa: E402
+from lattice_mlx.bench.synthetic import random_checkpoint  # noqa: E402
+from lattice_mlx.speculative.drafters import mtp_step  # noqa: E402
 
 CONFIGS = {
     "tied": dict(seed=10),

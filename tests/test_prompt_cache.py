@@ -7,7 +7,7 @@ import pytest
 
 from lattice_mlx import generate, load
 from lattice_mlx.prompt_cache import PromptCache
-from lattice_mlx.spec import SpecOptions
+from lattice_mlx.speculative import SpecOptions
 
 IDS = [5, 9, 33, 21, 7, 100, 3, 3, 17, 2, 8, 64, 128, 12, 13, 40, 41]
 

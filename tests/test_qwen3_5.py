@@ -67,7 +67,7 @@ def test_chunked_prefill_equals_one_shot(checkpoint):
 
 def test_bf16_checkpoint_in_float32_keeps_the_norm_shift_exact(tmp_path):
     """1 + w must be formed in fp32: rounded to bf16 it is off by up to 2^-9, which moved trained logits by ~0.1."""
-    from lattice_mlx.synthetic import hub_config, hub_weights, write_tokenizer
+    from lattice_mlx.bench.synthetic import hub_config, hub_weights, write_tokenizer
 
     config = hub_config(tie_word_embeddings=False)
     weights = {k: mx.array(v).astype(mx.bfloat16) for k, v in hub_weights(config, seed=4, gain=1.0).items()}

@@ -9,8 +9,8 @@ import pytest
 from conftest import hf_reference_logits, logit_bound, mlx_lm_logit_error
 
 from lattice_mlx import generate, load
-from lattice_mlx.spec import SpecOptions
-from lattice_mlx.synthetic import random_checkpoint
+from lattice_mlx.bench.synthetic import random_checkpoint
+from lattice_mlx.speculative import SpecOptions
 
 IDS = [3, 17, 250, 9, 64, 128, 5, 77, 300, 12, 41, 199, 2, 8, 150, 33, 90]
 MOE = {
@@ -70,11 +70,10 @@ def test_moe_mtp_experts_are_stacked_in_expert_order(tmp_path):
 
 def test_moe_oracle_drafts_exercise_acceptance_and_rollback(moe_checkpoints):
     """A random MoE head accepts ~nothing: oracle drafts at 0.7 make the MoE verify accept and roll back."""
+    from lattice_mlx.bench.oracles import OracleDrafter
     from lattice_mlx.decode import generate_step
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.spec import SpecStats
-    from lattice_mlx.speculative import speculative_step
-    from lattice_mlx.synthetic import OracleDrafter
+    from lattice_mlx.speculative import SpecStats, speculate
 
     model, _ = load(moe_checkpoints["e7k3-untied"])
     prompt = mx.array([5, 9, 33, 21, 7, 100])
@@ -83,7 +82,7 @@ def test_moe_oracle_drafts_exercise_acceptance_and_rollback(moe_checkpoints):
     for verify in ("batched", "sequential"):
         options = SpecOptions(draft_tokens=3, verify=verify, adaptive=False)
         stats = SpecStats.of(options)
-        gen = speculative_step(model, prompt, sampler=Sampler(), options=options, stats=stats,
+        gen = speculate(model, prompt, sampler=Sampler(), options=options, stats=stats,
                                drafter=OracleDrafter(model, Sampler(), plain, 0.7, seed=4))
         assert [next(gen) for _ in range(80)] == plain[:80]
         assert 0.3 < stats.to_dict()["acceptance_rate"] < 0.95
@@ -164,7 +163,7 @@ def test_convert_quantizes_moe_with_8_bit_routers_and_keeps_the_moe_head(moe_che
 def test_bench_stock_leg_for_moe_shares_the_4_bit_weights():
     """The bench's mlx-lm leg for an MoE shape: mlx-lm's qwen3_5_moe on our arrays, each layer quantized as ours is
     (routers at 8 bits)."""
-    from lattice_mlx import bench
+    from lattice_mlx.bench import run as bench
 
     target = bench.load_target("tiny-moe", bits=4, group_size=64, dtype="float32", seed=0, stock=True)
     assert type(target.stock).__module__ == "mlx_lm.models.qwen3_5_moe", target.stock_note

@@ -10,8 +10,7 @@ from lattice_mlx.convert import convert
 from lattice_mlx.decode import generate_step
 from lattice_mlx.rotate import rotate_model, rotation
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import speculative_step
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 IDS = mx.array([[3, 17, 250, 9, 64, 128, 5, 77, 300, 12]])
 
@@ -74,7 +73,7 @@ def test_greedy_mtp_equals_plain_on_rotated_q4(checkpoints, tmp_path, group_size
     steps = generate_step(model, prompt, sampler=Sampler())
     plain = [next(steps) for _ in range(40)]
     options = SpecOptions(draft_tokens=3, adaptive=False)
-    gen = speculative_step(model, prompt, sampler=Sampler(), options=options, stats=SpecStats.of(options))
+    gen = speculate(model, prompt, sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert [next(gen) for _ in range(40)] == plain
 
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from lattice_mlx import cache as caches
-from lattice_mlx import load, rounds, sample
+from lattice_mlx import load, sample
+from lattice_mlx.bench import oracles
+from lattice_mlx.bench.oracles import OracleDrafter
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import picked
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import check_split_model, speculative_step
-from lattice_mlx.synthetic import OracleDrafter
+from lattice_mlx.speculative import SpecOptions, SpecStats, check_split_model, speculate, tuning
+from lattice_mlx.speculative import pipelined as rounds
 
 PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
 
@@ -22,7 +23,7 @@ PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
 def spec_tokens(model, prompt, n, *, verify, k=3, sampler=None, drafter=None):
     options = SpecOptions(draft_tokens=k, verify=verify, adaptive=False)
     stats = SpecStats.of(options)
-    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
                            drafter=drafter)
     return [next(gen) for _ in range(n)], stats
 
@@ -35,7 +36,7 @@ def test_partial_acceptance_matches_the_synchronous_loop_round_for_round(checkpo
     sync, s1 = spec_tokens(model, PROMPT, 110, verify="batched", drafter=OracleDrafter(model, Sampler(), plain, 0.7,
                                                                                        seed=3))
     pipe, s2 = spec_tokens(model, PROMPT, 110, verify="pipelined",
-                           drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=3))
+                           drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=3))
     assert sync == pipe == plain[:110]
     assert s2.rounds >= s1.rounds - 1 and s2.rounds > 20
     h1, h2 = s1.accepted_hist, s2.accepted_hist
@@ -55,7 +56,7 @@ def test_long_prompt_and_cache_growth_stay_exact(checkpoints):
         caches.FixedKVCache.GROW = 16  # grows every few rounds
         plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(70))]
         pipe, _ = spec_tokens(model, prompt, 70, verify="pipelined", k=2,
-                              drafter=rounds.DeviceOracle(plain + [0] * 8, 0.8, model.args.vocab_size, 2, seed=1))
+                              drafter=oracles.DeviceOracle(plain + [0] * 8, 0.8, model.args.vocab_size, 2, seed=1))
     finally:
         caches.FixedKVCache.GROW = old
     assert pipe == plain
@@ -230,7 +231,7 @@ def _scheduled(monkeypatch, schedule):
 def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
     options = SpecOptions(draft_tokens=k, verify="pipelined", adaptive=True)
     stats = SpecStats.of(options)
-    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
                            drafter=drafter)
     return [next(gen) for _ in range(n)], stats
 
@@ -243,14 +244,14 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(140))]
     _scheduled(monkeypatch, SCHEDULE)
     oracle, stats = adaptive_tokens(model, PROMPT, 120,
-                                    drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 3, seed=2))
+                                    drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 3, seed=2))
     assert oracle == plain[:120]
     assert stats.rounds > 10 and stats.accepted_per_position()[0] > 0.6
     assert sum(stats.proposed_at) < 3 * stats.rounds  # rounds of K < 3 were among them
     head, _ = adaptive_tokens(model, PROMPT, 120)
     assert head == plain[:120]
     monkeypatch.undo()  # the tuner's own decisions (this machine's timings): whatever they are, plain's tokens
-    tuned, _ = adaptive_tokens(model, PROMPT, 120, drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 3))
+    tuned, _ = adaptive_tokens(model, PROMPT, 120, drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 3))
     assert tuned == plain[:120]
 
 
@@ -258,7 +259,7 @@ def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatc
     """After plain stretches of 5, 6, 13 and 2 steps (backlog remainders of every other length) the head's first
     forward takes CATCH_UP_ROWS rows, the count its backlog pieces take: a new row count compiles new kernels on a
     GPU, inside the generation. The tokens stay plain decoding's."""
-    from lattice_mlx.drafters import CATCH_UP_ROWS
+    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
 
     model, _ = load(checkpoints["untied"])
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(80))]
@@ -268,7 +269,7 @@ def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatc
         rows.append(e.shape[1]), head_call(self, e, h, *a, **kw))[1])
     _scheduled(monkeypatch, [0] * 5 + [2] + [0] * 6 + [3] + [0] * 13 + [1, 2] + [0] * 2 + [3, 3])
     got, stats = adaptive_tokens(model, PROMPT, 70,
-                                 drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
+                                 drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
     assert got == plain[:70]
     assert stats.rounds >= 5
     # the prompt's tail, a round's rows (K + 1 <= 4), one row per draft step, the backlog's pieces: nothing else
@@ -301,7 +302,7 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
     """The head's KV cache after rounds of K = 0 (its backlog fed in pieces of CATCH_UP_ROWS) and K = 2 holds, row
     for row, what one forward of the head over all the verified slots writes (fp32): the drafts after a plain
     stretch see the right past."""
-    from lattice_mlx.drafters import CATCH_UP_ROWS
+    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
 
     model, _ = load(checkpoints["untied"])
     cache = model.make_cache()
@@ -344,7 +345,12 @@ def test_pipelined_tuner_decides_from_round_costs():
     """cost(K) from the loop's passes (not the first SKIP after a change), tokens(K) from acceptance: a round
     that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 32
     plain steps, then probes again, and the next stretch is 64."""
-    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, FIRST_OFF_TOKENS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+    from lattice_mlx.speculative.tuning import (
+        ADAPTIVE_WARMUP_ROUNDS,
+        FIRST_OFF_TOKENS,
+        PLAIN_TIMED_STEPS,
+        PLAIN_WARMUP_STEPS,
+    )
 
     cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
     tuner = rounds.PipelinedTuner(3)
@@ -366,7 +372,12 @@ def test_pipelined_tuner_margins_near_break_even_and_between_depths():
     """Speculation that predicts less than SPECULATE_MIN_GAIN goes off (a change of K costs passes the tuner does not
     time); a neighbouring depth predicting less than SWITCH_MIN_GAIN more than the current one is not taken, one
     clearly better is."""
-    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS, SPECULATE_MIN_GAIN
+    from lattice_mlx.speculative.tuning import (
+        ADAPTIVE_WARMUP_ROUNDS,
+        PLAIN_TIMED_STEPS,
+        PLAIN_WARMUP_STEPS,
+        SPECULATE_MIN_GAIN,
+    )
 
     start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
     # K=1 yields 1.2 tokens for 1.16 steps, K=2 1.3 for 1.26: 1.03x predicted, under the margin: plain steps
@@ -431,7 +442,7 @@ def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch,
         built.update(traced=0, eager=0)
         with rounds.tracing(on):
             out[on] = spec_tokens(model, PROMPT, n, verify="pipelined", k=k,
-                                  drafter=rounds.DeviceOracle(plain, 0.7, model.args.vocab_size, k, seed=5))
+                                  drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, k, seed=5))
         out[on] = (*out[on], dict(built))
     (eager, s0, b0), (traced, s1, b1) = out[False], out[True]
     assert eager == traced == plain[:n]
@@ -506,7 +517,7 @@ def test_traced_rounds_see_replaced_and_edited_weights(checkpoints):
     def both():
         plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(40))]
         spec, _ = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2,
-                              drafter=rounds.DeviceOracle(plain, 0.9, model.args.vocab_size, 2, seed=2))
+                              drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 2, seed=2))
         return plain, spec
 
     first, spec = both()
@@ -553,7 +564,7 @@ def test_traced_round_is_reused_across_generations_and_prompt_lengths(checkpoint
         prompt = PROMPT[:n]
         plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(30))]
         spec, _ = spec_tokens(model, prompt, 30, verify="pipelined", k=2,
-                              drafter=rounds.DeviceOracle(plain, 0.8, model.args.vocab_size, 2, seed=n))
+                              drafter=oracles.DeviceOracle(plain, 0.8, model.args.vocab_size, 2, seed=n))
         assert spec == plain
     assert len(model.__dict__["_round_traces"]) == 1
 
@@ -562,7 +573,7 @@ def test_pipelined_tuner_starts_from_the_costs_measured_before():
     """A tuner given the memory an earlier generation filled skips the plain baseline: it starts at the depth picked
     last, from those costs, and keeps writing what it measures; an empty memory means the baseline. The memory is the
     process's, per model and greedy/sampled, and goes with the model."""
-    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+    from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
 
     cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
     memory = {}
@@ -587,14 +598,14 @@ def test_pipelined_tuner_starts_from_the_costs_measured_before():
     import gc
 
     gc.collect()
-    assert key not in rounds._MEMORY
+    assert key not in tuning._MEMORY
 
 
 def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     """Four rounds that read acceptance 0.25 predict no gain, but with spec.OFF_HOPE more accepted rounds they would:
     the tuner keeps speculating (a wrong plain stretch costs 32+ tokens at plain speed) until its rounds tell; rates
     as low as the hopeful ones still turn it off."""
-    from lattice_mlx.spec import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+    from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
 
     cost = lambda k: 1.0 + 0.2 * k  # noqa: E731
     start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
@@ -654,7 +665,7 @@ def test_pipelined_tuner_turns_off_when_nothing_is_accepted_even_if_its_plain_st
     """Its plain steps measured dearer than its rounds (run 22, H200: built plain steps 2.26 ms, traced K=1 rounds
     1.83-2.21 ms) made a round that accepts nothing predict 1.19x, so speculation never went off (simulated: 1000 of
     1000 passes at K=1, about 0.75x true plain). A plain cost above a round's reads as that round's."""
-    from lattice_mlx.spec import OFF_HOPE
+    from lattice_mlx.speculative.tuning import OFF_HOPE
 
     tuner = rounds.PipelinedTuner(2, {"cost": {0: 2.26, 1: 1.9, 2: 2.5}, "k": 1})
     stats, ks = SpecStats.of(SpecOptions(draft_tokens=2)), []

@@ -222,7 +222,7 @@ def test_warm_up_traces_greedy_and_sampled_steps_and_rounds(checkpoints):
     from lattice_mlx import server as srv
     from lattice_mlx.decode import generate_step
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.spec import SpecOptions
+    from lattice_mlx.speculative import SpecOptions
 
     model, _ = load(checkpoints["pattern"])
     srv.warm_up(model, SpecOptions(draft_tokens=2))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lattice_mlx.spec import SpecOptions, SpecStats, expected_tokens, parse_tree
+from lattice_mlx.speculative import SpecOptions, SpecStats, parse_tree
+from lattice_mlx.speculative.tuning import expected_tokens
 
 
 @pytest.mark.parametrize("kwargs, message", [

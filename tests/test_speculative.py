@@ -6,12 +6,11 @@ import pytest
 
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
+from lattice_mlx.bench.oracles import DeviceOracle, OracleDrafter
 from lattice_mlx.decode import generate_step, prefill
-from lattice_mlx.rounds import DeviceOracle
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats
-from lattice_mlx.speculative import ADAPTIVE_START_K, DepthTuner, speculative_step
-from lattice_mlx.synthetic import OracleDrafter
+from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
+from lattice_mlx.speculative.tuning import ADAPTIVE_START_K, DepthTuner
 
 PROMPTS = [[5, 9, 33, 21, 7, 100], [250], [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]]
 
@@ -21,7 +20,7 @@ def run_spec(model, prompt, n, *, sampler=None, drafter=None, **options):
     The batched host loop unless `verify` names another (this file tests it; rounds.py has test_rounds.py)."""
     options = SpecOptions(**{"adaptive": False, "verify": "batched", **options})
     stats = SpecStats.of(options)
-    gen = speculative_step(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
                            drafter=drafter)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
@@ -201,7 +200,7 @@ def test_speculative_sampling_keeps_the_distribution(temp, top_p, top_k, tmp_pat
     """Chi-square over the first 3 tokens' joint outcome class, tiny vocabulary, fixed seeds."""
     from scipy.stats import chi2_contingency
 
-    from lattice_mlx.synthetic import random_checkpoint
+    from lattice_mlx.bench.synthetic import random_checkpoint
 
     path = random_checkpoint(tmp_path_factory.mktemp("tiny") / "v", seed=5, vocab_size=16, hidden_size=32,
                              intermediate_size=64, num_hidden_layers=4)
@@ -242,7 +241,7 @@ def test_long_greedy_run_has_no_drift(checkpoints):
 def test_mtp_head_prefill_runs_in_chunks_with_bounded_memory(checkpoints):
     """An 8k-token prompt: the head's prompt slots go in 512-row chunks like the target's prefill (it once took them
     in one piece: ~1.2 GB and 7 s for this call on the CPU) and the first draft equals the one-piece result."""
-    from lattice_mlx.drafters import MTPDrafter, mtp_prefill
+    from lattice_mlx.speculative.drafters import MTPDrafter, mtp_prefill
 
     model, _ = load(checkpoints["tied"])
     ids = mx.array([i % 300 + 1 for i in range(8192)])
@@ -262,7 +261,7 @@ def test_mtp_head_prefill_runs_in_chunks_with_bounded_memory(checkpoints):
     small = model.mtp.make_cache()
     tokens, h = mtp_prefill(model, [*ids.tolist()[1:4097], 5], hidden[:4097], small, step=1000)
     assert len(tokens) == 97 and h.shape[0] == 97 and small[0].offset == 4000
-    from lattice_mlx.drafters import mtp_step
+    from lattice_mlx.speculative.drafters import mtp_step
 
     a, _ = mtp_step(model, mx.array(rest[0]), model.mtp.from_target(rest[1]), whole)
     b, _ = mtp_step(model, mx.array(tokens), model.mtp.from_target(h), small)
@@ -290,14 +289,14 @@ def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
     when all drafts are accepted. Drafts: the target's own layers sampled at temperature 0.3 against the target's
     1.0, so q is sharper than p: drafts are accepted often but with p/q < 1, where each position's own uniform
     matters."""
-    from lattice_mlx.drafters import SelfSpecDrafter
+    from lattice_mlx.speculative.drafters import SelfSpecDrafter
 
     sampler, options, out = Sampler(temp=1.0), SpecOptions(draft="self", draft_tokens=3, adaptive=False), []
     for seed in seeds:
         mx.random.seed(seed)
         if spec:
             drafter = SelfSpecDrafter(model, Sampler(temp=0.3), "first:4")
-            gen = speculative_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
+            gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
                                    stats=SpecStats.of(options), drafter=drafter)
         else:
             gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
@@ -322,7 +321,8 @@ def _pvalues(plain, spec) -> dict:
 def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
     """Every position of a K=3 round and its bonus token, jointly in adjacent pairs, against plain sampling; the same
     check catches a bonus drawn from the last draft's row and one uniform shared by all draft positions."""
-    from lattice_mlx import sample, speculative
+    from lattice_mlx import sample
+    from lattice_mlx.speculative import chain as speculative
 
     trials = 800
     plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
@@ -351,8 +351,8 @@ def test_head_catches_up_a_plain_stretch_in_fixed_chunks(checkpoints, monkeypatc
     """A plain stretch (adaptive depth off) of 37 positions: the MTP head takes the slots in forwards of at most
     CATCH_UP_ROWS rows as they come, never one forward of the stretch's length (a new row count compiles new kernels
     on a GPU), and drafts what one forward over the whole stretch drafts."""
-    from lattice_mlx import drafters
     from lattice_mlx.models.mtp import MTPHead
+    from lattice_mlx.speculative import drafters
 
     model, _ = load(checkpoints["untied"])
     ids = mx.array(PROMPTS[2])

@@ -9,9 +9,10 @@ import mlx.core as mx
 import pytest
 
 from lattice_mlx import cache as caches
-from lattice_mlx import decode, load, rounds
+from lattice_mlx import decode, load
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import pipelined as rounds
 
 PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
 
@@ -154,11 +155,10 @@ def test_the_prefill_caches_are_not_held_for_the_generation(checkpoints, monkeyp
     if loop == "plain":
         gen = generate_step(model, mx.array(PROMPT), sampler=Sampler())
     else:
-        from lattice_mlx.spec import SpecOptions, SpecStats
-        from lattice_mlx.speculative import speculative_step
+        from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
         options = SpecOptions(draft_tokens=2, verify="pipelined", adaptive=False)
-        gen = speculative_step(model, mx.array(PROMPT), sampler=Sampler(), options=options,
+        gen = speculate(model, mx.array(PROMPT), sampler=Sampler(), options=options,
                                stats=SpecStats.of(options))
     for _ in range(6):
         next(gen)

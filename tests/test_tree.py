@@ -8,13 +8,13 @@ from conftest import two_token_pvalue
 
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
+from lattice_mlx.bench.oracles import OracleTreeDrafter
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import gated_delta_ref, gated_delta_tree_ref
 from lattice_mlx.models.qwen3_5 import Tree
 from lattice_mlx.sample import Sampler
-from lattice_mlx.spec import SpecOptions, SpecStats, parse_tree
-from lattice_mlx.synthetic import OracleTreeDrafter
-from lattice_mlx.tree import tree_step
+from lattice_mlx.speculative import SpecOptions, SpecStats, parse_tree
+from lattice_mlx.speculative.tree import run_tree
 
 PROMPT = [5, 9, 33, 21, 7, 100]
 PARENTS = (-1, 0, 0, 1, 1, 2, 3)  # root y; two children; 1 has two, 2 has one; 3 has one
@@ -22,7 +22,7 @@ PARENTS = (-1, 0, 0, 1, 1, 2, 3)  # root y; two children; 1 has two, 2 has one; 
 
 def tree_tokens(model, prompt, n, shape, sampler=None):
     stats = SpecStats.of(SpecOptions(tree="-".join(map(str, shape))))
-    gen = tree_step(model, mx.array(prompt), sampler=sampler or Sampler(), shape=shape, stats=stats)
+    gen = run_tree(model, mx.array(prompt), sampler=sampler or Sampler(), shape=shape, stats=stats)
     return [next(gen) for _ in range(n)], stats.to_dict()
 
 
@@ -120,7 +120,7 @@ def test_oracle_tree_is_exact_and_accepts_as_asked(checkpoints, shape, p):
     dims = parse_tree(shape)
     stats = SpecStats.of(SpecOptions(tree=shape))
     drafter = OracleTreeDrafter(model, dims, reference, p, seed=1)
-    gen = tree_step(model, mx.array(PROMPT), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
+    gen = run_tree(model, mx.array(PROMPT), sampler=Sampler(), shape=dims, stats=stats, drafter=drafter)
     assert [next(gen) for _ in range(120)] == reference[:120]
     s = stats.to_dict()
     depth = len(dims)

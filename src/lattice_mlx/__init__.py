@@ -6,12 +6,11 @@ import warnings
 # that is intended, so runpy's warning about it is noise.
 warnings.filterwarnings("ignore", message=r".*found in sys.modules after import of package 'lattice_mlx'")
 
-from .draft_model import make_draft_model  # noqa: E402
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
 from .load import LoadError, load  # noqa: E402
 from .sample import Sampler  # noqa: E402
-from .spec import SpecOptions, SpecStats  # noqa: E402
+from .speculative import SpecOptions, SpecStats, make_draft_model, speculate  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["GenerationResponse", "GenerationResult", "LoadError", "Sampler", "SpecOptions", "SpecStats", "generate",
-           "load", "make_draft_model", "stream_generate"]
+           "load", "make_draft_model", "speculate", "stream_generate"]

@@ -55,7 +55,7 @@ def _clamped_positions(last: int, T: int):
 
 
 class FixedKVCache:
-    """A KV cache whose length lives on the device (pipelined rounds, rounds.py): keys and values are buffers of a
+    """A KV cache whose length lives on the device (pipelined rounds, speculative/pipelined.py): keys and values are buffers of a
     fixed capacity, `offset` an int32 scalar array. A forward writes its T rows at `offset` without moving it; the
     loop then advances it by the accepted count, itself a device array, so no round waits for the host. The rows
     go in with one scatter per buffer (`mx.put_along_axis` at device row indices): a `mx.slice_update` at a device
@@ -74,7 +74,7 @@ class FixedKVCache:
         self.length: mx.array | None = None
         # attention reads the whole buffer (masked to `length` on the device) instead of its first bound + T rows:
         # the shapes of a round then do not change from round to round, so one trace of it serves them all
-        # (rounds.py, traced rounds)
+        # (speculative/pipelined.py, traced rounds)
         self.whole = False
 
     @classmethod
@@ -246,7 +246,7 @@ class GDNCache:
         self._base_state, self._conv_in, self._states = None, [], []
 
     def pick(self, index: mx.array) -> None:
-        """Pipelined rounds (rounds.py): continue from step n of the one recorded forward, index = [n + 1, n, ..] (a
+        """Pipelined rounds (speculative/pipelined.py): continue from step n of the one recorded forward, index = [n + 1, n, ..] (a
         device array, one per round for every layer). Nothing is gathered: `conv` and `ssm` become the forward's
         whole conv input and per-step states and `window_pick` = index, and the next forward's GDN kernel reads
         the window (rows n + 1 ..) and state (step n) in place (metal/gated_delta.py `picked`). The region stays

@@ -12,7 +12,7 @@ from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
 from .server import chat_ids
-from .spec import SpecOptions
+from .speculative import SpecOptions
 
 
 def main(argv: list[str] | None = None) -> int:

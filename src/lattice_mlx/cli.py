@@ -4,7 +4,7 @@ environment switch, LATTICE_MTP=1) turned into SpecOptions. Value ranges are che
 import argparse
 import os
 
-from .spec import MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions
+from .speculative import MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -40,7 +40,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
 
 def speculation_from_args(args: argparse.Namespace) -> SpecOptions | None:
     """SpecOptions from the flags above (ValueError for a bad combination), or None for plain decoding."""
-    from . import decode, rounds
+    from . import decode
+    from .speculative import pipelined as rounds
 
     rounds.tracing_enabled()  # LATTICE_TRACE_ROUNDS and LATTICE_TRACE_STEPS checked up front, speculation on or
     decode.tracing_enabled()  # not, as LATTICE_MTP is

@@ -15,9 +15,7 @@ from .cli import ArgumentParser, add_speculation_args, speculation_from_args
 from .decode import generate_step
 from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .sample import Sampler
-from .spec import SpecOptions, SpecStats, parse_tree
-from .speculative import check_split_model, speculative_step
-from .tree import tree_step
+from .speculative import SpecOptions, SpecStats, speculate
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DEFAULT_MAX_TOKENS = 128
@@ -86,18 +84,8 @@ def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | 
     if options is None:
         return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache,
                              logits_processors=logits_processors, max_kv_size=max_kv_size), None
-    if options.needs_mtp and not model.has_mtp:
-        flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
-                                                              f"--draft {options.draft}")
-        raise ValueError(f"{flag} needs MTP weights (mtp.*), and this checkpoint has none: drop {flag}")
-    check_split_model(model, options)
     stats = SpecStats.of(options)
-    if options.tree:
-        if prompt_cache is not None:
-            raise ValueError("--tree does not take a prompt cache yet: use a chain (--draft-tokens)")
-        return tree_step(model, ids, sampler=sampler, shape=parse_tree(options.tree), stats=stats), stats
-    return speculative_step(model, ids, sampler=sampler, options=options, stats=stats,
-                            prompt_cache=prompt_cache), stats
+    return speculate(model, ids, sampler=sampler, options=options, stats=stats, prompt_cache=prompt_cache), stats
 
 
 def stream_generate(

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from . import cache as caches
 from .decode import prefill
-from .drafters import feed_head
+from .speculative.drafters import feed_head
 
 
 def fingerprint(model) -> str:

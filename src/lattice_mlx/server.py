@@ -27,8 +27,7 @@ from .generate import stream_generate
 from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
-from .spec import SpecOptions, SpecStats
-from .speculative import speculative_step
+from .speculative import SpecOptions, SpecStats, speculate
 
 log = logging.getLogger("lattice_mlx.server")
 DEFAULT_MAX_TOKENS = 512
@@ -353,7 +352,7 @@ def warm_up(model, speculation: SpecOptions | None) -> None:
                 steps = generate_step(model, mx.array(ids), sampler=sampler)
             else:
                 options = SpecOptions(draft_tokens=k, adaptive=False)
-                steps = speculative_step(model, mx.array(ids), sampler=sampler, options=options,
+                steps = speculate(model, mx.array(ids), sampler=sampler, options=options,
                                          stats=SpecStats.of(options))
             for _ in zip(range(2 * (k or 1) + 2), steps):
                 pass

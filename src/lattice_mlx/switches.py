@@ -1,5 +1,5 @@
 """On / off settings read from the environment (1 on, 0 off, unset: on) that a block of code can force either way
-(A/B legs of the benchmark, tests): LATTICE_COMPILE (models/compiled.py), LATTICE_TRACE_ROUNDS (rounds.py),
+(A/B legs of the benchmark, tests): LATTICE_COMPILE (models/compiled.py), LATTICE_TRACE_ROUNDS (speculative/pipelined.py),
 LATTICE_TRACE_STEPS (decode.py)."""
 
 import os

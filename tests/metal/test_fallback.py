@@ -8,10 +8,10 @@ import pytest
 from _tol import assert_close
 from test_gated_delta import make_inputs
 
+from lattice_mlx.bench.synthetic import random_model
 from lattice_mlx.decode import generate_step
 from lattice_mlx.metal import _dialect, argmax, cpu_render, gated_delta, use_kernels
 from lattice_mlx.sample import Sampler
-from lattice_mlx.synthetic import random_model
 
 pytestmark = pytest.mark.kernels
 

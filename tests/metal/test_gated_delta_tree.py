@@ -13,7 +13,7 @@ from test_gated_delta import make_inputs
 from lattice_mlx.metal import use_kernels
 from lattice_mlx.metal.gated_delta import gated_delta_kernel, gated_delta_ref, gated_delta_tree_ref
 from lattice_mlx.metal.gated_delta_tree import _BODY, gated_delta_tree, gated_delta_tree_kernel
-from lattice_mlx.spec import parse_tree
+from lattice_mlx.speculative import parse_tree
 
 needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 

@@ -16,8 +16,8 @@ cindex = pytest.importorskip("clang.cindex", reason="libclang is not installed: 
 import msl_check  # noqa: E402
 
 from lattice_mlx import variants  # noqa: E402
+from lattice_mlx.bench.synthetic import FAMILY  # noqa: E402
 from lattice_mlx.metal import metal_source  # noqa: E402
-from lattice_mlx.synthetic import FAMILY  # noqa: E402
 
 DEMO = Path(variants.__file__).parent / "assets" / "demo" / "config.json"
 _demo = json.loads(DEMO.read_text())["text_config"]

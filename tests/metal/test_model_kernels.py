@@ -39,12 +39,12 @@ def test_bf16_greedy_mtp_equals_plain_bitwise_verify(k):
     bit anywhere in a verify row shows up here as a rejected correct draft or a changed token."""
     import numpy as np
 
+    from lattice_mlx.bench.oracles import OracleDrafter
+    from lattice_mlx.bench.synthetic import QWEN3_5_0_8B, random_model
     from lattice_mlx.decode import generate_step
     from lattice_mlx.metal.attention import SPLIT_KEYS
     from lattice_mlx.sample import Sampler
-    from lattice_mlx.spec import SpecStats
-    from lattice_mlx.speculative import speculative_step
-    from lattice_mlx.synthetic import QWEN3_5_0_8B, OracleDrafter, random_model
+    from lattice_mlx.speculative import SpecStats, speculate
 
     model = random_model(**{**QWEN3_5_0_8B, "num_hidden_layers": 4}, bits=4, dtype=mx.bfloat16)
     ids = mx.array(np.random.default_rng(k).integers(1, 248320, SPLIT_KEYS - 20).tolist())
@@ -54,7 +54,7 @@ def test_bf16_greedy_mtp_equals_plain_bitwise_verify(k):
         opts = SpecOptions(draft_tokens=k, adaptive=False)
         stats = SpecStats.of(opts)
         drafter = OracleDrafter(model, Sampler(), plain, p, seed=1)
-        got = [t for t, _ in zip(speculative_step(model, ids, sampler=Sampler(), options=opts, stats=stats,
+        got = [t for t, _ in zip(speculate(model, ids, sampler=Sampler(), options=opts, stats=stats,
                                                   drafter=drafter), range(n))]
         assert got == plain[:n], f"p={p}: MTP left plain decoding"
         if p == 1.0:

@@ -27,7 +27,7 @@ class DraftVocab:
         ids = sorted({int(i) for i in ids})
         self.ids = mx.array(ids, dtype=mx.int32)
         self.size = len(ids)
-        # every array it computes with (the ids, the gathered rows): a traced round's captured input (rounds.py), so
+        # every array it computes with (the ids, the gathered rows): a traced round's captured input (speculative/pipelined.py), so
         # rows gathered again after the weights changed are what the trace computes with
         self.arrays: dict = {"ids": self.ids}
         self._meta, self._key = None, None

@@ -2,7 +2,7 @@
 synthetic oracle-draft speedup curve, live MTP acceptance, and prefill; `python -m lattice_mlx.bench`.
 
 Every timed run holds a file lock; legs run interleaved ABBA in one process; decode rate is the slope between two
-generation lengths. This module runs the legs; bench_report.py writes the JSON, markdown and PNG results to --out;
+generation lengths. This module runs the legs; report.py writes the JSON, markdown and PNG results to --out;
 the terminal gets a table, then one JSON line."""
 
 import copy
@@ -31,10 +31,19 @@ from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
 from mlx_lm.models import qwen3_5_moe as mlx_lm_qwen3_5_moe
 from mlx_lm.sample_utils import make_sampler
 
-from . import bench_stats as bs
-from . import decode as decode_mod
-from . import rounds as rounds_mod
-from .bench_report import (
+from .. import decode as decode_mod
+from ..cli import ArgumentParser
+from ..decode import generate_step
+from ..load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
+from ..models import compiled
+from ..models.fuse import hf_parameters
+from ..models.mtp import DraftVocab
+from ..sample import Sampler
+from ..speculative import SpecOptions, SpecStats, make_draft_model, speculate
+from ..speculative import pipelined as rounds_mod
+from . import stats as bs
+from .oracles import DeviceOracle, OracleDrafter, OracleDraftModel
+from .report import (
     SYNTHETIC,
     device_name,
     git_revision,
@@ -45,18 +54,7 @@ from .bench_report import (
     text_table,
     write_markdown,
 )
-from .cli import ArgumentParser
-from .decode import generate_step
-from .draft_model import OracleDraftModel, make_draft_model
-from .load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
-from .models import compiled
-from .models.fuse import hf_parameters
-from .models.mtp import DraftVocab
-from .rounds import DeviceOracle
-from .sample import Sampler
-from .spec import SpecOptions, SpecStats
-from .speculative import speculative_step
-from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_27B, QWEN3_5_35B_A3B, OracleDrafter, hub_config, random_model
+from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_27B, QWEN3_5_35B_A3B, hub_config, random_model
 
 DEFAULT_MODEL = "0.8b"
 DEFAULT_OUT = "bench_out"
@@ -379,7 +377,7 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
     if leg.p is not None:  # the pipelined loop takes its synthetic drafts on the device
         drafter = DeviceOracle(reference, leg.p, target.model.args.vocab_size, leg.k, seed=seed) \
             if leg.verify == "pipelined" else OracleDrafter(target.model, sampler, reference, leg.p, seed=seed)
-    stream = speculative_step(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
+    stream = speculate(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
                               drafter=drafter)
     if leg.draft_vocab:
         vocab = target.draft_vocabs.setdefault(leg.draft_vocab, DraftVocab(range(leg.draft_vocab)))
@@ -604,7 +602,7 @@ def leg_summary(rec: LegRecord, records: dict[str, LegRecord], target: Target) -
             out[f"vs_{key}"] = bs.paired_ratio(rates, [r[rate] for r in records[base].runs])
     base = records.get(plain_name)
     if base is not None and base is not rec and base.runs and all("tok_s_whole" in r for r in rec.runs + base.runs):
-        # every leg over the whole generation too: the measure adaptive legs are compared on (bench_report)
+        # every leg over the whole generation too: the measure adaptive legs are compared on (report.py)
         out["vs_plain_whole"] = bs.paired_ratio([r["tok_s_whole"] for r in rec.runs],
                                                 [r["tok_s_whole"] for r in base.runs])
     if rec.spec is None:

@@ -15,12 +15,11 @@ at the position before each token. The coupling:
   draft is a guess, and the verifier rejects it unless it happens to be right. Exactness never depends on the draft.
 """
 
-import random
 
 import mlx.core as mx
 
-from .cache import KVCache
-from .decode import PREFILL_STEP
+from ..cache import KVCache
+from ..decode import PREFILL_STEP
 
 
 def make_draft_model(model) -> "MTPDraftModel":
@@ -183,22 +182,3 @@ class MTPDraftModel:
         sub = vocab.lm_logits(self.target, u).astype(mx.float32)
         full = mx.zeros((1, 1, V), dtype=mx.float32).at[..., vocab.ids].add(sub)
         return mx.where(self._in_vocab[1], full, -mx.inf)
-
-
-class OracleDraftModel(MTPDraftModel):
-    """SYNTHETIC drafts for benchmarks (greedy): the head runs for its cost (its logits stay in the graph), then the
-    draft is the recorded greedy continuation `reference` (generated tokens) with probability p, else a token that
-    is surely wrong; the twin of synthetic.OracleDrafter for mlx-lm's loop."""
-
-    def __init__(self, target, reference: list[int], p: float, prompt_len: int, *, seed: int = 0):
-        super().__init__(target)
-        self.reference, self.p, self.prompt_len = reference, p, prompt_len
-        self.rng = random.Random(seed)
-
-    def __call__(self, inputs: mx.array, cache: list | None = None, **kwargs) -> mx.array:
-        real = super().__call__(inputs, cache, **kwargs)
-        i = cache[0].offset - self.prompt_len  # the generated index of the token this call drafts
-        truth = self.reference[i] if 0 <= i < len(self.reference) else 0
-        V = self.target.args.vocab_size
-        token = truth if self.rng.random() < self.p else (truth + 1) % V
-        return 0 * real.astype(mx.float32) + (mx.arange(V) == token).astype(mx.float32)[None, None] * 100.0

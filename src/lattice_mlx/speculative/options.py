@@ -20,48 +20,12 @@ def parse_tree(spec: str) -> tuple[int, ...]:
     return shape
 
 
-# Adaptive depth (speculative.DepthTuner for the host loop, rounds.PipelinedTuner for pipelined rounds)
-ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
-# Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
-# deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
-ADAPTIVE_START_K = 2
-PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
-PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
-FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
-# The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
-# refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to
-# plain decoding at low acceptance (docs/results/code_measurements.md, 'pipelined tuner').
-SPECULATE_MIN_GAIN = 1.05  # keep speculating only at a predicted speedup of at least this
-SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this much more than the current one
-# A draft position's measured acceptance is trusted from this many rounds that drafted it; before that the tuner
-# continues the shallower positions' rate. One round at a new depth whose deepest draft was rejected read as a rate of 0
-# there, and the tuner left that depth for good (the same page)
-MIN_POSITION_ROUNDS = 8
-# Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
-# decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
-# tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
-OFF_HOPE = 2.0
-
-
-def expected_tokens(k: int, rates: list[float]) -> float:
-    """Tokens a round of depth k yields: rates[i] is the share of rounds whose draft i was accepted, i.e. P(the first
-    i + 1 drafts all accepted); depths not measured yet continue the last measured conditional rate."""
-    expected, last, ratio = 1.0, 1.0, 0.0
-    for i in range(k):
-        if i < len(rates):
-            ratio, last = (rates[i] / last if last > 0 else 0.0), rates[i]
-        else:
-            last *= ratio
-        expected += last
-    return expected
-
-
 @dataclass(frozen=True)
 class SpecOptions:
     """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
     lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
     tokens), 'pipelined' (batched, every decision on the device and the next round dispatched before this one is
-    read; MTP chains: rounds.py), 'sequential' (one per token, the A/B reference) or 'auto' (the default: pipelined
+    read; MTP chains: pipelined.py), 'sequential' (one per token, the A/B reference) or 'auto' (the default: pipelined
     for MTP chains on one process, batched otherwise; `resolved`); adaptive: tune K from measured
     acceptance and cost and turn speculation off when it cannot pay; tree: verify a tree of MTP drafts, widths per
     depth ('2-2-1')."""
@@ -166,7 +130,7 @@ class SpecStats:
     def accepted_per_position(self, min_rounds: int = 0, hope: float = 0.0) -> list[float]:
         """Share of the rounds that drafted position i whose draft i was accepted (so were all before it). With
         min_rounds: the first position, then the next ones while at least that many rounds drafted them (the
-        tuner's view: spec.expected_tokens continues the rest from the last conditional rate). `hope` adds that
+        tuner's view: tuning.expected_tokens continues the rest from the last conditional rate). `hope` adds that
         many accepted rounds at every position (an optimistic estimate from few rounds)."""
         out = []
         for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at)):

@@ -11,10 +11,10 @@ prompt lookup (n-gram), and their hybrid. All share one protocol, so verify / ac
 
 import mlx.core as mx
 
-from . import cache as caches
-from .decode import PREFILL_STEP
-from .metal.argmax import argmax
-from .sample import Sampler
+from .. import cache as caches
+from ..decode import PREFILL_STEP
+from ..metal.argmax import argmax
+from ..sample import Sampler
 
 # Slots the MTP head takes per catch-up forward during a plain stretch (adaptive depth switched speculation off): one
 # row count however long the stretch. A forward over a row count not seen before compiles new kernels on a GPU (the

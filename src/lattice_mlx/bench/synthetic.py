@@ -3,19 +3,15 @@ Hugging Face hub layout of Qwen3.5 (`mtp.*` included), random in-memory models o
 drafters that force a chosen acceptance."""
 
 import json
-import random
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .drafters import MTPDrafter
-from .load import quantize
-from .models.fuse import fuse_projections
-from .models.mtp import MTPHead
-from .models.qwen3_5 import Model, ModelArgs
-from .sample import Sampler
-from .tree import TreeDrafter
+from ..load import quantize
+from ..models.fuse import fuse_projections
+from ..models.mtp import MTPHead
+from ..models.qwen3_5 import Model, ModelArgs
 
 QWEN3_5_0_8B = dict(
     hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
@@ -254,78 +250,6 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
     if fuse:
         fuse_projections(model)
     return model
-
-
-class OracleDrafter(MTPDrafter):
-    """SYNTHETIC chain drafts for benchmarks and tests (greedy only): runs the MTP head for its cost, then proposes the
-    recorded greedy continuation `reference` (generated tokens) with probability `p_correct` per position, else a
-    token that is surely wrong."""
-
-    def __init__(self, model, sampler: Sampler, reference: list[int], p_correct: float, *, seed: int = 0):
-        super().__init__(model, sampler)
-        self.reference, self.p_correct = reference, p_correct
-        self.rng = random.Random(seed)
-        self.vocab = model.args.vocab_size
-
-    def start(self, prompt: list[int], first: int, hidden: mx.array, cache: list) -> None:
-        super().start(prompt, first, hidden, cache)
-        self.prompt_len = len(prompt)
-
-    def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        head_drafts, _ = super().propose(history, k)
-        mx.async_eval(head_drafts)  # the head's work is paid, as a real draft's would be
-        pos = len(history) - self.prompt_len
-        truth = [self.reference[i] if i < len(self.reference) else 0 for i in range(pos, pos + k)]
-        return [t if self.rng.random() < self.p_correct else (t + 1) % self.vocab for t in truth], None
-
-
-class OracleTreeDrafter(TreeDrafter):
-    """SYNTHETIC tree drafts for benchmarks (greedy only): builds the real tree with the MTP head (its cost is paid),
-    then relabels it against a recorded greedy continuation. Under each node on the true path, the child of rank r
-    holds the true next token with probability p * decay**r given that the ranks before it did not (at most one
-    child does); every other node gets a token that is surely wrong. A chain (all widths 1) is then exactly the
-    chain oracle at per-position acceptance p. decay is a modelling assumption, not a fit: on the demo head the
-    ranks below 1 added less (width-3 and width-4 trees accepted 0.66 / 0.69 per round where the 3-chain accepted
-    0.92), i.e. a smaller decay; the smaller it is, the more chains are favoured. This drafter reads its tokens
-    back before the verify (a sync the real lazy tree drafter no longer has)."""
-
-    def __init__(self, model, shape: tuple[int, ...], reference: list[int], p: float, *, decay: float = 0.6,
-                 seed: int = 0):
-        super().__init__(model, shape)
-        self.reference, self.p, self.decay = reference, p, decay
-        self.rng = random.Random(seed)
-        self.generated = 0
-        self.vocab = model.args.vocab_size
-
-    def observe(self, tokens: list[int], hidden: mx.array) -> None:
-        super().observe(tokens, hidden)
-        if not hasattr(self, "prompt_tail"):  # the first call: the prompt's last slots (the rest went to the cache)
-            self.prompt_tail = len(tokens) - 1
-        self.generated += len(tokens)
-
-    def propose(self, y: int) -> tuple[list[int], list[int], list[int]]:
-        tokens, parents, ranks = super().propose(y)
-        tokens = tokens.tolist()
-        # generated counts the prompt tail observed at start too; the true next token is reference[position]
-        pos = self.generated - self.prompt_tail
-        truth = lambda d: self.reference[pos + d] if pos + d < len(self.reference) else 0  # noqa: E731
-        on_path = {0: 0}  # node -> depth, for nodes on the true path (node 0 = y)
-        out = []
-        for i, (t, parent, rank) in enumerate(zip(tokens, parents, ranks), start=1):
-            depth = on_path.get(parent)
-            if depth is not None and rank == 0:
-                self._hit = None  # a new sibling group starts at rank 0
-                for r in range(self.shape[depth]):
-                    if self.rng.random() < self.p * self.decay**r:
-                        self._hit = r
-                        break
-            if depth is not None and rank == self._hit:
-                on_path[i] = depth + 1
-                out.append(truth(depth))
-            else:
-                wrong = truth(depth if depth is not None else 0)
-                out.append(t if t != wrong else (t + 1) % self.vocab)
-        return out, parents, ranks
 
 
 # The family's text configs (hub layout, one MTP layer as the checkpoints have) that the Metal source check covers

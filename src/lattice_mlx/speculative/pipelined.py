@@ -11,44 +11,33 @@ overwritten) and reads its first draft at row n. No `.item()` inside a round: th
 one round late, so a stop (end of sequence, max tokens) inside a round discards the overshoot and the tokens are
 exactly the synchronous loop's.
 
-Indexing as in speculative.py: y is the newest token (position p, not yet fed); MTP slot j pairs embed(t_{j+1})
+Indexing as in chain.py: y is the newest token (position p, not yet fed); MTP slot j pairs embed(t_{j+1})
 with the target hidden h_j at RoPE position j.
 """
 
 import functools
 import logging
-import random
 import time
-import weakref
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
-import numpy as np
 
-from . import cache as caches
-from . import traces
-from .decode import resume
+from .. import cache as caches
+from .. import traces
+from ..decode import resume
+from ..metal import use_kernels
+from ..metal.argmax import argmax
+from ..models import compiled
+from ..sample import Sampler, accept_sampled_arrays
+from ..switches import Switch
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
-from .metal import use_kernels
-from .metal.argmax import argmax
-from .models import compiled
-from .sample import Sampler, accept_sampled_arrays
-from .spec import (
-    ADAPTIVE_START_K,
-    ADAPTIVE_WARMUP_ROUNDS,
-    FIRST_OFF_TOKENS,
-    MAX_OFF_TOKENS,
+from .options import SpecOptions, SpecStats
+from .tuning import (
     MIN_POSITION_ROUNDS,
     OFF_HOPE,
-    PLAIN_TIMED_STEPS,
-    PLAIN_WARMUP_STEPS,
-    SPECULATE_MIN_GAIN,
-    SWITCH_MIN_GAIN,
-    SpecOptions,
-    SpecStats,
-    expected_tokens,
+    PipelinedTuner,
+    tuner_memory,
 )
-from .switches import Switch
 
 log = logging.getLogger("lattice_mlx")
 
@@ -142,7 +131,7 @@ def _traced_round(model, k: int):
 
 
 class PipelinedRounds:
-    """The device state between rounds and the graph of one round; `speculative_pipelined` drives it."""
+    """The device state between rounds and the graph of one round; `run_pipelined` drives it."""
 
     def __init__(self, model, sampler: Sampler, k: int, prompt: list[int], first: int, hidden: mx.array,
                  cache: list, override: DraftOverride | None = None, *, prompt_len: int | None = None,
@@ -369,168 +358,7 @@ class PipelinedRounds:
         return tokens, n
 
 
-# What a process's pipelined tuners measured of a model: (id(model), greedy) -> {"cost": {K: seconds per pass},
-# "k": the depth last picked}. A later generation on the same model starts from those costs at that depth instead of
-# timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain speed for
-# a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept apart.
-_MEMORY: dict[tuple[int, bool], dict] = {}
-
-
-def tuner_memory(model, greedy: bool) -> dict:
-    """The costs the tuners of this process measured on `model` (dropped with the model)."""
-    key = (id(model), bool(greedy))
-    if key not in _MEMORY:
-        try:
-            weakref.finalize(model, _MEMORY.pop, key, None)
-        except TypeError:  # an object that takes no weak references: nothing kept
-            return {}
-        _MEMORY[key] = {}
-    return _MEMORY[key]
-
-
-class PipelinedTuner:
-    """Adaptive depth for pipelined rounds. In the loop's steady state the host builds and dispatches round r while
-    the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
-    cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
-    per-position acceptance (spec.expected_tokens), and the depth picked is the K within one of the current one
-    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
-    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
-    first (the baseline), then ADAPTIVE_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
-    round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
-    speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
-    plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes what it
-    measures back. Acceptance is always this generation's own (it depends on the text)."""
-
-    SKIP = 2  # passes after a change of K that are not timed
-    LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
-    SLOW_PASS = 20  # a pass this many times the cheapest cost is not timed and is logged (a round costs ~1-2.5 plain
-    # steps): something compiled in it
-    SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
-    REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
-
-    def __init__(self, k_max: int, memory: dict | None = None):
-        self.k_max, self.memory = k_max, {} if memory is None else memory
-        # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
-        # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
-        self.cost = self.memory.setdefault("cost", {})
-        self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
-        self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
-        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
-        self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
-        # their costs, and the first slow passes
-        self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
-        if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
-            self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
-            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
-            self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
-            self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
-
-    def _costs(self) -> str:
-        """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
-        return "ms per pass " + " ".join(f"K={k} {1e3 * c:.2f}" for k, c in sorted(self.cost.items()))
-
-    def observe(self, k: int, seconds: float) -> None:
-        """One pass of the loop that dispatched a round of depth k. A pass over SLOW_PASS times the cheapest cost
-        measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one compile among a
-        generation's plain steps made cost(0) hundreds of times a step's, and a tuner that kept that (in its memory)
-        never left K=2 again (docs/results/code_measurements.md, 'pipelined tuner'). REJECTS such passes in a row at
-        one depth are its cost now (a longer
-        context, a slower machine than the memory's): the next one is timed, as the depth's only measurement."""
-        cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
-        slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
-        stall = not slow and old is not None and seconds > self.SPIKE * old
-        if stall and (self.since + 1 if k == self.prev else 0) < self.SKIP:
-            stall = False  # (the passes just after a change of K are slow by nature, and not timed anyway)
-        if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
-            self.slow += 1
-            self.log.append(f"{'slow pass' if slow else 'stall'}: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
-                            f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
-        self.since = self.since + 1 if k == self.prev else 0
-        self.prev = k
-        if self.since < self.SKIP:
-            return
-        if slow or stall:
-            self.rejected[k] = self.rejected.get(k, 0) + 1
-            if self.rejected[k] <= self.REJECTS:
-                return
-            old = None  # the new level: timed afresh
-        self.rejected[k] = 0
-        # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
-        # fast pass later is averaged in, as any other)
-        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
-        self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
-        self.cost[k] = seconds if fresh else 0.8 * old + 0.2 * seconds
-
-    def estimate(self, k: int) -> float | None:
-        """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
-        shallower depth's measured cost."""
-        if k in self.cost:
-            return self.cost[k]
-        known = [d for d in self.cost if d > 0]
-        if 0 not in self.cost or not known:
-            return None
-        m = max(known)
-        line = self.cost[0] + (self.cost[m] - self.cost[0]) * k / m
-        return max(line, *(c for d, c in self.cost.items() if d < k))
-
-    def speedup(self, k: int, rates: list[float]) -> float | None:
-        """Predicted tokens per second of depth k over plain steps'. A plain step does less than any round, so a
-        plain cost measured above a round's (a plain step built op by op against traced rounds: the same page) is
-        read as that round's: else a round accepting nothing predicts
-        a gain, and speculation never goes off."""
-        cost, plain = self.estimate(k), self.cost.get(0)
-        if cost is None or plain is None:
-            return None
-        plain = min([plain, *(c for d, c in self.cost.items() if d > 0)])
-        return expected_tokens(k, rates) * plain / cost
-
-    def next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None = None) -> int:
-        """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
-        rates `hopeful()` gives (spec.OFF_HOPE; asked for only then) predict no gain either."""
-        if self.left > 0:
-            self.left -= 1
-            return self.k
-        if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
-            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
-            return self.k
-        # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
-        near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
-        gains = {k: self.speedup(k, rates) for k in near}
-        k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
-        if gain is None:  # nothing measured to decide on yet: stay
-            return self.k
-        if gain < SPECULATE_MIN_GAIN and hopeful is not None:
-            hoped = hopeful()
-            hope = [(d, self.speedup(d, hoped)) for d in near]
-            d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
-            if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
-                k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
-                if k != self.k and self.switches < self.LOGGED_SWITCHES:
-                    self.switches += 1
-                    self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
-                self.k = self.probe_k = self.memory["k"] = k
-                return k
-        if gain >= SPECULATE_MIN_GAIN:
-            current = gains.get(self.k)
-            if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN \
-                    and gain < current * SWITCH_MIN_GAIN:
-                k = self.k  # a change of K costs untraced rounds: not for a small predicted gain
-            if k != self.k and self.switches < self.LOGGED_SWITCHES:
-                self.switches += 1
-                self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
-                                f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
-            self.k = self.probe_k = self.memory["k"] = k
-            return k
-        self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")
-        self.log.append(f"{self.decisions[-1]}; {self._costs()}")
-        log.info(self.log[-1])
-        self.probe_k = self.memory["k"] = k
-        self.k, self.left = 0, self.off_tokens - 1
-        self.off_tokens = min(2 * self.off_tokens, MAX_OFF_TOKENS)
-        return 0
-
-
-def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
+def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
                           override: DraftOverride | None = None, prompt_cache=None) -> Iterator[int]:
     """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
     pipelined one deep: of fixed K, or with options.adaptive of the depth PipelinedTuner picks (up to K; 0 = plain
@@ -583,40 +411,3 @@ def speculative_pipelined(model, ids: mx.array, *, sampler: Sampler, options: Sp
                 decided, logged = len(tuner.decisions), len(tuner.log)
             yield from tokens
         pending, r = (*out, k), r + 1
-
-
-class DeviceOracle:
-    """SYNTHETIC drafts for benchmarks (greedy only), the device twin of synthetic.OracleDrafter: the head's drafts
-    are computed (their cost is paid) and replaced by the recorded greedy continuation `reference` with probability
-    `p` per position, else by a token that is surely wrong; the same random sequence as OracleDrafter's for a seed."""
-
-    def __init__(self, reference: list[int], p: float, vocab: int, k: int, *, seed: int = 0):
-        self.ref = mx.array([*reference, *[0] * (k + 1)], dtype=mx.int32)
-        self.last = len(reference) + k
-        self.p, self.vocab, self.k = p, vocab, k
-        self.rng = random.Random(seed)
-        # the synthetic overhead in as few launches as the real drafts' none (a gather and two fused kernels): the
-        # benchmark measures the round, not the oracle
-        # + 0 * drafts: the head's drafts stay in the graph, so their cost is paid
-        self._pick = mx.compile(lambda right, truth, drafts: mx.where(right, truth, (truth + 1) % vocab) + 0 * drafts)
-        self._indices: dict = {}  # per K (adaptive rounds vary it): gen -> the reference rows of its drafts
-
-    def _index(self, k: int):
-        if k not in self._indices:
-            # (host data: a constant of the trace, not an arange it would launch every round)
-            steps, last = mx.array(np.arange(1, k + 1, dtype=np.int32)), self.last
-            self._indices[k] = mx.compile(lambda gen: mx.minimum(gen + steps, last))
-        return self._indices[k]
-
-    def __call__(self, drafts: mx.array, q, rounds: PipelinedRounds, r: int) -> tuple[mx.array, None]:
-        return self.apply(drafts, q, rounds, self.device_inputs(drafts.shape[0]))
-
-    # A traced round (PipelinedRounds.round) takes the host's draws and the reference as inputs, not constants of
-    # its trace: device_inputs once per round, apply inside the trace (a round built op by op calls both).
-    def device_inputs(self, k: int) -> list[mx.array]:
-        return [mx.array([self.rng.random() < self.p for _ in range(k)]), self.ref]
-
-    def apply(self, drafts: mx.array, q, rounds: PipelinedRounds, extras: list) -> tuple[mx.array, None]:
-        right, ref = extras
-        k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
-        return self._pick(right, ref[self._index(k)(rounds.gen)], drafts.astype(mx.int32)), None

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cache as caches
-from .decode import resume
+from .. import cache as caches
+from ..decode import resume
+from ..metal.argmax import argmax
+from ..sample import Sampler, accept_greedy, accept_sampled
 from .drafters import HybridDrafter, MTPDrafter, make_drafter
-from .metal.argmax import argmax
-from .rounds import speculative_pipelined
-from .sample import Sampler, accept_greedy, accept_sampled
-from .spec import (
+from .options import SpecOptions, SpecStats
+from .tuning import (
     ADAPTIVE_START_K,
     ADAPTIVE_WARMUP_ROUNDS,
     FIRST_OFF_TOKENS,
@@ -27,9 +27,7 @@ from .spec import (
     PLAIN_TIMED_STEPS,
     PLAIN_WARMUP_STEPS,
     PROBE_ROUNDS,
-    SpecOptions,
-    SpecStats,
-    expected_tokens,
+    DepthTuner,
 )
 
 log = logging.getLogger("lattice_mlx")
@@ -95,34 +93,6 @@ def verify_sequential(model, cache: list, y: int, drafts, q, sampler: Sampler) -
 VERIFIERS = {"batched": verify_batched, "sequential": verify_sequential}
 
 
-class DepthTuner:
-    """Adaptive K: expected tokens per round from per-position acceptance, cost from measured round times.
-
-    cost(K) = t_verify(K+1) + K * t_draft with t_verify(T) = t1 + slope * (T - 1); speedup(K) = E(K) * t1 / cost(K).
-    """
-
-    def __init__(self, k_max: int, t1: float):
-        self.k_max, self.t1 = k_max, t1
-        self.slope = 0.1 * t1  # priors, replaced by the first measured round
-        self.t_draft = 0.2 * t1
-        self.observed = 0
-
-    def observe(self, k: int, t_draft: float, t_verify: float) -> None:
-        w = 0.2 if self.observed else 1.0  # a moving average of measured rounds only: the priors carry no weight
-        self.t_draft = (1 - w) * self.t_draft + w * t_draft / k
-        self.slope = (1 - w) * self.slope + w * max(0.0, (t_verify - self.t1) / k)
-        self.observed += 1
-
-    def speedup(self, k: int, rates: list[float]) -> float:
-        """rates[i]: share of rounds whose draft i was accepted, i.e. P(the first i+1 drafts all accepted); depths
-        not measured yet continue the last measured conditional rate."""
-        cost = self.t1 + self.slope * k + self.t_draft * k
-        return expected_tokens(k, rates) * self.t1 / cost
-
-    def best(self, rates: list[float]) -> tuple[int, float]:
-        return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
-
-
 def plain_steps(model, cache: list, y: int, sampler: Sampler, drafter, history: list[int], n: int,
                 out: dict) -> Iterator[int]:
     """n plain steps pipelined as generate_step runs them (the next forward queued before a token is read back),
@@ -151,31 +121,12 @@ def one_hot_q(drafts: list[int], vocab: int) -> mx.array:
     return (mx.arange(vocab)[None, :] == mx.array(drafts)[:, None]).astype(mx.float32)
 
 
-def check_split_model(model, options: SpecOptions | None) -> None:
-    """A model split over processes (Model.shard / Model.pipeline) speculates with MTP or n-gram chains and the
-    batched verifier: those take every decision from rank 0 (Model.agree). Trees, the sequential verifier and
-    self-speculation would let ranks diverge and deadlock, so they are refused."""
-    if getattr(model, "sharding_group", None) is None or options is None:
-        return
-    if options.tree or options.verify not in ("batched", "auto") or options.draft.startswith("self"):
-        flag = "--tree" if options.tree else (f"--verify {options.verify}" if options.verify not in ("batched", "auto")
-                                              else "--draft self")
-        raise ValueError(f"a model split over processes speculates with MTP or n-gram chains and the batched "
-                         f"verifier only: drop {flag}")
-
-
-def speculative_step(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
-                     drafter=None, prompt_cache=None) -> Iterator[int]:
-    """Yields tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`.
-    The draft source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names.
-    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
-    options = options.resolved(split=getattr(model, "sharding_group", None) is not None,
-                               host_drafter=hasattr(drafter, "propose"))
-    stats.verify = options.verify
-    check_split_model(model, options)
-    if options.verify == "pipelined":  # every decision on the device (rounds.py); `drafter` is a DraftOverride
-        return (yield from speculative_pipelined(model, ids, sampler=sampler, options=options, stats=stats,
-                                                 override=drafter, prompt_cache=prompt_cache))
+def run_chain(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats, drafter=None,
+              prompt_cache=None) -> Iterator[int]:
+    """Host-side rounds (`options` resolved, verify "batched" or "sequential"; `speculate` is the entrance): yields
+    tokens with the same distribution as plain decoding (identical tokens when greedy), filling `stats`. The draft
+    source is `drafter` if given (e.g. a synthetic oracle), else the one `options.draft` names. `prompt_cache`
+    (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
     drafter = drafter or make_drafter(options.draft, model, sampler)
     verifier, k = VERIFIERS[options.verify], options.draft_tokens
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from . import cache as caches
-from .decode import prefill
+from .. import cache as caches
+from ..decode import prefill
+from ..metal.argmax import argmax
+from ..models.qwen3_5 import Tree
+from ..sample import Sampler, sample_from
 from .drafters import mtp_prefill, mtp_step
-from .metal.argmax import argmax
-from .models.qwen3_5 import Tree
-from .sample import Sampler, sample_from
-from .spec import SpecStats
+from .options import SpecStats
 
 
 class TreeDrafter:
@@ -91,18 +91,11 @@ def accept_path(tree: Tree, tokens: list[int], logits: mx.array, sampler: Sample
         path.append(node)
 
 
-def tree_step(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...], stats: SpecStats,
-              drafter: TreeDrafter | None = None) -> Iterator[int]:
-    """Yields tokens with the distribution of plain decoding (identical tokens when greedy), filling `stats`.
-    `drafter`: e.g. a synthetic oracle for benchmarks; by default the MTP head's top-k tree."""
-    if not model.has_mtp:
-        raise ValueError("tree drafting needs MTP weights (mtp.*), and this checkpoint has none")
-    if getattr(model, "sharding_group", None) is not None:
-        raise ValueError("a model split over processes speculates with MTP or n-gram chains only: drop --tree")
-    vocab = model.mtp.draft_vocab
-    if vocab is not None and max(shape) > vocab.size:
-        raise ValueError(f"--tree {'-'.join(map(str, shape))}: a node has more children than the head's draft "
-                         f"vocabulary has ids ({vocab.size})")
+def run_tree(model, ids: mx.array, *, sampler: Sampler, shape: tuple[int, ...], stats: SpecStats,
+             drafter: TreeDrafter | None = None) -> Iterator[int]:
+    """Tree rounds (`speculate` is the entrance, and checks the model can run them): yields tokens with the
+    distribution of plain decoding (identical tokens when greedy), filling `stats`. `drafter`: e.g. a synthetic
+    oracle for benchmarks; by default the MTP head's top-k tree."""
     cache, drafter = model.make_cache(trimmable=False), drafter or TreeDrafter(model, shape)
     logits, hidden = prefill(model, ids, cache, return_hidden=True)
     y = sampler(logits).item()

@@ -1,5 +1,5 @@
 """Benchmark reports: provenance (git revision, device, peers), terminal and markdown tables, plots, and the
-one-line headline; `bench.py` runs the legs and hands its results here."""
+one-line headline; run.py runs the legs and hands its results here."""
 
 import os
 import platform
@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import bench_stats as bs
+from . import stats as bs
 
 SYNTHETIC = "SYNTHETIC (oracle drafts)"
 

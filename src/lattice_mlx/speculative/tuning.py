@@ -1,0 +1,235 @@
+"""Adaptive draft depth: the tuners that pick K (or no speculation) from measured acceptance and cost, their
+constants, and what a process remembers of a model's costs. `DepthTuner` serves the host-side loop (chain.py),
+`PipelinedTuner` pipelined rounds (pipelined.py)."""
+
+import logging
+import weakref
+from collections.abc import Callable
+
+log = logging.getLogger("lattice_mlx")
+
+ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
+# Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
+# deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
+ADAPTIVE_START_K = 2
+PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
+PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
+FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
+# The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
+# refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to
+# plain decoding at low acceptance (docs/results/code_measurements.md, 'pipelined tuner').
+SPECULATE_MIN_GAIN = 1.05  # keep speculating only at a predicted speedup of at least this
+SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this much more than the current one
+# A draft position's measured acceptance is trusted from this many rounds that drafted it; before that the tuner
+# continues the shallower positions' rate. One round at a new depth whose deepest draft was rejected read as a rate of 0
+# there, and the tuner left that depth for good (the same page)
+MIN_POSITION_ROUNDS = 8
+# Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
+# decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
+# tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
+OFF_HOPE = 2.0
+
+
+def expected_tokens(k: int, rates: list[float]) -> float:
+    """Tokens a round of depth k yields: rates[i] is the share of rounds whose draft i was accepted, i.e. P(the first
+    i + 1 drafts all accepted); depths not measured yet continue the last measured conditional rate."""
+    expected, last, ratio = 1.0, 1.0, 0.0
+    for i in range(k):
+        if i < len(rates):
+            ratio, last = (rates[i] / last if last > 0 else 0.0), rates[i]
+        else:
+            last *= ratio
+        expected += last
+    return expected
+
+
+
+class DepthTuner:
+    """Adaptive K: expected tokens per round from per-position acceptance, cost from measured round times.
+
+    cost(K) = t_verify(K+1) + K * t_draft with t_verify(T) = t1 + slope * (T - 1); speedup(K) = E(K) * t1 / cost(K).
+    """
+
+    def __init__(self, k_max: int, t1: float):
+        self.k_max, self.t1 = k_max, t1
+        self.slope = 0.1 * t1  # priors, replaced by the first measured round
+        self.t_draft = 0.2 * t1
+        self.observed = 0
+
+    def observe(self, k: int, t_draft: float, t_verify: float) -> None:
+        w = 0.2 if self.observed else 1.0  # a moving average of measured rounds only: the priors carry no weight
+        self.t_draft = (1 - w) * self.t_draft + w * t_draft / k
+        self.slope = (1 - w) * self.slope + w * max(0.0, (t_verify - self.t1) / k)
+        self.observed += 1
+
+    def speedup(self, k: int, rates: list[float]) -> float:
+        """rates[i]: share of rounds whose draft i was accepted, i.e. P(the first i+1 drafts all accepted); depths
+        not measured yet continue the last measured conditional rate."""
+        cost = self.t1 + self.slope * k + self.t_draft * k
+        return expected_tokens(k, rates) * self.t1 / cost
+
+    def best(self, rates: list[float]) -> tuple[int, float]:
+        return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
+
+
+# What a process's pipelined tuners measured of a model: (id(model), greedy) -> {"cost": {K: seconds per pass},
+# "k": the depth last picked}. A later generation on the same model starts from those costs at that depth instead of
+# timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain speed for
+# a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept apart.
+_MEMORY: dict[tuple[int, bool], dict] = {}
+
+
+def tuner_memory(model, greedy: bool) -> dict:
+    """The costs the tuners of this process measured on `model` (dropped with the model)."""
+    key = (id(model), bool(greedy))
+    if key not in _MEMORY:
+        try:
+            weakref.finalize(model, _MEMORY.pop, key, None)
+        except TypeError:  # an object that takes no weak references: nothing kept
+            return {}
+        _MEMORY[key] = {}
+    return _MEMORY[key]
+
+
+class PipelinedTuner:
+    """Adaptive depth for pipelined rounds. In the loop's steady state the host builds and dispatches round r while
+    the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
+    cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
+    per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
+    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
+    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
+    first (the baseline), then ADAPTIVE_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
+    round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
+    speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
+    plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes what it
+    measures back. Acceptance is always this generation's own (it depends on the text)."""
+
+    SKIP = 2  # passes after a change of K that are not timed
+    LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
+    SLOW_PASS = 20  # a pass this many times the cheapest cost is not timed and is logged (a round costs ~1-2.5 plain
+    # steps): something compiled in it
+    SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
+    REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
+
+    def __init__(self, k_max: int, memory: dict | None = None):
+        self.k_max, self.memory = k_max, {} if memory is None else memory
+        # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
+        # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
+        self.cost = self.memory.setdefault("cost", {})
+        self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
+        self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
+        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
+        self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
+        # their costs, and the first slow passes
+        self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
+        if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
+            self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
+            self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
+
+    def _costs(self) -> str:
+        """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
+        return "ms per pass " + " ".join(f"K={k} {1e3 * c:.2f}" for k, c in sorted(self.cost.items()))
+
+    def observe(self, k: int, seconds: float) -> None:
+        """One pass of the loop that dispatched a round of depth k. A pass over SLOW_PASS times the cheapest cost
+        measured, or over SPIKE times its own depth's, is not timed (a compile, a host stall): one compile among a
+        generation's plain steps made cost(0) hundreds of times a step's, and a tuner that kept that (in its memory)
+        never left K=2 again (docs/results/code_measurements.md, 'pipelined tuner'). REJECTS such passes in a row at
+        one depth are its cost now (a longer
+        context, a slower machine than the memory's): the next one is timed, as the depth's only measurement."""
+        cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
+        slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
+        stall = not slow and old is not None and seconds > self.SPIKE * old
+        if stall and (self.since + 1 if k == self.prev else 0) < self.SKIP:
+            stall = False  # (the passes just after a change of K are slow by nature, and not timed anyway)
+        if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
+            self.slow += 1
+            self.log.append(f"{'slow pass' if slow else 'stall'}: {1e3 * seconds:.0f} ms at K={k} after K={self.prev} "
+                            f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
+        self.since = self.since + 1 if k == self.prev else 0
+        self.prev = k
+        if self.since < self.SKIP:
+            return
+        if slow or stall:
+            self.rejected[k] = self.rejected.get(k, 0) + 1
+            if self.rejected[k] <= self.REJECTS:
+                return
+            old = None  # the new level: timed afresh
+        self.rejected[k] = 0
+        # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
+        # fast pass later is averaged in, as any other)
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
+        self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
+        self.cost[k] = seconds if fresh else 0.8 * old + 0.2 * seconds
+
+    def estimate(self, k: int) -> float | None:
+        """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
+        shallower depth's measured cost."""
+        if k in self.cost:
+            return self.cost[k]
+        known = [d for d in self.cost if d > 0]
+        if 0 not in self.cost or not known:
+            return None
+        m = max(known)
+        line = self.cost[0] + (self.cost[m] - self.cost[0]) * k / m
+        return max(line, *(c for d, c in self.cost.items() if d < k))
+
+    def speedup(self, k: int, rates: list[float]) -> float | None:
+        """Predicted tokens per second of depth k over plain steps'. A plain step does less than any round, so a
+        plain cost measured above a round's (a plain step built op by op against traced rounds: the same page) is
+        read as that round's: else a round accepting nothing predicts
+        a gain, and speculation never goes off."""
+        cost, plain = self.estimate(k), self.cost.get(0)
+        if cost is None or plain is None:
+            return None
+        plain = min([plain, *(c for d, c in self.cost.items() if d > 0)])
+        return expected_tokens(k, rates) * plain / cost
+
+    def next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None = None) -> int:
+        """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
+        rates `hopeful()` gives (OFF_HOPE; asked for only then) predict no gain either."""
+        if self.left > 0:
+            self.left -= 1
+            return self.k
+        if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            return self.k
+        # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
+        near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
+        gains = {k: self.speedup(k, rates) for k in near}
+        k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
+        if gain is None:  # nothing measured to decide on yet: stay
+            return self.k
+        if gain < SPECULATE_MIN_GAIN and hopeful is not None:
+            hoped = hopeful()
+            hope = [(d, self.speedup(d, hoped)) for d in near]
+            d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
+            if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
+                k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
+                if k != self.k and self.switches < self.LOGGED_SWITCHES:
+                    self.switches += 1
+                    self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
+                self.k = self.probe_k = self.memory["k"] = k
+                return k
+        if gain >= SPECULATE_MIN_GAIN:
+            current = gains.get(self.k)
+            if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN \
+                    and gain < current * SWITCH_MIN_GAIN:
+                k = self.k  # a change of K costs untraced rounds: not for a small predicted gain
+            if k != self.k and self.switches < self.LOGGED_SWITCHES:
+                self.switches += 1
+                self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
+                                f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
+            self.k = self.probe_k = self.memory["k"] = k
+            return k
+        self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")
+        self.log.append(f"{self.decisions[-1]}; {self._costs()}")
+        log.info(self.log[-1])
+        self.probe_k = self.memory["k"] = k
+        self.k, self.left = 0, self.off_tokens - 1
+        self.off_tokens = min(2 * self.off_tokens, MAX_OFF_TOKENS)
+        return 0
+
+
