@@ -11,7 +11,7 @@ from lattice_mlx import generate, load
 from lattice_mlx.bench.oracles import OracleTreeDrafter
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import gated_delta_ref, gated_delta_tree_ref
-from lattice_mlx.models.qwen3_5 import Tree
+from lattice_mlx.models.tree import Tree
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import SpecOptions, SpecStats, parse_tree
 from lattice_mlx.speculative.tree import run_tree
@@ -144,7 +144,7 @@ def test_tree_rope_at_long_positions_is_as_accurate_as_the_chain_rope(offset):
     they differ by ~2e-3 (fp32 angles of ~3e4 rad). Neither is the better one: against float64 both are off by about
     that much, the tree form a little less. So a tree's logits at long positions differ from the chain's by fp32
     rounding only, and greedy tree output can flip a near-tie there, as any other fp32 reordering can."""
-    from lattice_mlx.models.qwen3_5 import rope_at
+    from lattice_mlx.models.layers import rope_at
 
     D, dims, base = 256, 64, 1e7
     x = mx.random.normal((1, 2, 4, D), key=mx.random.key(offset))

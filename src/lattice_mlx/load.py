@@ -9,8 +9,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.fuse import fuse_projections
+from .models.layers import route_quantized
 from .models.mtp import DraftVocab, MTPHead
-from .models.qwen3_5 import Model, ModelArgs, route_quantized, sanitize
+from .models.qwen3_5 import Model, ModelArgs, sanitize
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")

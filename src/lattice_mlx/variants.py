@@ -17,7 +17,8 @@ from .metal.argmax import argmax
 from .models import compiled
 from .models.fuse import fuse_projections
 from .models.mtp import DraftVocab, MTPHead
-from .models.qwen3_5 import Model, ModelArgs, Tree
+from .models.qwen3_5 import Model, ModelArgs
+from .models.tree import Tree
 
 WIDTHS = tuple(range(1, 17))  # decode (1), verifies of K + 1 up to 8 drafts, trees and short prompt chunks
 PROMPT = 300  # a prompt chunk past every kernel's row limit, leaving the attention cache past one key split

@@ -15,7 +15,7 @@ from lattice_mlx.metal.q4_matmul import (
     dense_supported,
     prologue_ref,
 )
-from lattice_mlx.models.qwen3_5 import project
+from lattice_mlx.models.layers import project
 
 
 def weight(N, K, dtype, seed):

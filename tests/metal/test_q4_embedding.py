@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lattice_mlx.metal.q4_embedding import q4_embedding, q4_embedding_kernel, rounding_for, supported
-from lattice_mlx.models.qwen3_5 import Q4Embedding, route_quantized
+from lattice_mlx.models.layers import Q4Embedding, route_quantized
 
 needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 

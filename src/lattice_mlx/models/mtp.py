@@ -11,7 +11,8 @@ from ..cache import KVCache
 from ..metal.q4_matmul import dense_matmul, prologue_ref, q4_matmul, quantized_matmul
 from ..metal.rms_pair import rms_pair
 from .compiled import run_layers
-from .qwen3_5 import DecoderLayer, ModelArgs, project, rms_pre
+from .layers import project, rms_pre
+from .qwen3_5 import DecoderLayer, ModelArgs
 
 
 class DraftVocab:

@@ -1,15 +1,11 @@
 """Qwen3.5 text model: Gated DeltaNet layers interleaved with gated full attention (mlx-lm model protocol)."""
 
-import os
 import re
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -17,10 +13,12 @@ from ..cache import GDNCache, KVCache, NullCache
 from ..metal.attention import sdpa
 from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
-from ..metal.q4_embedding import q4_embedding
-from ..metal.q4_matmul import Pre, dense_matmul, prologue_ref, q4_matmul, quantized_matmul, swiglu, unfused
+from ..metal.q4_matmul import Pre, prologue_ref, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
 from .compiled import run_layers
+from .layers import Q4Embedding, RMSNormGated, project, project_out, rms_pre, rope_at
+from .parallel import Pipe, SkipLayer, from_rank, run_stages, split_stages
+from .tree import Tree
 
 # RMSNorms stored zero-centred in raw HF checkpoints (applied as x * (1 + w)); the GDN gated norm is not one of them.
 SHIFTED_NORMS = re.compile(
@@ -92,128 +90,6 @@ class ModelArgs:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is outside 1..{self.num_experts}")
-
-
-@dataclass(frozen=True)
-class Tree:
-    """A token tree verified in one forward. Node 0 is the committed token y; parents[i] < i (parents[0] = -1)."""
-
-    parents: tuple[int, ...]
-
-    @cached_property
-    def depths(self) -> np.ndarray:
-        d = np.zeros(len(self.parents), dtype=np.int32)
-        for i, p in enumerate(self.parents[1:], start=1):
-            d[i] = d[p] + 1
-        return d
-
-    def path(self, node: int) -> list[int]:
-        """Node indices from the root to `node`."""
-        out = [node]
-        while self.parents[out[-1]] >= 0:
-            out.append(self.parents[out[-1]])
-        return out[::-1]
-
-    def attention_mask(self, offset: int) -> mx.array:
-        """[N, offset + N] bool: every node sees the committed context, its ancestors and itself."""
-        n = len(self.parents)
-        anc = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            anc[i, self.path(i)] = True
-        return mx.array(np.concatenate([np.ones((n, offset), dtype=bool), anc], axis=1))
-
-    def conv_windows(self, kernel: int) -> mx.array:
-        """[N, K] indices into concat([conv_state (K-1 rows), node rows]): the last K inputs along each path."""
-        rows = []
-        for i in range(len(self.parents)):
-            seq = list(range(kernel - 1)) + [kernel - 1 + j for j in self.path(i)]
-            rows.append(seq[-kernel:])
-        return mx.array(np.array(rows, dtype=np.int32))
-
-
-def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
-    """Split-half RoPE on the first `dims` of x [B, H, T, D] at per-token positions [T] (tree verify)."""
-    inv = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    ang = positions.astype(mx.float32)[:, None] * inv[None, :]  # [T, dims/2]
-    cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
-    x1, x2, rest = x[..., : dims // 2], x[..., dims // 2 : dims], x[..., dims:]
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-
-
-class Q4Linear(nn.QuantizedLinear):
-    """A 4-bit linear whose matmul, with its prologue and residual, goes through the q4_matmul dispatcher."""
-
-    def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
-                 glu: bool = False) -> mx.array:
-        if self.bits != 4 or self.mode != "affine" or "bias" in self:
-            return unfused(self._other, x, pre=pre, residual=residual, glu=glu)
-        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
-                         residual=residual, glu=glu)
-
-    def _other(self, x: mx.array) -> mx.array:
-        """Other widths and modes (8-bit routers), with a bias if any: nn.QuantizedLinear's maths."""
-        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                             bits=self.bits, mode=self.mode)
-        return y + self["bias"] if "bias" in self else y
-
-
-class Q4Embedding(nn.QuantizedEmbedding):
-    """A 4-bit embedding whose lookup is one kernel on a GPU (metal/q4_embedding.py) and whose tied-lm_head use goes
-    through the q4_matmul dispatcher."""
-
-    def __call__(self, ids: mx.array) -> mx.array:
-        return q4_embedding(ids, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                            bits=self.bits, mode=self.mode)
-
-    def as_linear(self, x: mx.array, *, pre: Pre | None = None) -> mx.array:
-        if self.bits != 4 or self.mode != "affine":
-            return quantized_matmul(prologue_ref(pre, x), self["weight"], self["scales"], self.get("biases"),
-                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre)
-
-
-def route_quantized(model: nn.Module) -> None:
-    """After nn.quantize: send the quantized layers' matmuls through the dispatcher (same parameters, same maths)."""
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = Q4Linear
-        elif type(m) is nn.QuantizedEmbedding:
-            m.__class__ = Q4Embedding
-
-
-def project(linear: nn.Module, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
-            glu: bool = False):
-    """residual + linear(P(x)), or with `glu` silu(gate) * up of linear(P(x)) = [gate | up]: one fused kernel for a
-    4-bit or an unquantized bias-free linear on a GPU, the same maths in plain ops otherwise."""
-    if isinstance(linear, Q4Linear):
-        return linear(x, pre=pre, residual=residual, glu=glu)
-    if type(linear) is nn.Linear and "bias" not in linear:  # unquantized: the same fused kernel on dense rows
-        return dense_matmul(x, linear.weight, pre=pre, residual=residual, glu=glu)
-    return unfused(linear, x, pre=pre, residual=residual, glu=glu)
-
-
-def rms_pre(norm: nn.RMSNorm | None) -> Pre | None:
-    return Pre("rms", norm.weight, norm.eps) if norm is not None else None
-
-
-def project_out(module: nn.Module, linear: nn.Module, x: mx.array, *, pre: Pre | None = None,
-                residual: mx.array | None = None) -> mx.array:
-    """A block's output projection: residual + linear(P(x)), with the partial sums of every rank added first when
-    the block is tensor-parallel (`sharding_group`; the residual then joins after the all_sum, once)."""
-    group = module.sharding_group
-    if group is None:
-        return project(linear, x, pre=pre, residual=residual)
-    y = mx.distributed.all_sum(project(linear, x, pre=pre), group=group)
-    return y if residual is None else residual + y
-
-
-class RMSNormGated(nn.Module):
-    """rms(y) * w * silu(z), applied as the output projection's prologue; the weight is stored as is (no +1 shift)."""
-
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-        self.eps = eps
 
 
 class GatedDeltaNet(nn.Module):
@@ -430,53 +306,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
-class SkipLayer(nn.Module):
-    """Stands in for a decoder layer another pipeline stage runs (Model.pipeline): no weights, never called."""
-
-    def __init__(self, is_linear: bool):
-        super().__init__()
-        self.is_linear = is_linear
-
-
-@dataclass(frozen=True)
-class Pipe:
-    """This process's stage: layers [start, end) of a pipeline over `group` (rank size-1 runs the first layers,
-    rank 0 the last, as mlx-lm's PipelineMixin orders them). `transport`: how a stage's hidden reaches the next one:
-    "sendrecv" (mx.distributed.send / recv_like, what mlx-lm uses) or "collective" (all_sum with zeros from every
-    rank but the sender: MLX 0.32's NCCL backend has no Send/Recv; chosen for the whole CUDA
-    backend, so a ring or MPI group on a CUDA machine takes it too, which is exact there as well)."""
-
-    group: Any
-    rank: int
-    size: int
-    start: int
-    end: int
-    transport: str = "sendrecv"
-
-
-PIPELINE_TRANSPORTS = ("sendrecv", "collective")
-
-
-def default_pipeline_transport() -> str:
-    """LATTICE_PIPELINE_TRANSPORT if set, else "collective" on MLX's CUDA backend (NCCL: no send/recv) and
-    "sendrecv" elsewhere (ring, JACCL, MPI)."""
-    value = os.environ.get("LATTICE_PIPELINE_TRANSPORT", "")
-    if value and value not in PIPELINE_TRANSPORTS:
-        raise ValueError(f"LATTICE_PIPELINE_TRANSPORT={value!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
-    return value or ("collective" if mx.cuda.is_available() else "sendrecv")
-
-
-_NEVER = mx.array(False)
-
-
-def from_rank(x: mx.array, src: int, group) -> mx.array:
-    """Rank `src`'s x on every rank of `group`, as one all_sum to which the other ranks add zeros (x + 0 is exact).
-    Every rank's term depends on its own x, so the graph, and the order of its collectives, is the same on all
-    ranks: a bare zeros term could run this all_sum before an earlier collective of x's graph on those ranks."""
-    term = x if group.rank() == src else mx.where(_NEVER, x, 0)
-    return mx.distributed.all_sum(term, group=group)
-
-
 class TextModel(nn.Module):
     pipe: Pipe | None = None  # set by Model.pipeline
 
@@ -493,21 +322,7 @@ class TextModel(nn.Module):
         p = self.pipe
         if p is None:
             return run_layers(self, self.layers, h, cache, mask, tree, input_embeddings)
-        # Pipeline: the previous stage's hidden in, this stage's layers, the hidden out to the next stage; then
-        # every stage takes the last stage's (rank 0's) result, so logits, sampling and the MTP head run everywhere.
-        own = cache[p.start : p.end] if cache is not None else None
-        if p.transport == "collective":  # stages in order size-1 .. 0, each hand-off one all_sum over all ranks
-            for stage in range(p.size - 1, -1, -1):
-                if stage == p.rank:
-                    h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
-                h = from_rank(h, stage, p.group)  # the last one (stage 0) gives every rank the result
-            return h
-        if p.rank < p.size - 1:
-            h = mx.distributed.recv_like(h, p.rank + 1, group=p.group)
-        h = run_layers(self, self.layers[p.start : p.end], h, own, mask, tree, input_embeddings)
-        if p.rank != 0:
-            h = mx.distributed.send(h, p.rank - 1, group=p.group)
-        return mx.distributed.all_gather(h, group=p.group)[: h.shape[0]]
+        return run_stages(self, p, h, cache, mask, tree, input_embeddings)
 
 
 class Model(nn.Module):
@@ -575,28 +390,7 @@ class Model(nn.Module):
         [start, end): rank size-1 the first ones, rank 0 the last, an even split unless `split` gives the layer
         count per rank); the others become weightless SkipLayers. Embedding, final norm, lm_head and the MTP head
         stay on every rank. Returns the parameter names this rank no longer holds (load() skips reading them)."""
-        group = group or mx.distributed.init()
-        N, rank = group.size(), group.rank()
-        n = len(self.layers)
-        if split is None:
-            base, extra = divmod(n, N)
-            split = [base + (1 if r < extra else 0) for r in range(N)]
-        if len(split) != N or any(s <= 0 for s in split) or sum(split) != n:
-            raise ValueError(f"cannot split {n} layers over {N} pipeline ranks as {split}: every rank needs at least "
-                             f"one layer and the counts must add up to {n}")
-        if self.sharding_group is not None:
-            raise ValueError("a model is either tensor-parallel (shard) or pipelined, not both")
-        transport = transport or default_pipeline_transport()
-        if transport not in PIPELINE_TRANSPORTS:
-            raise ValueError(f"pipeline transport {transport!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
-        start = sum(split[rank + 1 :])
-        end = start + split[rank]
-        before = {k for k, _ in tree_flatten(self.parameters())}
-        for i in [*range(start), *range(end, n)]:
-            self.model.layers[i] = SkipLayer(self.model.layers[i].is_linear)
-        self.model.pipe = Pipe(group, rank, N, start, end, transport)
-        self.sharding_group = group
-        return before - {k for k, _ in tree_flatten(self.parameters())}
+        return split_stages(self, group, split, transport)
 
     sharding_group = None  # set by shard(): the group this model runs tensor-parallel over
 

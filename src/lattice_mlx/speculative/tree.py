@@ -15,7 +15,7 @@ import mlx.core as mx
 from .. import cache as caches
 from ..decode import prefill
 from ..metal.argmax import argmax
-from ..models.qwen3_5 import Tree
+from ..models.tree import Tree
 from ..sample import Sampler, sample_from
 from .drafters import mtp_prefill, mtp_step
 from .options import SpecStats
