@@ -199,6 +199,13 @@ def test_chat_repl_reuses_the_conversation_state():
     assert len(turns) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] == 0, turns  # /reset forgets
 
 
+def test_chat_repl_skips_empty_lines():
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.chat", "--max-tokens", "4"], input="\n   \nimport os\n/quit\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("[")]) == 1
+
+
 def test_a_failing_warm_up_is_one_line(monkeypatch, capsys):
     """An error while warming up (e.g. out of memory at the first forward) ends in one line and exit 1, the port
     released, no traceback."""

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         if line.strip() == "/reset":
             messages, cache = list(start), None
             continue
+        if not line.strip():  # an empty line asks for nothing
+            continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = chat_ids(tokenizer, messages)
         cached = 0

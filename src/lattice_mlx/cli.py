@@ -2,8 +2,8 @@
 environment switch, LATTICE_MTP=1) turned into SpecOptions. Value ranges are checked by the API's own objects."""
 
 import argparse
-import os
 
+from . import settings
 from .speculative import MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions
 
 
@@ -16,10 +16,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def env_mtp() -> bool:
     """LATTICE_MTP=1 turns MTP speculation on as --mtp does; 0 or unset leaves it off; anything else is an error."""
-    value = os.environ.get("LATTICE_MTP", "0")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"LATTICE_MTP={value!r}: use 1 (MTP on) or 0 (off)")
-    return value == "1"
+    return settings.on("mtp")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:

@@ -5,11 +5,10 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from . import cache as caches
-from . import traces
+from . import settings, traces
 from .metal import use_kernels
 from .models import compiled
 from .sample import Sampler
-from .switches import Switch
 
 PREFILL_STEP = 512
 
@@ -17,9 +16,16 @@ PREFILL_STEP = 512
 # Building a step's graph in Python is a large part of a step on a fast GPU even with the per-layer traces of
 # models/compiled.py, and the GPU then idles (docs/results/code_measurements.md, 'Host-bound decoding, and traces').
 # LATTICE_TRACE_STEPS=0 builds every step in Python (layer by layer, or per-layer traces).
-_SWITCH = Switch("LATTICE_TRACE_STEPS", "traced plain steps", "built per step")
-tracing_enabled = _SWITCH.enabled
-tracing = _SWITCH.forced  # traced plain steps on / off inside a block (A/B legs)
+
+
+def tracing_enabled() -> bool:
+    """Traced plain steps unless LATTICE_TRACE_STEPS=0 or `tracing(False)`."""
+    return settings.on("trace_steps")
+
+
+def tracing(on: bool | None):
+    """Traced plain steps on / off inside a block (A/B legs, tests; None: as the environment says)."""
+    return settings.override(trace_steps=on)
 
 
 def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, return_hidden: bool = False):

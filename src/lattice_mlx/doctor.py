@@ -17,13 +17,13 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import metadata
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import settings
 from .cli import ArgumentParser
 from .load import DEMO_MODEL, LoadError, read_config, resolve_path
 from .metal import _dialect, cpu_render, use_kernels
@@ -131,20 +131,6 @@ def activation_dtype(args: tuple) -> mx.Dtype:
     return mx.float32
 
 
-@contextmanager
-def kernels(mode: str):
-    """LATTICE_KERNELS=mode inside the block ("" for the device's kernels)."""
-    before = os.environ.get("LATTICE_KERNELS")
-    os.environ["LATTICE_KERNELS"] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LATTICE_KERNELS")
-        else:
-            os.environ["LATTICE_KERNELS"] = before
-
-
 def _time(fn, repeats: int) -> float:
     """Median microseconds of one call, evaluated (a warm-up call first)."""
     mx.eval(fn())
@@ -173,14 +159,14 @@ def run_row(call: _dialect.Call, size: str, backend: str, repeats: int) -> dict:
                tolerance=None, us=None, status="ok")
     mode = "cpu" if backend == "cpu render" else ""
     try:
-        with kernels("ref"):
+        with settings.override(kernels="ref"):
             expect = op.reference(*args, **ref_kwargs)
             mx.eval(expect)
             if backend == "reference":
                 row["us"] = _time(lambda: op.reference(*args, **ref_kwargs), repeats)
                 row["status"] = "reference"
                 return row
-        with kernels(mode):
+        with settings.override(kernels=mode):
             got = op.fn(*args, **kwargs)
             mx.eval(got)
             row["error"], row["tolerance"] = compare(got, expect, activation_dtype(op.args))

@@ -1,7 +1,6 @@
 """Benchmark reports: provenance (git revision, device, peers), terminal and markdown tables, plots, and the
 one-line headline; run.py runs the legs and hands its results here."""
 
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -9,14 +8,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .. import settings
 from . import stats as bs
 
 SYNTHETIC = "SYNTHETIC (oracle drafts)"
 
 
 def git_revision() -> tuple[str, bool | None]:
-    if os.environ.get("LATTICE_GIT_REV"):
-        return os.environ["LATTICE_GIT_REV"], None
+    if settings.raw("git_rev"):
+        return settings.raw("git_rev"), None
     here = Path(__file__).resolve().parent  # git finds the checkout above an editable install; a wheel has none
     try:
         rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,

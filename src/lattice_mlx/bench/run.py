@@ -32,6 +32,7 @@ from mlx_lm.models import qwen3_5_moe as mlx_lm_qwen3_5_moe
 from mlx_lm.sample_utils import make_sampler
 
 from .. import decode as decode_mod
+from .. import settings
 from ..cli import ArgumentParser
 from ..decode import generate_step
 from ..load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
@@ -58,7 +59,7 @@ from .synthetic import QWEN3_5_0_8B, QWEN3_5_4B, QWEN3_5_27B, QWEN3_5_35B_A3B, h
 
 DEFAULT_MODEL = "0.8b"
 DEFAULT_OUT = "bench_out"
-DEFAULT_LOCK = os.environ.get("LATTICE_BENCH_LOCK", "/tmp/lattice_mlx_bench.lock")
+DEFAULT_LOCK = settings.raw("bench_lock")
 DEFAULT_LOCK_TIMEOUT = 1800.0
 DEFAULT_REPS = 5
 DEFAULT_LENGTHS = "32,160"

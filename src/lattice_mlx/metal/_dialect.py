@@ -11,7 +11,6 @@ build or launch falls back to the op's reference for that kernel alone), and can
 import functools
 import hashlib
 import math
-import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from lattice_mlx import settings
 
 # Thread ids: TID = thread in its threadgroup/block, GID = thread in the grid, BID = threadgroup/block in the grid,
 # NBLK = threadgroups/blocks in the grid. SHARED declares threadgroup/shared memory; BARRIER syncs a threadgroup.
@@ -169,17 +170,10 @@ def header(dialect: str) -> str:
     return _HEADERS[dialect]
 
 
-MODES = ("", "ref", "cpu")
-
-
 def mode() -> str:
-    """LATTICE_KERNELS, read here only: "" (kernels on a GPU backend), "ref" (the plain-ops references everywhere) or
-    "cpu" (the kernel bodies run through the CPU render: slow, for tests and the doctor)."""
-    value = os.environ.get("LATTICE_KERNELS", "").lower()
-    if value not in MODES:
-        raise ValueError(f"LATTICE_KERNELS={value!r}: use ref (plain-ops references), cpu (the kernel bodies on the "
-                         "CPU render) or leave it unset")
-    return value
+    """LATTICE_KERNELS (lattice_mlx.settings): "" (kernels on a GPU backend), "ref" (the plain-ops references
+    everywhere) or "cpu" (the kernel bodies run through the CPU render: slow, for tests and the doctor)."""
+    return settings.raw("kernels")
 
 
 def backend() -> str:

@@ -20,6 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from lattice_mlx import settings
+
 _HERE = Path(__file__).parent
 # C++ spelling and host dtype (bf16 travels as its 16 bits) of each MLX dtype a kernel argument can have
 _TYPES = {
@@ -37,7 +39,7 @@ class RenderError(RuntimeError):
 
 def compiler() -> str | None:
     """The C++ compiler the render uses: $CXX, else c++, g++ or clang++ on the PATH."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    for name in (settings.raw("cxx"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -48,7 +50,7 @@ def available() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = settings.raw("cache_home") or os.path.join(os.path.expanduser("~"), ".cache")
     path = Path(root) / "lattice_mlx" / "cpu_render"
     path.mkdir(parents=True, exist_ok=True)
     return path

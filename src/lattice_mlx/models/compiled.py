@@ -26,16 +26,23 @@ from functools import partial
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from .. import settings
 from ..metal import use_kernels
 from ..metal.attention import sdpa
-from ..switches import Switch
 
 MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
 
 
-_SWITCH = Switch("LATTICE_COMPILE", "compiled", "layer by layer")
-enabled = _SWITCH.enabled  # on unless LATTICE_COMPILE=0 (the layer-by-layer reference path) or forced(False)
-forced = _SWITCH.forced  # the compiled path on / off inside a block (A/B legs)
+
+
+def enabled() -> bool:
+    """On unless LATTICE_COMPILE=0 (the layer-by-layer reference path) or `forced(False)`."""
+    return settings.on("compile")
+
+
+def forced(on: bool | None):
+    """The compiled path on / off inside a block (A/B legs; None: as the environment says)."""
+    return settings.override(compile=on)
 
 
 class _GDNState:

@@ -1,7 +1,6 @@
 """One forward on several processes: pipeline stages (each process runs its range of layers and hands the hidden on)
 and the rank hand-offs; tensor parallelism is Model.shard (qwen3_5.py)."""
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import settings
 from .compiled import run_layers
 
 
@@ -42,10 +42,7 @@ PIPELINE_TRANSPORTS = ("sendrecv", "collective")
 def default_pipeline_transport() -> str:
     """LATTICE_PIPELINE_TRANSPORT if set, else "collective" on MLX's CUDA backend (NCCL: no send/recv) and
     "sendrecv" elsewhere (ring, JACCL, MPI)."""
-    value = os.environ.get("LATTICE_PIPELINE_TRANSPORT", "")
-    if value and value not in PIPELINE_TRANSPORTS:
-        raise ValueError(f"LATTICE_PIPELINE_TRANSPORT={value!r}: use one of {', '.join(PIPELINE_TRANSPORTS)}")
-    return value or ("collective" if mx.cuda.is_available() else "sendrecv")
+    return settings.raw("pipeline_transport") or ("collective" if mx.cuda.is_available() else "sendrecv")
 
 
 _NEVER = mx.array(False)

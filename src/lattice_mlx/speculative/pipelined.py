@@ -23,13 +23,12 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .. import cache as caches
-from .. import traces
+from .. import settings, traces
 from ..decode import resume
 from ..metal import use_kernels
 from ..metal.argmax import argmax
 from ..models import compiled
 from ..sample import Sampler, accept_sampled_arrays
-from ..switches import Switch
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
 from .options import SpecOptions, SpecStats
 from .tuning import (
@@ -92,9 +91,16 @@ def _head_offsets(k: int):
 # newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
 # key are captured inputs (read at every call: weights changed in place are what the next round computes with).
 # LATTICE_TRACE_ROUNDS=0 builds every round in Python.
-_SWITCH = Switch("LATTICE_TRACE_ROUNDS", "traced rounds", "built per round")
-tracing_enabled = _SWITCH.enabled
-tracing = _SWITCH.forced  # traced rounds on / off inside a block (A/B legs)
+
+
+def tracing_enabled() -> bool:
+    """Traced rounds unless LATTICE_TRACE_ROUNDS=0 or `tracing(False)`."""
+    return settings.on("trace_rounds")
+
+
+def tracing(on: bool | None):
+    """Traced rounds on / off inside a block (A/B legs, tests; None: as the environment says)."""
+    return settings.override(trace_rounds=on)
 
 
 def _traced_round(model, k: int):

@@ -1,0 +1,94 @@
+"""The one reader of the environment. Each setting is read when asked for (a shell or a test may change the
+environment between calls); `override` sets settings inside a block, whatever the environment says (the bench's A/B
+legs, tests). A value a setting does not take is a ValueError naming the variable and what it takes."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+SWITCH = ("1", "0", "")  # on / off settings: 1 on, 0 off, unset the default
+
+
+@dataclass(frozen=True)
+class Setting:
+    variable: str
+    default: str
+    choices: tuple[str, ...] | None  # None: any string
+    hint: str  # what the variable takes, for the error
+
+
+SETTINGS = {
+    "kernels": Setting("LATTICE_KERNELS", "", ("", "ref", "cpu"),
+                       "use ref (plain-ops references), cpu (the kernel bodies on the CPU render) or leave it unset"),
+    "mtp": Setting("LATTICE_MTP", "0", SWITCH, "use 1 (MTP on) or 0 (off)"),
+    "compile": Setting("LATTICE_COMPILE", "1", SWITCH, "use 1 (compiled, the default) or 0 (layer by layer)"),
+    "trace_steps": Setting("LATTICE_TRACE_STEPS", "1", SWITCH,
+                           "use 1 (traced plain steps, the default) or 0 (built per step)"),
+    "trace_rounds": Setting("LATTICE_TRACE_ROUNDS", "1", SWITCH,
+                            "use 1 (traced rounds, the default) or 0 (built per round)"),
+    "pipeline_transport": Setting("LATTICE_PIPELINE_TRANSPORT", "", ("", "sendrecv", "collective"),
+                                  "use one of sendrecv, collective"),
+    "bench_lock": Setting("LATTICE_BENCH_LOCK", "/tmp/lattice_mlx_bench.lock", None, ""),
+    "git_rev": Setting("LATTICE_GIT_REV", "", None, ""),
+    "cxx": Setting("CXX", "", None, ""),  # the CPU render's compiler
+    "cache_home": Setting("XDG_CACHE_HOME", "", None, ""),  # where the CPU render keeps its builds
+}
+_overrides: dict[str, object] = {}
+
+
+def raw(name: str) -> str:
+    """The setting's value as a string: overridden, else the environment's, else the default; checked."""
+    if name in _overrides:
+        return _overrides[name]
+    s = SETTINGS[name]
+    value = os.environ.get(s.variable, s.default)
+    if name == "kernels":
+        value = value.lower()
+    if s.choices is not None and value not in s.choices:
+        raise ValueError(f"{s.variable}={value!r}: {s.hint}")
+    return value
+
+
+def on(name: str) -> bool:
+    """An on / off setting: on unless it is 0 (unset: its default)."""
+    value = raw(name)
+    return (value or SETTINGS[name].default) == "1"
+
+
+@contextmanager
+def override(**values) -> Iterator[None]:
+    """The settings given hold inside the block (True / False for on / off ones, None: as the environment says)."""
+    saved = dict(_overrides)
+    for name, value in values.items():
+        if name not in SETTINGS:
+            raise KeyError(name)
+        if value is None:
+            _overrides.pop(name, None)
+        else:
+            _overrides[name] = ("1" if value else "0") if isinstance(value, bool) else value
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting at one moment (for a benchmark's record)."""
+
+    kernels: str
+    mtp: str
+    compile: str
+    trace_steps: str
+    trace_rounds: str
+    pipeline_transport: str
+    bench_lock: str
+    git_rev: str
+    cxx: str
+    cache_home: str
+
+
+def current() -> Settings:
+    return Settings(**{f.name: raw(f.name) for f in fields(Settings)})
