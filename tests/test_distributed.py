@@ -137,9 +137,9 @@ def test_cli_prints_once_and_matches_one_process(ckpts):
 
 
 def test_distributed_bench_runs_tensor_parallel_in_lockstep(tmp_path):
-    """scripts/bench_distributed.py over two ring ranks (what gpu_run.sh distributed runs over NCCL): both ranks
+    """scripts/bench/bench_distributed.py over two ring ranks (what gpu_run.sh distributed runs over NCCL): both ranks
     time the same legs, hold less than the whole model, and the MTP leg gives plain's greedy tokens."""
-    bench = Path(__file__).parents[1] / "scripts" / "bench_distributed.py"
+    bench = Path(__file__).parents[1] / "scripts" / "bench" / "bench_distributed.py"
     res = launch(bench, "--shape", "tiny", "--mode", "tensor", "--dist-backend", "ring", "--group-size", "32",
                  "--reps", "1", "--lengths", "2,4", "--prompt-tokens", "8", "--out", tmp_path, timeout=180)
     ranks = read_ranks(tmp_path, res)

@@ -104,3 +104,34 @@ def test_readme_is_short_and_keeps_the_quick_start():
                     'pip install -e ".[cpu,test]" && python -m pytest -q -n auto'):
         assert f"```bash\n{command}\n```" in readme
     assert (ROOT / "docs" / "results" / "README.md").exists()
+
+
+SCRIPT_ROOMS = {"bench", "demo", "device"}
+NAMED_PATH = re.compile(r"\b(?:scripts|tests)/[\w./-]+\.(?:py|sh|h)\b")
+
+
+def test_scripts_live_in_rooms_by_purpose():
+    """scripts/ holds no loose file: benchmarks and profiles in bench/, the demo's training and evaluation in demo/,
+    the device machine's runner and checks in device/."""
+    loose = [p.name for p in (ROOT / "scripts").iterdir() if p.is_file()]
+    assert loose == []
+    assert {p.name for p in (ROOT / "scripts").iterdir() if p.is_dir() and p.name != "__pycache__"} == SCRIPT_ROOMS
+
+
+def test_tests_mirror_src():
+    """A test folder is named after the package room it tests (src/lattice_mlx/<room>/), or after scripts/."""
+    rooms = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {"scripts"}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= rooms, folders - rooms
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names))  # pytest imports test files by base name
+
+
+def test_every_named_file_exists():
+    """A script or test path named in the README, docs/ (the archive keeps the paths of its day), tests, src/ or scripts/
+    names a file that is there."""
+    texts = [ROOT / "README.md", *(ROOT / "tests").rglob("*.py"), *SOURCES, *(ROOT / "scripts").rglob("*.*"),
+             *(p for p in (ROOT / "docs").rglob("*.md") if "archive" not in p.relative_to(ROOT / "docs").parts)]
+    missing = {(str(t.relative_to(ROOT)), m) for t in texts if t.suffix in {".py", ".md", ".sh"}
+               for m in NAMED_PATH.findall(t.read_text()) if not (ROOT / m).exists()}
+    assert missing == set()

@@ -233,7 +233,7 @@ def test_warm_up_traces_greedy_and_sampled_steps_and_rounds(checkpoints):
 
     model, _ = load(checkpoints["pattern"])
     srv.warm_up(model, SpecOptions(draft_tokens=2))
-    steps, rounds = model.__dict__["_step_traces"], model.__dict__["_round_traces"]
+    steps, rounds = model.runtime.traces["steps"], model.runtime.traces["rounds"]
     assert {key[0][0] for key in steps} == {True, False}  # greedy, sampled
     assert {(key[0], key[1][0]) for key in rounds} == {(1, True), (2, True), (1, False), (2, False)}
     before = set(steps)

@@ -22,7 +22,7 @@ def tokens(model, n, *, prompt=PROMPT, sampler=None, **kw):
 
 
 def traces(model) -> dict:
-    return model.__dict__.get("_step_traces", {})
+    return model.runtime.traces.get("steps", {})
 
 
 @pytest.mark.parametrize("name", ["pattern", "tied"])

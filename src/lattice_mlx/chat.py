@@ -7,11 +7,10 @@ import sys
 import mlx.core as mx
 
 from .cli import ArgumentParser
-from .generate import DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, check_max_tokens, stream_generate
+from .generate import DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, chat_ids, check_max_tokens, stream_generate
 from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
-from .server import chat_ids
 from .speculative import SpecOptions
 
 

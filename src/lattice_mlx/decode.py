@@ -8,6 +8,7 @@ from . import cache as caches
 from . import settings, traces
 from .metal import use_kernels
 from .models import compiled
+from .runtime import runtime_of
 from .sample import Sampler
 
 PREFILL_STEP = 512
@@ -80,7 +81,7 @@ class TracedSteps:
         a pipeline stage's NullCache), every one written by the prefill, no rank agreement (tensor parallel) and no
         hidden tap (make_draft_model's)."""
         return (tracing_enabled() and getattr(model, "sharding_group", None) is None
-                and "_hidden_tap" not in model.__dict__
+                and runtime_of(model).hidden_tap is None
                 and all(type(c) in (caches.KVCache, caches.GDNCache) for c in cache)
                 and all(c.keys is not None if type(c) is caches.KVCache else c.ssm is not None for c in cache))
 
@@ -123,7 +124,7 @@ class TracedSteps:
         for c in self.kv:
             c.bound = self.bound
             c.reserve(1)
-        cached, _ = traces.cached(self.model, "_step_traces", self.key, self._traced)
+        cached, _ = traces.cached(self.model, "steps", self.key, self._traced)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         (nxt,) = traces.call(cached, self.key, self, self.kv, [y, self.values])
         self.bound += 1

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .cli import ArgumentParser
 from .decode import generate_step
-from .generate import stream_generate
+from .generate import chat_ids, stream_generate
 from .load import LoadError, load
 from .prompt_cache import PromptCache
 from .sample import Sampler
@@ -82,23 +82,12 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[int, Sampler, l
     return max_tokens, sampler, stop, seed
 
 
-def chat_ids(tokenizer, messages) -> list[int]:
-    """The chat template applied to OpenAI messages (text content; a list of text parts is joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-            raise BadRequest(f"each message needs a role (system, user, assistant): got {m!r}"[:200])
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise BadRequest("each message needs text content")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(out, add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode("\n".join(m["content"] for m in out)))
+def request_ids(tokenizer, messages) -> list[int]:
+    """generate.chat_ids, its refusals as 400s."""
+    try:
+        return chat_ids(tokenizer, messages)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def completion_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
@@ -257,7 +246,7 @@ def make_handler(engine: Engine):
                     raise BadRequest(f"the body is not valid JSON: {e}") from None
                 if not isinstance(body, dict):
                     raise BadRequest("the body must be a JSON object")
-                ids = chat_ids(engine.tokenizer, body.get("messages")) if chat else \
+                ids = request_ids(engine.tokenizer, body.get("messages")) if chat else \
                     completion_ids(engine.tokenizer, body.get("prompt"), engine.model.args.vocab_size)
                 max_tokens, sampler, stop, seed = parse_sampling(body, engine.max_tokens)
                 stream = body.get("stream", False)

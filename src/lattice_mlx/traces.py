@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .cache import FixedKVCache
+from .runtime import runtime_of
 
 MAX_TRACES = 16  # traces kept per model and kind (oldest dropped first): one per K, sampler, draft vocabulary, ...
 
@@ -58,8 +59,8 @@ def compile_traced(body: Callable, fallback: Callable, captured: list) -> tuple[
 
 
 def cached(model, kind: str, key: tuple, make: Callable[[], tuple[Callable, Slot]]) -> tuple[dict, tuple]:
-    """The model's traces of `kind` (a dict in the model's __dict__) and the one for `key`, made when missing."""
-    traces = model.__dict__.setdefault(kind, {})
+    """The model's traces of `kind` (`model.runtime.traces`) and the one for `key`, made when missing."""
+    traces = runtime_of(model).traces.setdefault(kind, {})
     if key in traces and traces[key][1].failed:
         del traces[key]
     if key not in traces:

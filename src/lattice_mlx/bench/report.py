@@ -1,6 +1,7 @@
 """Benchmark reports: provenance (git revision, device, peers), terminal and markdown tables, plots, and the
 one-line headline; run.py runs the legs and hands its results here."""
 
+import hashlib
 import platform
 import subprocess
 from pathlib import Path
@@ -12,6 +13,29 @@ from .. import settings
 from . import stats as bs
 
 SYNTHETIC = "SYNTHETIC (oracle drafts)"
+
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def source_digest(root: Path = PACKAGE) -> str:
+    """sha256 over the package's files as they are on disk when the run starts (relative path and bytes, in path
+    order, caches left out): names the code that ran even where there is no git, or the tree was dirty."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                       and p.suffix not in {".pyc", ".so", ".o"}):
+        rel = path.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "little") + rel)
+        data = path.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return "sha256:" + h.hexdigest()
+
+
+def provenance() -> dict:
+    """What every result file records about the code behind it: the content digest of the package that ran, and the
+    git revision (with whether the tree was dirty) when git can tell."""
+    rev, dirty = git_revision()
+    return {"src_sha256": source_digest(), "git_revision": rev, "git_dirty": dirty}
 
 
 def git_revision() -> tuple[str, bool | None]:
@@ -145,7 +169,8 @@ def write_markdown(out: Path, name: str, result: dict, meta: dict, plots: list[s
     """`name`.md for one experiment, then summary.md joining every experiment's file present, in `order`."""
     lines = [f"## {name}" + (f" ({SYNTHETIC})" if name == "oracle" else ""), "",
              f"`{meta['command']}`", "",
-             (f"git {meta['git_revision']}{' (dirty tree)' if meta['git_dirty'] else ''} | {meta['date']} | "
+             (f"src {meta['src_sha256'][:19]} | git {meta['git_revision']}{' (dirty tree)' if meta['git_dirty'] else ''} | "
+              f"{meta['date']} | "
               f"backend {meta['backend']} | device {meta['device']} | MLX {meta['mlx_version']} | "
               f"mlx-lm {meta['mlx_lm_version']} | model {meta['model']}"), ""]
     if result.get("note"):

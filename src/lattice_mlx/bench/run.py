@@ -47,11 +47,11 @@ from .oracles import DeviceOracle, OracleDrafter, OracleDraftModel
 from .report import (
     SYNTHETIC,
     device_name,
-    git_revision,
     group_tables,
     headline,
     make_plots,
     peer_status,
+    provenance,
     text_table,
     write_markdown,
 )
@@ -747,9 +747,8 @@ EXPERIMENTS = {"decode": experiment_decode, "oracle": experiment_oracle, "accept
 
 
 def run_meta(argv: list[str], target: Target, lock: dict) -> dict:
-    rev, dirty = git_revision()
     return {
-        "command": shlex.join(["python", "-m", "lattice_mlx.bench", *argv]), "git_revision": rev, "git_dirty": dirty,
+        "command": shlex.join(["python", "-m", "lattice_mlx.bench", *argv]), **provenance(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "backend": str(mx.default_device()), "metal_available": mx.metal.is_available(),
         "cuda_available": mx.cuda.is_available(), "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,

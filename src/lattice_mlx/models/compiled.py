@@ -13,7 +13,7 @@ cache is written in place and grows every step. Embedding, final norm and lm_hea
 forward of T <= MAX_T tokens is compiled (decode, verify, and prompts or prefill chunks that short); longer prefill
 chunks, tree verifies, explicit masks and uncached calls take the layer path.
 
-Exactness (tests/test_compiled.py): the same logits and caches as the layer path to 1e-5 and the same greedy and
+Exactness (tests/models/test_compiled.py): the same logits and caches as the layer path to 1e-5 and the same greedy and
 seeded-sampled MTP tokens, on the CPU, and on a GPU with TF32 matmuls off (the tests switch it off; with it on a
 recorded verify's fp32 logits differed in rows 1-3: the same page, ADR 0001). The layers'
 arrays are trace inputs read on every call, so weights changed after tracing are used; a replaced layer object or a
@@ -29,6 +29,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from .. import settings
 from ..metal import use_kernels
 from ..metal.attention import sdpa
+from ..runtime import runtime_of
 
 MAX_T = 16  # decode and verify sizes; prefill chunks take the uncompiled path
 
@@ -126,12 +127,12 @@ def usable(h: mx.array, cache, mask, tree, input_embeddings) -> bool:
 
 def run_layers(owner, layers: list, h: mx.array, cache, mask=None, tree=None, input_embeddings=None) -> mx.array:
     """Runs `layers` over h: compiled when enabled and usable, else layer by layer (the reference path).
-    The compiled functions are built on first use and kept on `owner` (a TextModel or the MTP head)."""
+    The compiled functions are built on first use and kept in `owner.runtime` (a TextModel or the MTP head)."""
     if usable(h, cache, mask, tree, input_embeddings):
-        compiled = owner.__dict__.get("_compiled")
+        rt = runtime_of(owner)
+        compiled = rt.compiled
         if compiled is None or compiled.key != layer_key(layers):
-            compiled = CompiledLayers(layers)
-            object.__setattr__(owner, "_compiled", compiled)
+            compiled = rt.compiled = CompiledLayers(layers)
         return compiled(h, cache)
     cache = cache if cache is not None else [None] * len(layers)
     for layer, c in zip(layers, cache):

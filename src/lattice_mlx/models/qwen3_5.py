@@ -15,6 +15,7 @@ from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import Pre, prologue_ref, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
+from ..runtime import Runtime
 from .compiled import run_layers
 from .layers import Q4Embedding, RMSNormGated, project, project_out, rms_pre, rope_at
 from .parallel import Pipe, SkipLayer, from_rank, run_stages, split_stages
@@ -332,6 +333,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
+        self.runtime = Runtime()  # traces, tuner memory, the draft model's tap (runtime.py)
         self.model = TextModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -340,7 +342,7 @@ class Model(nn.Module):
                  return_hidden: bool = False, mask: mx.array | str | None = None, tree: Tree | None = None):
         """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
-        tap = self.__dict__.get("_hidden_tap")  # lattice_mlx.make_draft_model: the draft model reads every hidden
+        tap = self.runtime.hidden_tap  # lattice_mlx.make_draft_model: the draft model reads every hidden
         first = next((c for c in cache if hasattr(c, "offset")), None) if tap is not None and cache else None
         start = first.offset if first is not None else None
         pre = self.model(inputs, cache, input_embeddings, mask, tree)

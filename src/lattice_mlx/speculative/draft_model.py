@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..cache import KVCache
 from ..decode import PREFILL_STEP
+from ..runtime import runtime_of
 
 
 def make_draft_model(model) -> "MTPDraftModel":
@@ -119,13 +120,14 @@ class MTPDraftModel:
             raise ValueError("make_draft_model() needs MTP weights (mtp.*), and this checkpoint has none")
         self.target, self.head = target, target.mtp
         self.tap = HiddenTap()
-        object.__setattr__(target, "_hidden_tap", self.tap)  # the target publishes its hiddens from now on
+        runtime_of(target).hidden_tap = self.tap  # the target publishes its hiddens from now on
         self.model_type = target.model_type
 
     def close(self) -> None:
         """Stop the target publishing its hiddens (each forward then computes one op less)."""
-        if self.target.__dict__.get("_hidden_tap") is self.tap:
-            del self.target.__dict__["_hidden_tap"]
+        rt = runtime_of(self.target)
+        if rt.hidden_tap is self.tap:
+            rt.hidden_tap = None
 
     @property
     def layers(self) -> list:

@@ -28,6 +28,7 @@ from ..decode import resume
 from ..metal import use_kernels
 from ..metal.argmax import argmax
 from ..models import compiled
+from ..runtime import runtime_of
 from ..sample import Sampler, accept_sampled_arrays
 from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
 from .options import SpecOptions, SpecStats
@@ -313,7 +314,7 @@ class PipelinedRounds:
         return (self.traced and k == self.last_k and (k == 0 or not self.backlog) and self.ptok.shape[0] == k + 1
                 and all(c.keys is not None for c in (*self.mcache, *self.kv))
                 and all(c.window_pick is not None for c in self.gdn)
-                and "_hidden_tap" not in self.model.__dict__)
+                and runtime_of(self.model).hidden_tap is None)
 
     def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
         """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
@@ -330,7 +331,7 @@ class PipelinedRounds:
         head = self.model.mtp
         sampler = self.sampler.structure() if self.values is not None else self.sampler
         key = (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
-        cached, _ = traces.cached(self.model, "_round_traces", key, lambda: _traced_round(self.model, k))
+        cached, _ = traces.cached(self.model, "rounds", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
         need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache if k]
@@ -400,7 +401,7 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
         if pending is not None:
             # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
             # array, evaluated on the stream behind round r + 1, so reading it waited for round r + 1 to finish and
-            # undid the pipelining (scripts/round_host.py measures both reads)
+            # undid the pipelining (scripts/bench/round_host.py measures both reads)
             tokens, n, pk = pending
             n = n.item()
             tokens = tokens.tolist()[: n + 1]

@@ -3,8 +3,9 @@ constants, and what a process remembers of a model's costs. `DepthTuner` serves 
 `PipelinedTuner` pipelined rounds (pipelined.py)."""
 
 import logging
-import weakref
 from collections.abc import Callable
+
+from ..runtime import runtime_of
 
 log = logging.getLogger("lattice_mlx")
 
@@ -72,23 +73,14 @@ class DepthTuner:
         return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
 
 
-# What a process's pipelined tuners measured of a model: (id(model), greedy) -> {"cost": {K: seconds per pass},
-# "k": the depth last picked}. A later generation on the same model starts from those costs at that depth instead of
-# timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain speed for
-# a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept apart.
-_MEMORY: dict[tuple[int, bool], dict] = {}
-
-
+# What a process's pipelined tuners measured of a model (`model.runtime.tuner`): greedy? -> {"cost": {K: seconds per
+# pass}, "k": the depth last picked}. A later generation on the same model starts from those costs at that depth
+# instead of timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain
+# speed for a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept
+# apart.
 def tuner_memory(model, greedy: bool) -> dict:
-    """The costs the tuners of this process measured on `model` (dropped with the model)."""
-    key = (id(model), bool(greedy))
-    if key not in _MEMORY:
-        try:
-            weakref.finalize(model, _MEMORY.pop, key, None)
-        except TypeError:  # an object that takes no weak references: nothing kept
-            return {}
-        _MEMORY[key] = {}
-    return _MEMORY[key]
+    """The costs the tuners of this process measured on `model` (kept on the model: they go with it)."""
+    return runtime_of(model).tuner.setdefault(bool(greedy), {})
 
 
 class PipelinedTuner:

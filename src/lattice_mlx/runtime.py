@@ -1,0 +1,22 @@
+"""What a process keeps on a model while it runs it, beside its weights: one typed attribute, `model.runtime`, that
+goes with the model (nothing is keyed by id() in module globals)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Runtime:
+    traces: dict[str, dict] = field(default_factory=dict)  # kind ("steps", "rounds") -> key -> (trace, slot)
+    tuner: dict[bool, dict] = field(default_factory=dict)  # greedy? -> what the pipelined tuners measured
+    hidden_tap: Any = None  # lattice_mlx.make_draft_model's tap: the model publishes each forward's hidden to it
+    compiled: Any = None  # models/compiled.CompiledLayers of a TextModel or MTP head, built on first use
+
+
+def runtime_of(model) -> Runtime:
+    """`model.runtime`, made on first use for an object that has none (Model makes its own)."""
+    rt = getattr(model, "runtime", None)
+    if rt is None:
+        rt = Runtime()
+        object.__setattr__(model, "runtime", rt)
+    return rt

@@ -1,0 +1,679 @@
+"""Pipelined MTP rounds (speculative/pipelined.py): device-side acceptance and cache advance give the synchronous
+loop's results. Greedy identity with plain decoding for K = 1..4 and the oracle extremes are in test_chain.py."""
+
+import gc
+import itertools
+import weakref
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lattice_mlx import cache as caches
+from lattice_mlx import load, sample
+from lattice_mlx.bench import oracles
+from lattice_mlx.bench.oracles import OracleDrafter
+from lattice_mlx.decode import generate_step, prefill
+from lattice_mlx.metal.gated_delta import picked
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import SpecOptions, SpecStats, check_split_model, speculate
+from lattice_mlx.speculative import pipelined as rounds
+
+PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]
+
+
+def spec_tokens(model, prompt, n, *, verify, k=3, sampler=None, drafter=None):
+    options = SpecOptions(draft_tokens=k, verify=verify, adaptive=False)
+    stats = SpecStats.of(options)
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+                           drafter=drafter)
+    return [next(gen) for _ in range(n)], stats
+
+
+def test_partial_acceptance_matches_the_synchronous_loop_round_for_round(checkpoints):
+    """Oracle drafts at p = 0.7 with one seed: both loops accept the same drafts in every round they read (the
+    pipelined loop has read one round fewer when the consumer stops)."""
+    model, tok = load(checkpoints["pattern"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(130))]
+    sync, s1 = spec_tokens(model, PROMPT, 110, verify="batched", drafter=OracleDrafter(model, Sampler(), plain, 0.7,
+                                                                                       seed=3))
+    pipe, s2 = spec_tokens(model, PROMPT, 110, verify="pipelined",
+                           drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=3))
+    assert sync == pipe == plain[:110]
+    assert s2.rounds >= s1.rounds - 1 and s2.rounds > 20
+    h1, h2 = s1.accepted_hist, s2.accepted_hist
+    assert sum(abs(a - b) for a, b in zip(h1 + [0] * 4, h2 + [0] * 4)) <= 1, (h1, h2)
+    rates = s2.accepted_per_position()
+    assert 0.5 < rates[0] < 0.9 and rates[0] >= rates[1] >= rates[2] > 0
+
+
+def test_long_prompt_and_cache_growth_stay_exact(checkpoints):
+    """A prompt longer than a prefill chunk (the head's prefill runs in chunks too) and a generation that crosses the
+    KV buffers' growth step (FixedKVCache.GROW rows)."""
+    model, tok = load(checkpoints["tied"])
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, model.args.vocab_size, size=600).tolist()
+    old = caches.FixedKVCache.GROW
+    try:
+        caches.FixedKVCache.GROW = 16  # grows every few rounds
+        plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(70))]
+        pipe, _ = spec_tokens(model, prompt, 70, verify="pipelined", k=2,
+                              drafter=oracles.DeviceOracle(plain + [0] * 8, 0.8, model.args.vocab_size, 2, seed=1))
+    finally:
+        caches.FixedKVCache.GROW = old
+    assert pipe == plain
+
+
+def test_fixed_kv_cache_writes_at_its_device_offset_and_grows():
+    c = caches.FixedKVCache.from_kv(caches.KVCache())
+    assert c.keys is None and c.offset.item() == 0
+    rows = lambda n, base: mx.arange(base, base + n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 2, n, 4))  # noqa: E731
+    k, v = c.update_and_fetch(rows(3, 0), rows(3, 0))
+    assert k.shape == (1, 2, 3, 4) and c.length.item() == 3 and c.keys.shape[2] == caches.FixedKVCache.GROW
+    c.advance(mx.array(2))  # the third row is rejected
+    c.bound = 3
+    k, _ = c.update_and_fetch(rows(3, 10), rows(3, 10))  # written from row 2, over the rejected one
+    assert c.length.item() == 5 and k.shape[2] == 6
+    assert k[0, 0, :5, 0].tolist() == [0, 1, 10, 11, 12]
+    c.advance(mx.array(3))
+    c.bound = caches.FixedKVCache.GROW - 1  # near the capacity: the next write grows the buffers, rows kept
+    c.update_and_fetch(rows(3, 20), rows(3, 20))
+    assert c.keys.shape[2] == 2 * caches.FixedKVCache.GROW
+    assert c.keys[0, 0, :8, 0].tolist() == [0, 1, 10, 11, 12, 20, 21, 22]
+
+
+def test_fixed_kv_cache_clamps_an_out_of_range_offset():
+    """MLX does not bounds-check a dynamic slice_update: the start is clamped on the device, never written past."""
+    c = caches.FixedKVCache(mx.zeros((1, 1, 8, 2)), mx.zeros((1, 1, 8, 2)), 0)
+    c.offset = mx.array(100, dtype=mx.int32)  # a broken loop's offset
+    c.update_and_fetch(mx.ones((1, 1, 2, 2)), mx.ones((1, 1, 2, 2)))
+    assert c.keys.shape[2] == 8 and c.keys[0, 0, :, 0].tolist() == [0] * 6 + [1, 1]
+
+
+def test_gdn_pick_equals_rollback(checkpoints):
+    """Keeping n of a recorded forward's steps by device index (read in place by the next forward: `picked` is what
+    its kernel reads) gives what rollback's host-side slices give."""
+    model, _ = load(checkpoints["untied"])
+    for keep in range(1, 5):
+        a, b = model.make_cache(trimmable=False), model.make_cache(trimmable=False)
+        for c in (a, b):
+            prefill(model, mx.array(PROMPT), c)
+            caches.begin(c)
+            model(mx.array([[40, 41, 42, 43]]), c)
+        for ca, cb in zip(a, b):
+            if isinstance(ca, caches.GDNCache):
+                ca.pick(mx.array([keep, keep - 1], dtype=mx.int32))
+                cb.rollback(4 - keep)
+                conv, ssm = picked(ca.conv, ca.ssm, ca.window_pick, cb.conv.shape[1])
+                assert mx.array_equal(conv, cb.conv).item() and mx.array_equal(ssm, cb.ssm).item()
+
+
+def _self_drafts(model, temp: float = 0.3):
+    """A draft source (a DraftOverride) that drafts with the target itself at a lower temperature, on scratch copies
+    of the round's caches, on the device: q is sharper than p, so drafts are accepted often but with p/q < 1, where
+    each position's own uniform matters."""
+    sampler = Sampler(temp=temp)
+
+    def override(drafts, q, state, r):
+        scratch = []
+        for c in state.cache:  # the caches' arrays are immutable: a scratch cache never changes the round's
+            if isinstance(c, caches.FixedKVCache):
+                s = caches.FixedKVCache(c.keys, c.values, 0)
+                s.offset, s.bound = c.offset, c.bound
+            else:
+                s = caches.GDNCache()
+                s.conv, s.ssm, s.window_pick = c.conv, c.ssm, c.window_pick
+            scratch.append(s)
+        tok, out, qs = state.y, [], []
+        for _ in range(drafts.shape[0]):
+            row = sampler.probs(model(tok.reshape(1, 1), scratch)[0, -1])
+            tok = mx.random.categorical(mx.log(row)).astype(mx.int32)
+            out.append(tok)
+            qs.append(row)
+            for s in scratch:
+                if isinstance(s, caches.FixedKVCache):
+                    s.advance(mx.array(1))
+                    s.bound += 1
+        return mx.stack(out) + 0 * drafts, mx.stack(qs)
+    return override
+
+
+def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
+    """The first 5 tokens (the first from the prefill): with spec, one K=3 round and its bonus when all drafts are
+    kept, then the next round's first."""
+    sampler, out = Sampler(temp=1.0), []
+    for seed in seeds:
+        mx.random.seed(seed)
+        if spec:
+            gen = iter(spec_tokens(model, [1, 2, 1, 2, 1], 5, verify="pipelined", sampler=sampler,
+                                   drafter=_self_drafts(model))[0])
+        else:
+            gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
+        out.append(tuple(next(gen) for _ in range(5)))
+    return out
+
+
+def _pvalues(plain, spec) -> dict:
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    out = {}
+    for idx in ((1, 2), (2, 3), (3, 4), (4,)):  # token 0 comes from the prefill in both
+        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
+        keys = sorted(set(a) | set(b))
+        out[idx] = chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1]
+    return out
+
+
+def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
+    """Device-side sampled acceptance: every position of a K=3 round and its bonus, in adjacent pairs, against plain
+    sampling; the same check catches a bonus drawn from the last draft's row and one uniform shared by all drafts."""
+    trials = 800
+    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
+    seeds = range(700_000, 700_000 + trials)
+    spec = _round_tokens(tiny_vocab_model, seeds, spec=True)
+    right = _pvalues(plain, spec)
+    assert min(right.values()) > 1e-3, right
+    uniform = mx.random.uniform
+    planted = {
+        "bonus_from_wrong_row": lambda m: m.setattr(sample, "bonus_row", lambda p, K: p[K - 1 : K]),
+        "one_shared_uniform": lambda m: m.setattr(
+            mx.random, "uniform", lambda shape: mx.broadcast_to(uniform(shape=(1,)), shape)),
+    }
+    for name, plant in planted.items():
+        with monkeypatch.context() as m:
+            plant(m)
+            wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+        assert min(wrong.values()) < 1e-4, (name, wrong)
+
+
+@pytest.mark.parametrize("kw, flag", [({"tree": "2-1"}, "--tree"), ({"draft": "ngram"}, "--draft ngram")])
+def test_pipelined_refuses_what_it_cannot_run(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        SpecOptions(**{"verify": "pipelined", "adaptive": False, **kw})
+
+
+def test_split_model_refuses_pipelined_rounds():
+    class Split:
+        sharding_group = object()
+
+    with pytest.raises(ValueError, match="--verify pipelined"):
+        check_split_model(Split(), SpecOptions(verify="pipelined", adaptive=False))
+
+
+def test_real_head_drafts_as_the_synchronous_loop():
+    """The demo's own MTP head drafting (no oracle): the pipelined loop's head writes each draft step's row where the
+    synchronous loop's head does (a row off shifts its RoPE position and lets a stale row into its attention), so
+    both accept the same drafts round for round (fp32; the pipelined loop may have read one round fewer)."""
+    model, tok = load(dtype="float32")
+    for text in ("def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                 "import os\nimport sys\n\n\ndef main(argv):\n    parser = "):
+        prompt = tok.encode(text)
+        sync, s1 = spec_tokens(model, prompt, 90, verify="batched", k=3)
+        pipe, s2 = spec_tokens(model, prompt, 90, verify="pipelined", k=3)
+        assert sync == pipe
+        assert s1.rounds > 15 and s1.accepted_per_position()[1] > 0, s1.accepted_hist
+        h1, h2 = s1.accepted_hist, s2.accepted_hist
+        assert sum(abs(a - b) for a, b in zip(h1 + [0] * 4, h2 + [0] * 4)) <= 1, (text, h1, h2)
+
+
+# --- adaptive depth (PipelinedTuner): rounds of varying K, K = 0 being a plain step -----------------------------------
+
+# plain stretches of 3, 11 (a backlog piece of 8 and a remainder of 3), 8 (exactly one piece) and 1 between rounds of
+# depth 1..3: every way the head's backlog is fed
+SCHEDULE = [0] * 3 + [2, 2] + [0] * 11 + [3, 1] + [0] * 8 + [2] + [0] + [3] * 3 + [0] * 16 + [1, 2, 3]
+
+
+def _scheduled(monkeypatch, schedule):
+    ks = itertools.cycle(schedule)
+    monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, rates, hopeful=None: next(ks))
+
+
+def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
+    options = SpecOptions(draft_tokens=k, verify="pipelined", adaptive=True)
+    stats = SpecStats.of(options)
+    gen = speculate(model, mx.array(prompt), sampler=sampler or Sampler(), options=options, stats=stats,
+                           drafter=drafter)
+    return [next(gen) for _ in range(n)], stats
+
+
+@pytest.mark.parametrize("name", ["untied", "pattern"])
+def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkeypatch, name):
+    """Greedy: rounds whose K moves between 0 (plain steps) and 3 give plain decoding's tokens, with oracle drafts
+    (mostly accepted) and with the model's own head; the head's statistics count only the speculative rounds."""
+    model, _ = load(checkpoints[name])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(140))]
+    _scheduled(monkeypatch, SCHEDULE)
+    oracle, stats = adaptive_tokens(model, PROMPT, 120,
+                                    drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 3, seed=2))
+    assert oracle == plain[:120]
+    assert stats.rounds > 10 and stats.accepted_per_position()[0] > 0.6
+    assert sum(stats.proposed_at) < 3 * stats.rounds  # rounds of K < 3 were among them
+    head, _ = adaptive_tokens(model, PROMPT, 120)
+    assert head == plain[:120]
+    monkeypatch.undo()  # the tuner's own decisions (this machine's timings): whatever they are, plain's tokens
+    tuned, _ = adaptive_tokens(model, PROMPT, 120, drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 3))
+    assert tuned == plain[:120]
+
+
+def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatch):
+    """After plain stretches of 5, 6, 13 and 2 steps (backlog remainders of every other length) the head's first
+    forward takes CATCH_UP_ROWS rows, the count its backlog pieces take: a new row count compiles new kernels on a
+    GPU, inside the generation. The tokens stay plain decoding's."""
+    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
+
+    model, _ = load(checkpoints["untied"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(80))]
+    rows = []
+    head_call = type(model.mtp).__call__
+    monkeypatch.setattr(type(model.mtp), "__call__", lambda self, e, h, *a, **kw: (
+        rows.append(e.shape[1]), head_call(self, e, h, *a, **kw))[1])
+    _scheduled(monkeypatch, [0] * 5 + [2] + [0] * 6 + [3] + [0] * 13 + [1, 2] + [0] * 2 + [3, 3])
+    got, stats = adaptive_tokens(model, PROMPT, 70,
+                                 drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
+    assert got == plain[:70]
+    assert stats.rounds >= 5
+    # the prompt's tail, a round's rows (K + 1 <= 4), one row per draft step, the backlog's pieces: nothing else
+    tail = rows[0]
+    assert set(rows[1:]) <= {1, 2, 3, 4, CATCH_UP_ROWS}, rows
+    assert rows.count(CATCH_UP_ROWS) >= 4, rows  # at least the four stretches' first drafts
+    assert tail <= len(PROMPT)
+
+
+def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, monkeypatch):
+    """Sampled, the tuner keeping K = 0: one draw per token from the same logits as generate_step's, so under one seed
+    the very same tokens (the head's backlog work draws nothing)."""
+    model, _ = load(checkpoints["untied"])
+    sampler = Sampler(temp=0.8)
+    mx.random.seed(5)
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=sampler), range(40))]
+    _scheduled(monkeypatch, [0])
+    mx.random.seed(5)
+    spec, stats = adaptive_tokens(model, PROMPT, 40, sampler=sampler)
+    assert spec == plain and stats.rounds == 0
+    # plain steps after a plain step replay one trace (their verify; the head's backlog stays on the host)
+    assert any(key[0] == 0 for key in model.runtime.traces.get("rounds", {}))
+    with rounds.tracing(False):
+        mx.random.seed(5)
+        built, _ = adaptive_tokens(model, PROMPT, 40, sampler=sampler)
+    assert built == plain
+
+
+def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
+    """The head's KV cache after rounds of K = 0 (its backlog fed in pieces of CATCH_UP_ROWS) and K = 2 holds, row
+    for row, what one forward of the head over all the verified slots writes (fp32): the drafts after a plain
+    stretch see the right past."""
+    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
+
+    model, _ = load(checkpoints["untied"])
+    cache = model.make_cache()
+    logits, hidden = prefill(model, mx.array(PROMPT), cache, return_hidden=True)
+    first = mx.argmax(logits).item()
+    pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
+    schedule = [0] * (CATCH_UP_ROWS + 5) + [2, 0, 0, 2]
+    verified, out_tokens = 0, [first]
+    for r, k in enumerate(schedule + [0]):
+        pr.bounds(r, verified)
+        out = pr.verify(*pr.draft(r, k))
+        mx.eval(*out)
+        tokens, n = out
+        out_tokens += tokens.tolist()[: n.item() + 1]
+        verified += n.item() + 1
+    # the reference: the target's hiddens over the whole sequence, every slot (token t+1, hidden t) through the head
+    ids = PROMPT + out_tokens
+    _, h_all = prefill(model, mx.array(ids), model.make_cache(), return_hidden=True)
+    ref = model.mtp.make_cache()
+    head = model.mtp
+    head(model.model.embed_tokens(mx.array(ids[1:]))[None], head.from_target(h_all[:-1])[None], ref)
+    got = pr.mcache[0]
+    rows = got.offset.item()  # the head's true rows: all slots but the ones still pending
+    assert rows >= len(ids) - 1 - (CATCH_UP_ROWS + 3)
+    assert mx.allclose(got.keys[..., :rows, :], ref[0].keys[..., :rows, :], atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-4, rtol=1e-4).item()
+
+
+def _tune(tuner, rates, cost_of, n):
+    """n passes of the pipelined loop with the tuner deciding: the depths it picked."""
+    ks = []
+    for _ in range(n):
+        k = tuner.next_k(rates)
+        tuner.observe(k, cost_of(k))
+        ks.append(k)
+    return ks
+
+
+def test_pipelined_tuner_decides_from_round_costs():
+    """cost(K) from the loop's passes (not the first SKIP after a change), tokens(K) from acceptance: a round
+    that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 32
+    plain steps, then probes again, and the next stretch is 64."""
+    from lattice_mlx.speculative.tuning import (
+        ADAPTIVE_WARMUP_ROUNDS,
+        FIRST_OFF_TOKENS,
+        PLAIN_TIMED_STEPS,
+        PLAIN_WARMUP_STEPS,
+    )
+
+    cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
+    tuner = rounds.PipelinedTuner(3)
+    baseline = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
+    ks = _tune(tuner, [0.9, 0.8, 0.7], cost, baseline + ADAPTIVE_WARMUP_ROUNDS + 6)
+    assert ks[:baseline] == [0] * baseline and ks[baseline] == 2
+    assert tuner.cost[0] == pytest.approx(1.0) and tuner.estimate(3) == pytest.approx(1.75)
+    assert ks[-1] == 3 and not tuner.decisions  # 3.4 tokens for 1.75 steps beats 2.7 for 1.5
+    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, 1 + FIRST_OFF_TOKENS + ADAPTIVE_WARMUP_ROUNDS + 1)
+    assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
+    assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
+    assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]
+    # the log (forwarded to SpecStats.tuner_log): the change of K and both off decisions, with the costs behind them
+    assert tuner.log[0].startswith("K 2 -> 3: predicted ") and "K=0 1000.00 K=2 1500.00" in tuner.log[0]
+    assert [e.split(";")[0] for e in tuner.log[1:]] == tuner.decisions and "K=3 1750.00" in tuner.log[-1]
+
+
+def test_pipelined_tuner_margins_near_break_even_and_between_depths():
+    """Speculation that predicts less than SPECULATE_MIN_GAIN goes off (a change of K costs passes the tuner does not
+    time); a neighbouring depth predicting less than SWITCH_MIN_GAIN more than the current one is not taken, one
+    clearly better is."""
+    from lattice_mlx.speculative.tuning import (
+        ADAPTIVE_WARMUP_ROUNDS,
+        PLAIN_TIMED_STEPS,
+        PLAIN_WARMUP_STEPS,
+        SPECULATE_MIN_GAIN,
+    )
+
+    start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
+    # K=1 yields 1.2 tokens for 1.16 steps, K=2 1.3 for 1.26: 1.03x predicted, under the margin: plain steps
+    tuner = rounds.PipelinedTuner(2)
+    ks = _tune(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 8)  # (K=1 is tried first: its
+    # estimate from the line through cost(0) and cost(2) is 1.06x)
+    assert 1.0 < tuner.speedup(2, [0.2, 0.1]) < SPECULATE_MIN_GAIN and 1.0 < 1.2 / 1.16 < SPECULATE_MIN_GAIN
+    assert ks[-1] == 0 and "off for 32 tokens" in tuner.decisions[0]
+    # K=3 predicts ~1.01x K=2's (3.4 tokens for 1.87 steps against 2.7 for 1.5) and each pass's cost swings +-6%:
+    # K settles instead of following the noise
+    tuner, passes = rounds.PipelinedTuner(3), itertools.count()
+    noisy = lambda k: (1.0 + 0.25 * k + (0.12 if k == 3 else 0.0)) * (1.06 if next(passes) % 2 else 0.94)  # noqa: E731
+    ks = _tune(tuner, [0.9, 0.8, 0.7], noisy, start + 60)
+    changes = sum(a != b for a, b in zip(ks[start:], ks[start + 1:]))
+    assert changes <= 1 and not tuner.decisions and set(ks[start:]) <= {2, 3}, ks[start:]
+    # the current depth under the threshold and a neighbour over it by less than the switch margin: move, not off
+    tuner = rounds.PipelinedTuner(3)
+    tuner.k, tuner.left, tuner.cost = 2, 0, {0: 1.0, 1: 1.9, 2: 2.7 / 1.04, 3: 3.4 / 1.06}
+    assert tuner.next_k([0.9, 0.8, 0.7]) == 3 and not tuner.decisions
+
+
+def test_pipelined_tuner_does_not_time_the_passes_after_a_change_of_depth():
+    """The first SKIP passes at a new K (a new verify shape compiling: seconds on a GPU; the pipeline refilling) are
+    not timed: a 100x spike there leaves the costs as the steady passes say, and speculation stays on."""
+    tuner = rounds.PipelinedTuner(2)
+    ks, since_change = [], 0
+    for _ in range(40):
+        k = tuner.next_k([0.9, 0.8])
+        since_change = since_change + 1 if ks and k == ks[-1] else 0
+        tuner.observe(k, (100.0 if since_change == 0 else 1.0) * (1.0 + 0.25 * k))
+        ks.append(k)
+    assert tuner.cost[0] == pytest.approx(1.0) and tuner.cost[2] == pytest.approx(1.5)
+    assert not tuner.decisions and ks[-1] == 2
+    # the spikes (compiles inside a generation) are logged with the depths around them: the first is K=2's start
+    slow = [e for e in tuner.log if e.startswith("slow pass")]
+    assert slow and slow[0].startswith("slow pass: 150000 ms at K=2 after K=0") and len(slow) <= tuner.LOGGED_SWITCHES
+
+
+@pytest.mark.parametrize("name,k", [("pattern", 3), ("tied", 2)])
+def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch, name, k):
+    """Steady-state rounds replay one mx.compile trace (the Python round is built only when MLX traces it) and give
+    the tokens, acceptance and round count of rounds built op by op, and plain decoding's tokens; across a KV buffer
+    growth (a new shape: one more trace) too."""
+    model, _ = load(checkpoints[name])
+    n = 90
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(n + 10))]
+    built = {"traced": 0, "eager": 0}
+    draft = rounds.PipelinedRounds.draft
+
+    def counting(self, r, k=None):
+        built["traced" if isinstance(self.y, mx.array) and _tracing() else "eager"] += 1
+        return draft(self, r, k)
+
+    def _tracing():  # a draft built while MLX traces a round has a slot's rounds set
+        return any(slot.owner is not None for _, slot in model.runtime.traces.get("rounds", {}).values())
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "draft", counting)
+    monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)  # PROMPT + 90 tokens crosses one growth
+    out = {}
+    for on in (False, True):
+        model.runtime.traces.pop("rounds", None)
+        built.update(traced=0, eager=0)
+        with rounds.tracing(on):
+            out[on] = spec_tokens(model, PROMPT, n, verify="pipelined", k=k,
+                                  drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, k, seed=5))
+        out[on] = (*out[on], dict(built))
+    (eager, s0, b0), (traced, s1, b1) = out[False], out[True]
+    assert eager == traced == plain[:n]
+    assert s0.accepted_hist == s1.accepted_hist and s0.rounds == s1.rounds > 20
+    assert b0["traced"] == 0 and b0["eager"] >= s0.rounds
+    # traced: the first round is built op by op (its pending rows differ), then one trace per buffer capacity (the
+    # head's buffer and the target's grow together; apart, they grew at different rounds: 3 traces)
+    assert b1["eager"] == 1 and b1["traced"] == 2, b1
+
+
+def test_sampled_traced_rounds_draw_what_rounds_built_op_by_op_draw(checkpoints):
+    """Sampled rounds trace too: the PRNG key goes in and out of the trace, so under one seed the traced loop draws
+    the very tokens of the loop built op by op (and so keeps its distribution, tested on that loop)."""
+    model, _ = load(checkpoints["pattern"])
+    sampler = Sampler(temp=0.8, top_p=0.95)
+    out = {}
+    for on in (False, True):
+        model.runtime.traces.pop("rounds", None)
+        mx.random.seed(11)
+        with rounds.tracing(on):
+            out[on] = spec_tokens(model, PROMPT, 60, verify="pipelined", k=3, sampler=sampler)
+    (eager, s0), (traced, s1) = out[False], out[True]
+    assert eager == traced and s0.accepted_hist == s1.accepted_hist
+    assert len(model.runtime.traces["rounds"]) == 1  # the sampled round was traced (one K, one sampler)
+
+
+def test_one_round_trace_serves_every_temperature_top_p_and_min_p(checkpoints):
+    """The sampler's numbers are inputs of a round's trace: samplers that differ only in them share one trace, and
+    each draws under its seed the tokens of rounds built op by op."""
+    model, _ = load(checkpoints["pattern"])
+    model.runtime.traces.pop("rounds", None)
+    for sampler in (Sampler(temp=0.8, top_p=0.95), Sampler(temp=1.2, top_p=0.6), Sampler(temp=0.4, top_p=0.9)):
+        out = {}
+        for on in (False, True):
+            mx.random.seed(21)
+            with rounds.tracing(on):
+                out[on] = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2, sampler=sampler)
+        (eager, s0), (traced, s1) = out[False], out[True]
+        assert eager == traced and s0.accepted_hist == s1.accepted_hist, sampler
+    assert len(model.runtime.traces["rounds"]) == 1
+
+
+def test_traced_rounds_follow_the_switch(checkpoints, monkeypatch):
+    model, _ = load(checkpoints["pattern"])
+    seen = []
+    real = rounds.PipelinedRounds.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.append(self.traced)
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "__init__", spy)
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "0")
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "1")
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    with rounds.tracing(False):
+        spec_tokens(model, PROMPT, 8, verify="pipelined", k=2)
+    # a host-side override (no device_inputs/apply) cannot go into a trace
+    spec_tokens(model, PROMPT, 8, verify="pipelined", k=2, drafter=lambda d, q, rr, r: (d, q))
+    assert seen == [False, True, False, False]
+    monkeypatch.setenv("LATTICE_TRACE_ROUNDS", "2")
+    with pytest.raises(ValueError, match="LATTICE_TRACE_ROUNDS"):
+        rounds.tracing_enabled()
+
+
+def test_traced_rounds_see_replaced_and_edited_weights(checkpoints):
+    """The weights are captured inputs of a round's trace, read at every call: a weight replaced, or changed in place
+    (the same array object), is what the next traced round computes with (fails with weights as trace constants)."""
+    model, _ = load(checkpoints["pattern"])
+
+    def both():
+        plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(40))]
+        spec, _ = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2,
+                              drafter=oracles.DeviceOracle(plain, 0.9, model.args.vocab_size, 2, seed=2))
+        return plain, spec
+
+    first, spec = both()
+    assert spec == first
+    norm = model.model.norm
+    norm.weight = norm.weight * -1.5  # a new array: another model, other greedy tokens
+    second, spec = both()
+    assert second != first and spec == second
+    w = norm.weight
+    w *= -0.5  # in place: the same array object
+    assert norm.weight is w
+    third, spec = both()
+    assert third != second and spec == third
+    assert len(model.runtime.traces["rounds"]) == 1  # one trace served all three
+
+
+def test_a_failing_trace_leaves_the_model_and_the_prng_usable(checkpoints, monkeypatch):
+    """MLX puts a trace's captured inputs (the weights, the PRNG key) back only when the traced function returns; a
+    round that raises while it is traced must not leave them as placeholders (plain sampling failed after one)."""
+    model, _ = load(checkpoints["pattern"])
+    verify = rounds.PipelinedRounds.verify
+
+    def failing(self, drafts, q):
+        if any(slot.owner is self for _, slot in model.runtime.traces.get("rounds", {}).values()):
+            raise RuntimeError("planted")
+        return verify(self, drafts, q)
+
+    monkeypatch.setattr(rounds.PipelinedRounds, "verify", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        spec_tokens(model, PROMPT, 30, verify="pipelined", k=2)
+    assert not model.runtime.traces["rounds"]  # the failed trace is not kept
+    monkeypatch.setattr(rounds.PipelinedRounds, "verify", verify)
+    mx.random.seed(3)
+    sampled = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler(temp=1.0)), range(8))]
+    mx.random.seed(3)
+    assert sampled == [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler(temp=1.0)), range(8))]
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(30))]
+    assert spec_tokens(model, PROMPT, 30, verify="pipelined", k=2)[0] == plain
+
+
+def test_traced_round_is_reused_across_generations_and_prompt_lengths(checkpoints):
+    model, _ = load(checkpoints["tied"])
+    for n in (13, 5, 9, 13):
+        prompt = PROMPT[:n]
+        plain = [t for t, _ in zip(generate_step(model, mx.array(prompt), sampler=Sampler()), range(30))]
+        spec, _ = spec_tokens(model, prompt, 30, verify="pipelined", k=2,
+                              drafter=oracles.DeviceOracle(plain, 0.8, model.args.vocab_size, 2, seed=n))
+        assert spec == plain
+    assert len(model.runtime.traces["rounds"]) == 1
+
+
+def test_pipelined_tuner_starts_from_the_costs_measured_before():
+    """A tuner given the memory an earlier generation filled skips the plain baseline: it starts at the depth picked
+    last, from those costs, and keeps writing what it measures; an empty memory means the baseline. The memory is the
+    process's, per model and greedy/sampled, and goes with the model."""
+    from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+
+    cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
+    memory = {}
+    first = rounds.PipelinedTuner(3, memory)
+    ks = _tune(first, [0.9, 0.8, 0.7], cost, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS + 8)
+    assert ks[0] == 0 and ks[-1] == 3
+    assert memory["k"] == 3 and memory["cost"][0] == pytest.approx(1.0) and memory["cost"][2] == pytest.approx(1.5)
+    second = rounds.PipelinedTuner(3, memory)
+    ks = _tune(second, [0.9, 0.8, 0.7], lambda k: 1.1 * cost(k), 12)
+    assert ks == [3] * 12 and second.log[0].startswith("start at K=3 from the costs measured before")
+    assert memory["cost"][3] > 1.76  # its own passes (10% dearer) moved the shared costs
+    # a tuner for a smaller K cap starts within it; without costs of rounds (or none at all) the baseline comes first
+    assert rounds.PipelinedTuner(2, memory).next_k([0.9, 0.8]) == 2
+    assert rounds.PipelinedTuner(3, {"cost": {0: 1.0}, "k": 3}).next_k([0.9]) == 0
+    assert rounds.PipelinedTuner(3).next_k([0.9]) == 0
+    model, other = sample.Sampler(), sample.Sampler()  # (any objects that take weak references)
+    m = rounds.tuner_memory(model, True)
+    assert rounds.tuner_memory(model, True) is m and rounds.tuner_memory(model, False) is not m
+    assert rounds.tuner_memory(other, True) is not m
+    kept = weakref.ref(model.runtime)  # the memory lives on the model, so it goes with it
+    del model
+    gc.collect()
+    assert kept() is None
+
+
+def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
+    """Four rounds that read acceptance 0.25 predict no gain, but with spec.OFF_HOPE more accepted rounds they would:
+    the tuner keeps speculating (a wrong plain stretch costs 32+ tokens at plain speed) until its rounds tell; rates
+    as low as the hopeful ones still turn it off."""
+    from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+
+    cost = lambda k: 1.0 + 0.2 * k  # noqa: E731
+    start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
+    stats = SpecStats.of(SpecOptions(draft_tokens=2))
+    for n in [0, 1, 0, 0]:
+        stats.record(2, n)
+    rates, hopeful = stats.accepted_per_position(8), stats.accepted_per_position(8, OFF_HOPE)
+    plain = rounds.PipelinedTuner(2)
+    _tune(plain, rates, cost, start)
+    assert plain.speedup(1, rates) < 1.05 and plain.speedup(1, hopeful) >= 1.05
+    assert plain.next_k(rates) == 0 and "off for 32 tokens" in plain.decisions[0]  # (without the hopeful rates)
+    hoping = rounds.PipelinedTuner(2)
+    _tune(hoping, rates, cost, start)
+    assert hoping.next_k(rates, lambda: hopeful) > 0 and not hoping.decisions
+    assert hoping.next_k([0.05], lambda: [0.08]) == 0 and hoping.decisions  # hopeless even with hope
+
+
+def test_pipelined_tuner_keeps_compiles_and_stalls_out_of_its_costs():
+    """H200 (b257909): a 2.4 s compile among the baseline's plain steps made cost(0) 478 ms; kept in the memory, every
+    later generation predicted huge gains, never ran plain steps again and never left K=2 (the line through cost(0)
+    put K=3 at a negative cost). Now such passes are logged and not timed: over SLOW_PASS times the cheapest cost,
+    over SPIKE times their own depth's; a first measurement that was a spike gives way to the next ordinary pass; and
+    an estimate is never below a shallower depth's cost."""
+    tuner = rounds.PipelinedTuner(3, memory := {})
+    passes = itertools.count()
+    ks = _tune(tuner, [0.8, 0.64, 0.51], lambda k: 478.0 if next(passes) == 6 else 1.0 + 0.25 * k, 30)
+    assert tuner.cost[0] == pytest.approx(1.0) and memory["cost"][0] == pytest.approx(1.0)
+    assert tuner.log[0].startswith("slow pass: 478000 ms at K=0")
+    assert 3 in ks and ks[-1] == 3
+    tuner = rounds.PipelinedTuner(2)
+    for s in [1.0, 1.0, 9.0, 1.0, 1.1]:  # (the first two after the start are not timed)
+        tuner.observe(0, s)
+    assert tuner.cost[0] == pytest.approx(1.02)  # the 9 s pass gave way to the first ordinary one
+    tuner.observe(0, 30.0)  # a compile: logged, not timed
+    assert tuner.cost[0] == pytest.approx(1.02) and tuner.log[-1].startswith("slow pass: 30000 ms at K=0")
+    tuner.observe(0, 3.0)  # 3x: timed (a round may cost 3 plain steps); over SPIKE times the cost so far is not
+    tuner.observe(0, 6.0)  # (> 4 x 1.416)
+    assert tuner.cost[0] == pytest.approx(0.8 * 1.02 + 0.2 * 3.0)
+    tuner.cost = {0: 2.0, 1: 1.5, 2: 1.6}  # noisy costs: the line through cost(0) and cost(2) falls to 1.4 at K=3
+    assert tuner.estimate(3) == pytest.approx(2.0) and tuner.estimate(1) == 1.5  # not below a plain step's cost
+    tuner.cost = {0: 1.0, 1: 2.0, 2: 1.2}
+    assert tuner.estimate(3) == pytest.approx(2.0)  # nor below K=1's (the line: 1.3)
+    # a lone fast pass is averaged in (it replaced the cost once, and every ordinary pass after it was a "stall")
+    tuner = rounds.PipelinedTuner(2)
+    for s in [1.7, 1.7, 1.7, 1.7, 0.4] + [1.7] * 50:
+        tuner.observe(0, s)
+    assert tuner.cost[0] == pytest.approx(1.7, rel=1e-3)
+    # costs that really rise past SPIKE times (a longer context, a slower machine than the memory's) are taken after
+    # REJECTS passes in a row, not rejected for good
+    tuner = rounds.PipelinedTuner(2, {"cost": {0: 1.0, 2: 1.5}, "k": 2})
+    for _ in range(2 + tuner.REJECTS + 10):
+        tuner.observe(2, 7.5)
+    assert tuner.cost[2] == pytest.approx(7.5) and any(e.startswith("stall: 7500 ms at K=2") for e in tuner.log)
+
+
+def test_pipelined_tuner_turns_off_when_nothing_is_accepted_even_if_its_plain_steps_are_dear():
+    """Its plain steps measured dearer than its rounds (run 22, H200: built plain steps 2.26 ms, traced K=1 rounds
+    1.83-2.21 ms) made a round that accepts nothing predict 1.19x, so speculation never went off (simulated: 1000 of
+    1000 passes at K=1, about 0.75x true plain). A plain cost above a round's reads as that round's."""
+    from lattice_mlx.speculative.tuning import OFF_HOPE
+
+    tuner = rounds.PipelinedTuner(2, {"cost": {0: 2.26, 1: 1.9, 2: 2.5}, "k": 1})
+    stats, ks = SpecStats.of(SpecOptions(draft_tokens=2)), []
+    for _ in range(200):
+        k = tuner.next_k(stats.accepted_per_position(8), lambda: stats.accepted_per_position(8, OFF_HOPE))
+        tuner.observe(k, {0: 2.26, 1: 1.9, 2: 2.5}[k])
+        if k:
+            stats.record(k, 0)
+        ks.append(k)
+    assert tuner.speedup(1, [0.0]) == pytest.approx(1.0)
+    assert tuner.decisions and ks[-50:].count(0) > 45, ks
