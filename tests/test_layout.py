@@ -135,3 +135,13 @@ def test_every_named_file_exists():
     missing = {(str(t.relative_to(ROOT)), m) for t in texts if t.suffix in {".py", ".md", ".sh"}
                for m in NAMED_PATH.findall(t.read_text()) if not (ROOT / m).exists()}
     assert missing == set()
+
+
+def test_device_runner_modes_are_few_and_documented():
+    """gpu_run.sh: at most 20 modes, each named in the header by what it measures, none named after a run."""
+    text = (ROOT / "scripts" / "device" / "gpu_run.sh").read_text()
+    modes = re.findall(r"^  ([a-z0-9-]+)\)", text, re.M)
+    header = text.split("\nset -u", 1)[0]
+    assert 0 < len(modes) <= 20 and len(set(modes)) == len(modes)
+    assert [m for m in modes if not re.search(rf"^#   {re.escape(m)}\b", header, re.M)] == []
+    assert [m for m in modes if re.search(r"run\d|^r\d|issue|fix", m)] == []

@@ -11,8 +11,8 @@
 #   invariance     whether verify rows are bitwise decode steps: 40 positions, whole oracle generations, a long
 #                  (key-split) context (batch_invariance.py)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (bench_kernels.py)
-#   kernels-per-forward  CUPTI kernels, GPU time, busy and span per forward, T = 1..8 (profile_kernels.py)
-#   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py)
+#   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py); PER_FORWARD=1: kernels, GPU time,
+#                  busy and span per forward over T = 1..8 instead (profile_kernels.py)
 #   q4-fused       the fused 4-bit (SET=dense: unquantized) projections' GPU time by rows M, CUPTI (bench_q4_fused.py)
 #   profile        where a decode step's wall time goes, op by op (profile_step.py)
 #   host           a plain step's and a pipelined round's host time: Python graph building, MLX dispatch, waiting
@@ -32,8 +32,8 @@
 #   demo-train     the demo retrained on the package-split corpus (MTP_TARGET labels|distill|both), converted and
 #                  measured (train_demo.py, distill_demo_head.py)
 #   demo-head      the MTP head retrained alone on the shipped trunk, labels vs self-distillation (distill_demo_head.py)
-#   save-ptx       MLX's compiled-kernel cache back under $OUT (carry it next time as .device-ptx/)
 #   diag-g64       MLX's quantized ops at K = 64 with group 64, GPU vs CPU stream (gpu_diag_g64.py)
+# SAVE_PTX=1 after any modes: MLX's compiled-kernel cache back under $OUT (carry it next time as .device-ptx/).
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
 # need ../shared/device/gpu_kernels.py copied into .device-tools/ and carried. Scripts live beside this file's
 # folder: scripts/bench/, scripts/demo/, scripts/device/.
@@ -125,8 +125,10 @@ for mode in "$@"; do
     step invariance_long 100 python3 scripts/bench/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
       --paths layers --out "$RES/invariance_long" ;;
   kernels) step kernels 240 python3 scripts/bench/bench_kernels.py --out "$RES/kernels.json" ;;
-  kernels-per-forward) step kernels_per_forward 300 python3 scripts/bench/profile_kernels.py --out "$RES/kernels_per_forward" ;;
-  step-kernels) step_kernels ;;
+  step-kernels)
+    if [[ ${PER_FORWARD:-0} == 1 ]]; then
+      step kernels_per_forward 300 python3 scripts/bench/profile_kernels.py --out "$RES/kernels_per_forward"
+    else step_kernels; fi ;;
   q4-fused) step q4_fused 200 python3 scripts/bench/bench_q4_fused.py --profiler-dir .device-tools ${SET:+--set "$SET"} --out "$RES/q4_fused.json" ;;
   profile) step profile 300 python3 scripts/bench/profile_step.py --out "$RES/profile" --dtype bfloat16 ;;
   host)
@@ -239,12 +241,13 @@ for mode in "$@"; do
       step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/demo/distill_demo_head.py --target "$t" "${hm[@]}" "${hc[@]}" \
         --seconds "${HEAD_SECONDS:-150}" --batch 32 --depth-weights "${DEPTH_WEIGHTS:-1}" --out "$RES/head_$t"
     done ;;
-  save-ptx)  # the kernel cache as $OUT/ptx_cache.tgz.part_* (15 MB each: $OUT returns files of <= 16 MiB)
-    tar -czf - -C "$PTX" . | split -b 15m - "${OUT:-/tmp}/ptx_cache.tgz.part_"
-    ls -la "${OUT:-/tmp}"/ptx_cache.tgz.part_* ;;
   diag-g64) step diag_g64 150 python3 scripts/device/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done
+if [[ ${SAVE_PTX:-0} == 1 ]]; then  # the kernel cache as $OUT/ptx_cache.tgz.part_* (15 MB each: $OUT returns files of <= 16 MiB)
+  tar -czf - -C "$PTX" . | split -b 15m - "${OUT:-/tmp}/ptx_cache.tgz.part_"
+  ls -la "${OUT:-/tmp}"/ptx_cache.tgz.part_*
+fi
 cat "$RES/steps.txt"
 tar -czf "${OUT:-/tmp}/${TAR:-results}.tgz" -C "$RES" .
