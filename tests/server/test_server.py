@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai", reason="the test extra installs openai")
 from lattice_mlx import generate, load  # noqa: E402
 
 PROMPT = "def add(a, b):"
+MODEL = "lattice-demo"
 
 
 def _free_port() -> int:
@@ -91,9 +92,10 @@ def test_greedy_completion_equals_generate(client):
 
 def test_chat_stream_equals_the_whole_response(client):
     messages = [{"role": "user", "content": "import os\n"}]
-    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=20)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
     parts, finish = [], None
-    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=20, stream=True):
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, stream=True,
+                                                temperature=0):
         parts.append(chunk.choices[0].delta.content or "")
         finish = chunk.choices[0].finish_reason or finish
     assert "".join(parts) == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
@@ -101,23 +103,23 @@ def test_chat_stream_equals_the_whole_response(client):
 
 
 def test_stop_sequence_cuts_the_text(client):
-    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=24).choices[0].text
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[8:11]
     assert stop and full.find(stop) >= 0
     for stream in (False, True):
         if stream:
-            chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=24, stop=[stop],
-                                                    stream=True))
+            chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop],
+                                                    stream=True, temperature=0))
             text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
         else:
-            r = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, stop=stop)
+            r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=stop, temperature=0)
             text, finish = r.choices[0].text, r.choices[0].finish_reason
             assert r.usage.model_extra["speculation"]["draft"] == "mtp"  # reported when a stop string cut it too
         assert text == full[: full.find(stop)] and finish == "stop", stream
 
 
 def test_seeded_sampling_repeats(client):
-    kw = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
     a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
     c = client.completions.create(**{**kw, "seed": 8}).choices[0].text
     assert a == b and a != c
@@ -125,10 +127,10 @@ def test_seeded_sampling_repeats(client):
 
 def test_bad_requests_are_http_400_with_a_message(client, server):
     port = server[0]
-    with pytest.raises(openai.BadRequestError, match="temperature must be a finite number >= 0"):
-        client.completions.create(model="m", prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be a finite number >= 0"):
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="only n = 1"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
     for path, body, message in [
         ("/v1/completions", b"{not json", "not valid JSON"),
         ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
@@ -146,17 +148,18 @@ def test_bad_requests_are_http_400_with_a_message(client, server):
 def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
     port, log = server
     sock = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n".encode()
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     got = b""
     while got.count(b"data: ") < 3:
         got += sock.recv(4096)
     sock.close()
     # served after the cancelled job: the worker has moved on
-    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                     temperature=0).usage.completion_tokens == 4
     lines = [line for line in log.read_text().splitlines() if "cancelled by its client" in line]
-    assert lines and int(lines[-1].split("after ")[1].split()[0]) < 4000
+    assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
 
 
 def test_sigterm_shuts_down_gracefully(tmp_path):
@@ -180,12 +183,12 @@ def test_a_prompt_extending_the_last_one_prefills_only_its_new_tokens(client):
     token) and prefills only the rest; the text is what a fresh generation gives."""
     model, tok = load()
     turn1 = tok.encode("class Stack:\n    def __init__(self):\n")
-    client.completions.create(model="m", prompt=turn1, max_tokens=8)
+    client.completions.create(model=MODEL, prompt=turn1, max_tokens=8, temperature=0)
     turn2 = turn1 + tok.encode("        self.items = []\n\n    def push(self, item):\n")
-    r2 = client.completions.create(model="m", prompt=turn2, max_tokens=12)
+    r2 = client.completions.create(model=MODEL, prompt=turn2, max_tokens=12, temperature=0)
     assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
     assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=12, chat_template=False).text
-    again = client.completions.create(model="m", prompt=turn2, max_tokens=12)
+    again = client.completions.create(model=MODEL, prompt=turn2, max_tokens=12, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == len(turn2) - 1 and again.choices[0].text == \
         r2.choices[0].text
 

@@ -1,0 +1,159 @@
+"""The model's one generation worker and its bounded queue. Jobs run one at a time in arrival order; a job ends at its
+max_tokens, a stop string, its wall-time limit, its client leaving, or shutdown, and the worker checks the last
+three between tokens, so no request can hold the worker past its limit or keep the server from stopping."""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..generate import stream_generate
+from ..prompt_cache import PromptCache
+from ..sample import Sampler
+from ..speculative import SpecOptions
+from .protocol import HTTPError, StopScanner
+
+log = logging.getLogger("lattice_mlx.server")
+
+
+@dataclass
+class Job:
+    """One request's generation: what to generate, and the events the worker sends back."""
+
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: list[str]
+    seed: int | None
+    seconds: float = float("inf")  # wall-time limit once generation starts
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("text", str) ..., then ("done", dict) or ("error", str)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    why: str = ""  # why it was cancelled: "client" or "shutdown"
+
+    def cancel(self, why: str) -> None:
+        if not self.cancelled.is_set():
+            self.why = why
+            self.cancelled.set()
+
+
+class Engine:
+    """The model and its one generation worker. `submit` refuses (503) beyond `max_queue` waiting jobs and after
+    `stop`; `run` is the worker, on the thread that loaded the model (MLX is used from that thread only)."""
+
+    def __init__(self, model, tokenizer, model_id: str, speculation: SpecOptions | None, max_queue: int = 16):
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.speculation, self.max_queue = speculation, max_queue
+        self.prompt_cache: PromptCache | None = None  # the state after the last request's prompt (all but its last token)
+        self.jobs: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.current: Job | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Job) -> Job:
+        with self._lock:
+            if self.stopping.is_set():
+                raise HTTPError("the server is shutting down", 503, "server_error", {"Retry-After": "5"})
+            if self.jobs.qsize() >= self.max_queue:
+                raise HTTPError(f"the server is busy: {self.jobs.qsize()} requests are waiting; retry later", 503,
+                                "server_error", {"Retry-After": "2"})
+            self.jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        """Refuse new work, end the running job at its next token, and answer every waiting one."""
+        with self._lock:
+            self.stopping.set()
+            if self.current is not None:
+                self.current.cancel("shutdown")
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.cancel("shutdown")
+            job.events.put(("error", "the server is shutting down"))
+
+    def run(self) -> None:
+        """The generation loop, until `stop`."""
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self._lock:
+                if job.cancelled.is_set():
+                    continue
+                self.current = job
+            try:
+                self._generate(job)
+            except Exception as e:  # one request's failure is reported to it; the server goes on
+                log.exception("generation failed")
+                job.events.put(("error", f"generation failed: {e}"))
+            finally:
+                with self._lock:
+                    self.current = None
+        with self._lock:
+            self._drain()
+
+    def _prompt_cache(self, ids: list[int]) -> tuple[PromptCache | None, int]:
+        """A prompt that extends the previous one (the next turn of a chat) prefills only its new tokens: the state
+        after all but its last token is built from the previous request's, and kept for the next request."""
+        if len(ids) < 2:
+            return None, 0
+        prev = self.prompt_cache
+        if prev is not None and prev.tokens == ids[:-1]:
+            return prev, len(prev.tokens)
+        cached = prev.covers(ids[:-1]) if prev is not None else 0
+        self.prompt_cache = PromptCache.build(self.model, ids[:-1], base=prev)
+        return self.prompt_cache, cached
+
+    def _generate(self, job: Job) -> None:
+        if job.seed is not None:
+            mx.random.seed(job.seed)
+        s = job.sampler
+        scan, n, finish, last, cut = StopScanner(job.stop), 0, "length", None, False
+        pc, cached = self._prompt_cache(job.ids)
+        stream = stream_generate(self.model, self.tokenizer, job.ids, max_tokens=job.max_tokens, temp=s.temp,
+                                 top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, chat_template=False,
+                                 speculation=self.speculation, prompt_cache=pc)
+        tic = time.perf_counter()
+        deadline = time.monotonic() + job.seconds
+        try:
+            for last in stream:
+                n += 1
+                if job.cancelled.is_set():
+                    log.info("request cancelled %s after %d tokens",
+                             "by its client" if job.why == "client" else "at shutdown", n)
+                    job.events.put(("error", "the server is shutting down" if job.why == "shutdown" else
+                                    "cancelled"))
+                    return
+                text, hit = scan.add(last.text)
+                if text:
+                    job.events.put(("text", text))
+                if hit:
+                    finish, cut = "stop", True
+                    break
+                if last.finish_reason:
+                    finish = last.finish_reason
+                    break
+                if time.monotonic() > deadline:
+                    finish = "time_limit"
+                    break
+        finally:
+            stream.close()
+        tail = "" if cut else scan.flush()  # text after a stop string is dropped; a held-back tail is not
+        if tail:
+            job.events.put(("text", tail))
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if last is not None and last.spec_stats is not None:  # (a stop string ends a generation early too)
+            usage["speculation"] = last.spec_stats.to_dict()
+        log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s)",
+                 len(job.ids), cached, n, time.perf_counter() - tic, finish)
+        job.events.put(("done", {"finish_reason": finish, "usage": usage}))
