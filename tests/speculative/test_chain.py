@@ -58,6 +58,38 @@ def test_depth_tuner_costs_are_measured_ones():
     assert (tuner.t_draft, tuner.slope) == (pytest.approx(0.4), pytest.approx(0.4))
 
 
+def test_depth_tuner_picks_the_depth_with_the_most_tokens_per_second():
+    """best() is the depth of highest predicted speedup: deep when drafts are cheap and kept, shallow when they are
+    dear or rejected (a tuner that always answered K=1 passed every test before this one)."""
+    cheap = DepthTuner(4, t1=1.0)
+    cheap.observe(2, t_draft=0.1, t_verify=1.1)  # 0.05 per draft, 0.05 of verify growth per drafted token
+    kept = [0.9, 0.81, 0.729, 0.656]  # conditional acceptance 0.9 at every position
+    assert cheap.best(kept)[0] == 4 and cheap.best(kept)[1] == pytest.approx(cheap.speedup(4, kept))
+    assert cheap.best([0.3, 0.09])[0] == 1  # the deeper drafts rarely survive
+    dear = DepthTuner(4, t1=1.0)
+    dear.observe(1, t_draft=0.6, t_verify=1.3)  # a draft costs more than half a step
+    assert dear.best(kept)[0] == 1  # E(K) / (1 + 0.9 K): 1.9 / 1.9, then 2.71 / 2.8, 3.44 / 3.7, ...
+    middle = DepthTuner(4, t1=1.0)
+    middle.observe(1, t_draft=0.1, t_verify=1.1)  # cost(K) = 1 + 0.2 K
+    falling = [0.9, 0.45, 0.09, 0.009]  # the third draft is rarely kept
+    assert middle.best(falling)[0] == 2  # 1.9 / 1.2 = 1.58, 2.35 / 1.4 = 1.68, 2.44 / 1.6 = 1.53
+    assert [dear.best([1.0] * 4)[0], cheap.best([1.0] * 4)[0]] == [4, 4]
+    for k_max in (1, 2, 3):
+        assert DepthTuner(k_max, t1=1.0).best([1.0] * 4)[0] == k_max
+
+
+def test_adaptive_chain_goes_deeper_when_every_draft_is_kept(checkpoints):
+    """The batched loop's own depth choice: with drafts always right it leaves the warm-up depth (2) for deeper
+    rounds, up to draft_tokens, and never turns speculation off; the tokens stay plain greedy's."""
+    model, tok = load(checkpoints["untied"])
+    plain = generate(model, tok, PROMPTS[0], max_tokens=200).tokens
+    drafter = OracleDrafter(model, Sampler(), plain, 1.0)
+    spec, stats = run_spec(model, PROMPTS[0], 160, draft_tokens=4, adaptive=True, drafter=drafter)
+    assert spec == plain[:160] and stats["decisions"] == []
+    at = stats["proposed_at"] + [0] * 4
+    assert at[3] > 0 and at[3] >= stats["rounds"] // 2, stats  # most rounds at K = 4
+
+
 def test_adaptive_probes_speculation_again_after_a_plain_stretch(checkpoints):
     """Off is not forever: after 32 plain tokens speculation is probed for 4 rounds, then off for 64, 128, ...;
     every stretch keeps the output exact (the drafter sees each plain position's hidden)."""

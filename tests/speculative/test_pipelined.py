@@ -138,15 +138,15 @@ def _self_drafts(model, temp: float = 0.3):
     return override
 
 
-def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
-    """The first 5 tokens (the first from the prefill): with spec, one K=3 round and its bonus when all drafts are
-    kept, then the next round's first."""
+def _round_tokens(model, seeds, *, spec: bool, k: int = 3, head: bool = False) -> list[tuple[int, ...]]:
+    """The first 5 tokens (the first from the prefill): with spec, a K=k round and its bonus when all drafts are
+    kept, then the next rounds; drafts from the target at a lower temperature, or with `head` the MTP head's own."""
     sampler, out = Sampler(temp=1.0), []
     for seed in seeds:
         mx.random.seed(seed)
         if spec:
-            gen = iter(spec_tokens(model, [1, 2, 1, 2, 1], 5, verify="pipelined", sampler=sampler,
-                                   drafter=_self_drafts(model))[0])
+            gen = iter(spec_tokens(model, [1, 2, 1, 2, 1], 5, verify="pipelined", sampler=sampler, k=k,
+                                   drafter=None if head else _self_drafts(model))[0])
         else:
             gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
         out.append(tuple(next(gen) for _ in range(5)))
@@ -186,6 +186,34 @@ def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_f
             plant(m)
             wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
         assert min(wrong.values()) < 1e-4, (name, wrong)
+
+
+def test_sampled_pipelined_rounds_with_the_heads_own_drafts_keep_the_distribution(tiny_vocab_model, monkeypatch):
+    """The default sampled path: the MTP head's own drafts at K = 1..3, every position and the bonus in adjacent
+    pairs against plain sampling. Drafts drawn by argmax while q is reported as their distribution fail it (every
+    other sampled pipelined test replaces the head's drafts)."""
+    from lattice_mlx.metal.argmax import argmax
+    from lattice_mlx.speculative import pipelined
+
+    trials = 400
+    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
+    seeds = range(900_000, 900_000 + trials)
+    tiny_vocab_model.runtime.traces.clear()  # traces built on another test's drafts are not this test's
+    for k in (1, 2, 3):
+        right = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True, k=k, head=True))
+        assert min(right.values()) > 1e-3, (k, right)
+    real = pipelined._pick
+
+    def argmax_drafts(sampler, logits, values=None):
+        _, q = real(sampler, logits, values)
+        return argmax(logits), q
+
+    with monkeypatch.context() as m:
+        m.setattr(pipelined, "_pick", argmax_drafts)
+        tiny_vocab_model.runtime.traces.clear()
+        wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True, k=2, head=True))
+    tiny_vocab_model.runtime.traces.clear()
+    assert min(wrong.values()) < 1e-4, wrong
 
 
 @pytest.mark.parametrize("kw, flag", [({"tree": "2-1"}, "--tree"), ({"draft": "ngram"}, "--draft ngram")])
