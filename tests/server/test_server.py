@@ -243,3 +243,13 @@ def test_warm_up_traces_greedy_and_sampled_steps_and_rounds(checkpoints):
     for _ in zip(range(6), generate_step(model, mx.array([1, 2, 3]), sampler=Sampler(temp=0.6))):
         pass
     assert set(steps) == before
+
+
+def test_sampling_left_out_takes_the_checkpoints_generation_config(client, server):
+    """The demo's generation_config.json asks for temperature 0.7: a request that gives none samples (at 0.7, as
+    `generate` does; tests/server/test_protocol.py checks the values reach the sampler), not greedily. (Sampled MTP
+    with an adaptive depth is not seed-for-seed repeatable: the depth follows measured times.)"""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    assert any(client.completions.create(**kw, seed=s).choices[0].text != greedy for s in range(4))
+    assert "default sampling: temp 0.7" in server[1].read_text()
