@@ -1,5 +1,6 @@
 """The generate API and CLI: mlx-lm compatibility, JSON output, and one-line errors for everything a user can get wrong."""
 
+import importlib
 import json
 import os
 import shutil
@@ -291,3 +292,138 @@ def test_cli_takes_sampling_defaults_from_the_checkpoint_generation_config(check
     (path / "generation_config.json").write_text("{not json")
     out = run_cli(*base)
     assert out.returncode == 1 and out.stderr.strip().count("\n") == 0 and "generation_config.json" in out.stderr
+
+
+def _short_context(src, dst, n: int):
+    """A copy of a checkpoint whose config allows `n` positions."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = n
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_check_context_names_both_numbers_and_the_limit():
+    from types import SimpleNamespace
+
+    from lattice_mlx.generate import check_context
+
+    model = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=2048))
+    with pytest.raises(ValueError) as e:
+        check_context(model, 3000, 64)
+    assert str(e.value) == "the prompt (3,000 tokens) plus max_tokens (64) exceeds the model's context length " \
+                           "(2,048 tokens)"
+    check_context(model, 3000, 64, allow_long=True)
+    check_context(model, 1984, 64)  # exactly the context: fits
+
+
+def test_stream_generate_refuses_a_prompt_past_the_context_unless_allowed(checkpoints, tmp_path):
+    model, tok = load(_short_context(checkpoints["tied"], tmp_path / "short", 16))
+    prompt = list(range(3, 15))  # 12 tokens
+    with pytest.raises(ValueError, match=r"the prompt \(12 tokens\) plus max_tokens \(8\) exceeds the model's "
+                                         r"context length \(16 tokens\)"):
+        next(stream_generate(model, tok, prompt, max_tokens=8))
+    assert len(generate(model, tok, prompt, max_tokens=4).tokens) <= 4
+    assert len(generate(model, tok, prompt, max_tokens=8, allow_long_context=True).tokens) <= 8
+
+
+def test_cli_refuses_a_prompt_past_the_demo_context_in_one_line():
+    """The demo model's context is 2,048 tokens; a 3,000-word prompt (after the chat template) is refused before
+    it is prefilled, in one line, and --allow-long-context lets it through (checked on a short-context copy)."""
+    out = run_cli("--prompt", "-", "--max-tokens", "4", stdin="word " * 3000)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "exceeds the model's context length (2,048 tokens)" in lines[0] and "max_tokens (4)" in lines[0]
+    assert "--allow-long-context" in lines[0]
+
+
+def test_cli_allow_long_context(checkpoints, tmp_path):
+    path = _short_context(checkpoints["tied"], tmp_path / "short", 8)
+    base = ["--model", str(path), "--prompt", "def main(): return 1", "--max-tokens", "4", "--no-chat-template"]
+    out = run_cli(*base)
+    assert out.returncode == 1 and "context length (8 tokens)" in out.stderr, out.stderr
+    out = run_cli(*base, "--allow-long-context")
+    assert out.returncode == 0, out.stderr
+
+
+def test_prompt_tps_counts_only_the_tokens_prefilled(checkpoints, monkeypatch):
+    """With a prompt cache, the rate is over the tokens not in the cache (a clock that ticks 1 s per read: the
+    prompt's time is 1 s)."""
+    from types import SimpleNamespace
+
+    gen = importlib.import_module("lattice_mlx.generate")  # (the package's `generate` is the function)
+    from lattice_mlx.prompt_cache import PromptCache
+
+    model, tok = load(checkpoints["tied"])
+    ids = [5, 9, 33, 21, 7, 100, 3, 3, 17, 2, 8, 64]
+    cache = PromptCache.build(model, ids[:9])
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(gen, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    result = generate(model, tok, ids, max_tokens=4, prompt_cache=cache)
+    assert result.prompt_tokens == 12 and result.prompt_cached_tokens == 9 and result.prompt_tps == 3.0
+    result = generate(model, tok, ids, max_tokens=4)
+    assert result.prompt_cached_tokens == 0 and result.prompt_tps == 12.0
+    line = gen.prompt_line(gen.GenerationResult(tokens=[1], text="", prompt_tokens=12, generation_tokens=1,
+                                                prompt_tps=3.0, generation_tps=0.0, peak_memory_gb=0.0,
+                                                finish_reason="length", prompt_cached_tokens=9))
+    assert line == "prompt: 12 tokens (9 from the cache), 3 prefilled at 3.0 tok/s"
+
+
+def test_help_names_the_command_as_it_was_started(monkeypatch, capsys):
+    """The console script (pyproject's lattice-generate) is named as such; `python -m` keeps the module's name."""
+    gen = importlib.import_module("lattice_mlx.generate")  # (the package's `generate` is the function)
+
+    for argv0, name in (("/venv/bin/lattice-generate", "lattice-generate"),
+                        (gen.__file__, "python -m lattice_mlx.generate")):
+        monkeypatch.setattr(sys, "argv", [argv0])
+        with pytest.raises(SystemExit):
+            gen.main(["--help"])
+        assert capsys.readouterr().out.startswith(f"usage: {name} [-h]")
+
+
+def test_interrupt_while_loading_is_one_line(monkeypatch, capsys):
+    gen = importlib.import_module("lattice_mlx.generate")  # (the package's `generate` is the function)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "load", interrupted)
+    try:
+        assert gen.main(["--max-tokens", "2"]) == 130
+    except KeyboardInterrupt:  # (escaping, it would stop the whole pytest session)
+        pytest.fail("Ctrl-C escaped generate.main")
+    assert capsys.readouterr().err.strip().splitlines() == ["interrupted"]
+
+
+def _interrupt_at_startup(module: str, *args: str):
+    """Starts `python -m module`, sends SIGINT while it is still importing and loading, returns (rc, stderr)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.8)  # (a background shell job starts its children with SIGINT ignored: preexec_fn undoes that)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("module", ["lattice_mlx.generate", "lattice_mlx.convert"])
+def test_ctrl_c_at_startup_is_one_line_and_exit_130(module, tmp_path):
+    from lattice_mlx.load import DEMO_MODEL
+
+    args = ["--max-tokens", "2"] if module == "lattice_mlx.generate" else \
+        ["--hf-path", str(DEMO_MODEL), "--mlx-path", str(tmp_path / "out")]
+    rc, err = _interrupt_at_startup(module, *args)
+    assert rc == 130 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.strip().startswith("interrupted"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_virtual_environment_is_ignored_by_git():
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert subprocess.run(["git", "check-ignore", "-q", ".venv/"], cwd=root).returncode == 0

@@ -223,3 +223,46 @@ def test_interrupted_force_convert_keeps_the_previous_output(checkpoints, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         convert_module.convert(str(checkpoints["tied"]), str(tmp_path / "out"), force=True)
     assert sorted(p.name for p in dst.iterdir()) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("value", [-1, 0, "1024", None], ids=["negative", "zero", "string", "missing"])
+def test_a_bad_config_value_names_the_file_and_the_field(checkpoints, tmp_path, value):
+    """It was "math domain error" (a negative width), a ZeroDivisionError or TypeError traceback, or a tensor shape
+    mismatch (a missing width took the default's)."""
+    src = shutil.copytree(checkpoints["tied"], tmp_path / "bad")
+    config = json.loads((src / "config.json").read_text())
+    if value is None:
+        del config["text_config"]["hidden_size"]
+    else:
+        config["text_config"]["hidden_size"] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError) as e:
+        load(src)
+    message = str(e.value)
+    assert str(src / "config.json") in message and "hidden_size" in message and "\n" not in message
+    assert ("is missing" if value is None else f"must be a positive integer, got {value!r}") in message
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 1.5), ("rms_norm_eps", -1e-6),
+                                          ("tie_word_embeddings", "yes"), ("num_key_value_heads", 3),
+                                          ("layer_types", ["full_attention", "mamba", "full_attention",
+                                                           "full_attention"])])
+def test_other_bad_config_values_are_named(checkpoints, tmp_path, field, value):
+    src = shutil.copytree(checkpoints["tied"], tmp_path / "bad")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"][field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=field):
+        load(src)
+
+
+def test_a_bad_config_value_is_one_line_from_the_cli(checkpoints, tmp_path):
+    src = shutil.copytree(checkpoints["tied"], tmp_path / "bad")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["hidden_size"] = -1
+    (src / "config.json").write_text(json.dumps(config))
+    out = run_module("lattice_mlx.generate", "--model", str(src), "--max-tokens", "2")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0] == f"error: {src / 'config.json'} does not describe a valid Qwen3.5 model: hidden_size must be " \
+                       "a positive integer, got -1"

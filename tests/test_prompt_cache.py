@@ -2,6 +2,8 @@
 scratch (fp32: the same tokens, and with MTP the same accepted drafts), extending a cache equals building it, saved
 files reload exactly, and a cache of another model or a broken file is refused in one line."""
 
+import json
+
 import mlx.core as mx
 import pytest
 
@@ -129,3 +131,47 @@ def test_cli_cache_prompt_then_generate_continues_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--prompt-cache-file", str(tmp_path / "no")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: cannot read prompt cache") and "Traceback" not in r.stderr
+
+
+def test_cli_reports_the_prompt_rate_over_the_tokens_prefilled(tmp_path):
+    """A generation from a prompt cache prefills only the new tokens: the line says how many came from the cache
+    and gives the rate over the others."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "fib.safetensors"
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.cache_prompt", "--prompt", "def fibonacci(n):\n",
+                        "--prompt-cache-file", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cached = int(r.stderr.split("after ")[1].split()[0])
+    r = subprocess.run([sys.executable, "-m", "lattice_mlx.generate", "--prompt-cache-file", str(path), "--prompt",
+                        "    if n < 2:\n", "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    new = got["prompt_tokens"] - cached
+    assert got["prompt_cached_tokens"] == cached and new > 0
+    assert f"prompt: {got['prompt_tokens']} tokens ({cached} from the cache), {new} prefilled at " in r.stderr
+
+
+def test_cache_prompt_refuses_a_prompt_past_the_context_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "long.safetensors"
+    cmd = [sys.executable, "-m", "lattice_mlx.cache_prompt", "--prompt", "-", "--prompt-cache-file", str(path)]
+    r = subprocess.run(cmd, input="word " * 3000, capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "exceeds the model's context length (2,048 tokens)" in lines[0] and "--allow-long-context" in lines[0]
+    assert not path.exists()
+
+
+def test_cache_prompt_help_is_whole_sentences(capsys):
+    from lattice_mlx import cache_prompt
+
+    with pytest.raises(SystemExit):
+        cache_prompt.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert description.endswith(".") and description.count("`") % 2 == 0, description
+    assert "prefills only" in out  # the next step, in the epilog

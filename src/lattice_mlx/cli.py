@@ -2,6 +2,8 @@
 environment switch, LATTICE_MTP=1) turned into SpecOptions. Value ranges are checked by the API's own objects."""
 
 import argparse
+import sys
+from pathlib import Path
 
 from . import settings
 from .speculative import MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions
@@ -12,6 +14,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def command_name(module: str) -> str:
+    """The name a command's help and errors use: the console script it was started as (`lattice-generate`), else
+    `python -m <module>` (run with -m, or main() called from another program, e.g. pytest)."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("lattice") and not name.endswith(".py") else f"python -m {module}"
 
 
 def env_mtp() -> bool:

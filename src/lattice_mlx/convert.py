@@ -16,7 +16,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, command_name
+from .generate import interrupts_to_main
 from .load import (
     DTYPES,
     LoadError,
@@ -199,7 +200,7 @@ def _terminate(signum, frame):
 
 
 def setup_arg_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m lattice_mlx.convert", description="Convert a Qwen3.5 checkpoint for MLX.")
+    p = ArgumentParser(prog=command_name("lattice_mlx.convert"), description="Convert a Qwen3.5 checkpoint for MLX.")
     p.add_argument("--hf-path", required=True, help="local HF checkpoint directory or hub repo id")
     p.add_argument("--mlx-path", required=True, help="output directory (written atomically)")
     p.add_argument("-q", "--quantize", action="store_true", help="affine-quantize the linears and embeddings")
@@ -221,6 +222,7 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts_to_main()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     if not args.quantize and (args.q_bits or args.q_group_size or args.quantize_mtp):

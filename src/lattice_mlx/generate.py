@@ -3,19 +3,52 @@
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
+# The commands whose main() calls `interrupts_to_main()` first (the console script by its name).
+QUIET_STARTUP = {"lattice_mlx.generate", "lattice_mlx.convert", "lattice_mlx.chat", "lattice_mlx.cache_prompt",
+                 "lattice_mlx.server", "lattice-generate"}
 
-from .cli import ArgumentParser, add_speculation_args, speculation_from_args
-from .decode import generate_step
-from .load import DEMO_MODEL, LoadError, load, resolve_path
-from .sample import Sampler
-from .speculative import SpecOptions, SpecStats, speculate
+
+def _interrupted_at_startup(signum, frame):
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+def _started_command() -> str | None:
+    """The module `python -m` is starting (sys.argv[0] stays "-m" until it is found), or the script's file name."""
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv and sys.argv[0] == "-m" and "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None
+
+
+# A command's start-up imports the package (mlx-lm, transformers, torch) for seconds before its main() runs: Ctrl-C
+# there ends in one line and exit code 130, not an import traceback. The package imports this module first.
+if (_started_command() in QUIET_STARTUP and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupted_at_startup)
+
+import mlx.core as mx  # noqa: E402
+
+from .cli import ArgumentParser, add_speculation_args, command_name, speculation_from_args  # noqa: E402
+from .decode import generate_step  # noqa: E402
+from .load import DEMO_MODEL, LoadError, load, resolve_path  # noqa: E402
+from .sample import Sampler  # noqa: E402
+from .speculative import SpecOptions, SpecStats, speculate  # noqa: E402
+
+
+def interrupts_to_main() -> None:
+    """Ctrl-C raises KeyboardInterrupt again, for main() to catch, once the start-up is over."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_startup:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DEFAULT_MAX_TOKENS = 128
@@ -41,6 +74,7 @@ class GenerationResponse:
     speculation: dict | None = None  # SpecStats.to_dict() on the last response of a speculative generation
     # the live statistics of a speculative generation on every response (for a caller that stops early)
     spec_stats: SpecStats | None = field(default=None, repr=False, compare=False)
+    prompt_cached_tokens: int = 0  # leading prompt tokens a prompt cache held (prompt_tps counts only the others)
 
 
 @dataclass
@@ -54,6 +88,7 @@ class GenerationResult:
     peak_memory_gb: float
     finish_reason: str
     speculation: dict | None = field(default=None)
+    prompt_cached_tokens: int = 0  # leading prompt tokens a prompt cache held (prompt_tps counts only the others)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -87,6 +122,16 @@ def check_max_tokens(max_tokens: int) -> None:
         raise ValueError(f"max_tokens (--max-tokens) must be an integer >= 1, got {max_tokens!r}")
 
 
+def check_context(model, prompt_tokens: int, max_tokens: int, *, allow_long: bool = False) -> None:
+    """ValueError (one line, both numbers and the limit) when the prompt plus max_tokens would run past the model's
+    context length (config.json's max_position_embeddings), unless `allow_long`; a model without one is not checked."""
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if allow_long or not isinstance(limit, int) or prompt_tokens + max_tokens <= limit:
+        return
+    asked = f"the prompt ({prompt_tokens:,} tokens)" + (f" plus max_tokens ({max_tokens:,})" if max_tokens else "")
+    raise ValueError(f"{asked} exceeds the model's context length ({limit:,} tokens)")
+
+
 def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = True,
                   system_prompt: str | None = None) -> list[int]:
     if not isinstance(prompt, str):
@@ -113,6 +158,7 @@ def stream_generate(
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = False,
     speculation: SpecOptions | None = None, prompt_cache=None, seed: int | None = None,
     sampler: Sampler | None = None, logits_processors: list | None = None, max_kv_size: int | None = None,
+    allow_long_context: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
     `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics.
@@ -123,7 +169,9 @@ def stream_generate(
     state first. `sampler` (a sample.Sampler) replaces temp/top_p/top_k/min_p. `logits_processors`: mlx-lm's
     callables (tokens so far, logits [1, V]) -> logits, applied before sampling; plain decoding only (speculation
     would have to apply them to every verify row with its own history, which is not done). `max_kv_size`: the
-    attention layers keep at most that many keys (the first 4 and a sliding window; plain decoding only)."""
+    attention layers keep at most that many keys (the first 4 and a sliding window; plain decoding only). A prompt
+    (after the chat template) plus max_tokens longer than the model's context is a ValueError (`check_context`) unless
+    `allow_long_context`."""
     check_max_tokens(max_tokens)
     if sampler is None:
         sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -142,10 +190,12 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
+    check_context(model, len(ids), max_tokens, allow_long=allow_long_context)
     if isinstance(prompt_cache, (str, os.PathLike)):
         from .prompt_cache import PromptCache
 
         prompt_cache = PromptCache.load(prompt_cache, model)
+    cached = prompt_cache.covers(ids) if prompt_cache is not None else 0  # what decode.resume will not prefill
     tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache, logits_processors,
                                  max_kv_size)
     detok = tokenizer.detokenizer
@@ -156,7 +206,7 @@ def stream_generate(
     for n, token in enumerate(tokens, start=1):
         if n == 1:
             prompt_time = time.perf_counter() - tic
-            prompt_tps = len(ids) / prompt_time
+            prompt_tps = (len(ids) - cached) / prompt_time
             tic = time.perf_counter()
         finish = "stop" if token in tokenizer.eos_token_ids else ("length" if n >= max_tokens else None)
         if token not in tokenizer.eos_token_ids:
@@ -166,6 +216,7 @@ def stream_generate(
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(
             text=detok.last_segment, token=token, prompt_tokens=len(ids), prompt_tps=prompt_tps,
+            prompt_cached_tokens=cached,
             generation_tokens=n, generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=finish,
             speculation=stats.to_dict() if (finish and stats is not None) else None, spec_stats=stats,
@@ -185,14 +236,16 @@ def generate(model, tokenizer, prompt: str | list[int], *, on_text=None, **kwarg
     return GenerationResult(
         tokens=tokens, text="".join(pieces), prompt_tokens=last.prompt_tokens, generation_tokens=len(tokens),
         prompt_tps=last.prompt_tps, generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb,
-        finish_reason=last.finish_reason, speculation=last.speculation,
+        finish_reason=last.finish_reason, speculation=last.speculation, prompt_cached_tokens=last.prompt_cached_tokens,
     )
 
 
-def sampling_defaults(path) -> dict:
+def checkpoint_sampling(path) -> dict:
     """The checkpoint's recommended sampling, from its generation_config.json (what vLLM's `--generation-config
-    auto` reads), as CLI flag names: {} without the file or with `do_sample` unset or false (Hugging Face's meaning:
-    greedy), else its temperature / top_p / top_k / min_p where it sets them."""
+    auto` reads), keyed as Sampler's and stream_generate's arguments: a subset of {"temp": float, "top_p": float,
+    "top_k": int, "min_p": float}, the values as the file gives them (int or float), only the keys it sets. {} without
+    the file or with `do_sample` unset or false (Hugging Face's meaning: greedy). LoadError (one line) when the file
+    is not a JSON object."""
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return {}
@@ -230,13 +283,15 @@ def _bool(v: str) -> bool:
 
 
 def setup_arg_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m lattice_mlx.generate", description="Generate text with a Qwen3.5 model.")
+    p = ArgumentParser(prog=command_name("lattice_mlx.generate"), description="Generate text with a Qwen3.5 model.")
     p.add_argument("--model", "-m", help="checkpoint directory or Hugging Face repo id (default: the embedded demo "
                    "model)")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text; '-' reads standard input")
     p.add_argument("--system-prompt", help="a system message before the prompt (with the chat template)")
     # ranges are checked once, by the API (check_max_tokens, Sampler, SpecOptions), for both
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--allow-long-context", action="store_true", help="run even when the prompt plus --max-tokens "
+                   "is longer than the model's context length (max_position_embeddings; quality past it is unknown)")
     p.add_argument("--temp", type=float, help=f"sampling temperature (default: the checkpoint's, else {DEFAULT_TEMP}: "
                    "greedy)")
     p.add_argument("--top-p", type=float, help=f"default: the checkpoint's, else {DEFAULT_TOP_P}")
@@ -274,6 +329,17 @@ def speculation_line(s: dict) -> str:
             + "".join(f"; {d}" for d in s["decisions"]))
 
 
+def prompt_line(result: GenerationResult) -> str:
+    """The prompt's statistics; with a prompt cache the rate is over the tokens actually prefilled."""
+    cached, new = result.prompt_cached_tokens, result.prompt_tokens - result.prompt_cached_tokens
+    if not cached:
+        return f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s"
+    if not new:
+        return f"prompt: {result.prompt_tokens} tokens, prompt from cache"
+    return (f"prompt: {result.prompt_tokens} tokens ({cached} from the cache), {new} prefilled at "
+            f"{result.prompt_tps:.1f} tok/s")
+
+
 def run(args: argparse.Namespace) -> GenerationResult:
     speculation = speculation_from_args(args)
     check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
@@ -290,7 +356,7 @@ def run(args: argparse.Namespace) -> GenerationResult:
         if tid is None or tokenizer.convert_ids_to_tokens(tid) != token:  # (an unknown token maps to <unk>)
             raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
         tokenizer.add_eos_token(token)
-    checkpoint = sampling_defaults(path or DEMO_MODEL) if args.generation_config == "auto" else {}
+    checkpoint = checkpoint_sampling(path or DEMO_MODEL) if args.generation_config == "auto" else {}
     sampling, from_checkpoint = sampling_flags(args, checkpoint)
     Sampler(**sampling)  # the checkpoint's values too
     prompt_cache, chat_template = None, not args.no_chat_template
@@ -301,19 +367,20 @@ def run(args: argparse.Namespace) -> GenerationResult:
         prompt, chat_template = prompt_cache.tokens + list(tokenizer.encode(prompt)), False
     else:
         prompt = encode_prompt(tokenizer, prompt, chat_template=chat_template, system_prompt=args.system_prompt)
+    try:  # the count after the chat template and the cached prefix; before anything is prefilled
+        check_context(model, len(prompt), args.max_tokens, allow_long=args.allow_long_context)
+    except ValueError as e:
+        raise ValueError(f"{e}: shorten the prompt or --max-tokens, or pass --allow-long-context") from None
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, **sampling, chat_template=chat_template,
         speculation=speculation, prompt_cache=prompt_cache, max_kv_size=args.max_kv_size,
-        on_text=lambda t: print(t, end="", flush=True),
+        allow_long_context=args.allow_long_context, on_text=lambda t: print(t, end="", flush=True),
     )
     print()
     if not args.verbose:
         return result
-    print(
-        f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s | generation: "
-        f"{result.generation_tokens} tokens, {result.generation_tps:.1f} tok/s | peak memory: "
-        f"{result.peak_memory_gb:.3f} GB", file=sys.stderr,
-    )
+    print(f"{prompt_line(result)} | generation: {result.generation_tokens} tokens, {result.generation_tps:.1f} tok/s"
+          f" | peak memory: {result.peak_memory_gb:.3f} GB", file=sys.stderr)
     if result.speculation:
         print(speculation_line(result.speculation), file=sys.stderr)
     if from_checkpoint:
@@ -333,6 +400,7 @@ def distributed_group():
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts_to_main()
     args = setup_arg_parser().parse_args(argv)
     group = distributed_group()
     if group is not None and group.rank() != 0:  # every rank computes; rank 0 speaks for them all
@@ -343,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
         return 130
     if args.json:
         print(json.dumps(result.to_json()))

@@ -75,16 +75,17 @@ def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
     return w.dtype if w is not None else mx.float32
 
 
-def model_args(config: dict) -> ModelArgs:
+def model_args(config: dict, source: Path | str = "config.json") -> ModelArgs:
+    """ModelArgs from a config; LoadError naming `source` (the config file) and the field when it is not one."""
     try:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError) as e:
-        raise LoadError(f"config.json does not describe a valid Qwen3.5 model: {e}") from None
+        raise LoadError(f"{source} does not describe a valid Qwen3.5 model: {e}") from None
 
 
-def build_model(config: dict, weights: dict[str, mx.array]) -> Model:
+def build_model(config: dict, weights: dict[str, mx.array], args: ModelArgs | None = None) -> Model:
     """A model whose parameter tree matches `weights` (MTP head attached only when the checkpoint carries it)."""
-    args = model_args(config)
+    args = args or model_args(config)
     model = Model(args)
     if any(k.startswith("mtp.") for k in weights):
         model.mtp = MTPHead(args, rotated="rotation" in config)
@@ -155,11 +156,12 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
     the checkpoint's own layout). `fuse` sets the runtime layout: projections that share an input stacked (exact,
     fewer matmuls: models/fuse.py), and on the CPU unquantized MoE experts in fp32 (MLX's CPU gather_mm needs it)."""
     config = read_config(path)
+    args = model_args(config, path / "config.json")  # before the weights are read: a bad value is named first
     try:
-        weights = sanitize(read_weights(path), tie_word_embeddings=model_args(config).tie_word_embeddings)
+        weights = sanitize(read_weights(path), tie_word_embeddings=args.tie_word_embeddings)
     except ValueError as e:
         raise LoadError(f"bad MoE experts in the checkpoint: {e}") from None
-    model = build_model(config, weights)
+    model = build_model(config, weights, args)
     check_weights(model, weights)
     if group is not None and group.size() > 1 and pipeline:  # this stage's layers only: the rest is never read
         try:
@@ -223,9 +225,13 @@ def load_tokenizer(path: Path, config: dict):
     eos = (config.get("text_config") or {}).get("eos_token_id", config.get("eos_token_id"))
     eos = [eos] if isinstance(eos, int) else eos
     try:
-        return load_mlx_lm_tokenizer(path, eos_token_ids=eos)
+        tokenizer = load_mlx_lm_tokenizer(path, eos_token_ids=eos)
     except Exception as e:
         raise LoadError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {e})") from None
+    # the context length is checked against the model's config (generate.check_context), in one line; transformers'
+    # own warning at encode time, from tokenizer_config.json's limit, would be a second, different line
+    tokenizer._tokenizer.model_max_length = int(1e30)
+    return tokenizer
 
 
 def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, group=None, pipeline: bool = False,

@@ -28,6 +28,13 @@ SHIFTED_NORMS = re.compile(
 )
 
 
+# config.json fields without which ModelArgs would build its defaults' shapes, not the checkpoint's
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval", "max_position_embeddings")
+
+
 @dataclass
 class ModelArgs:
     model_type: str = "qwen3_5_text"
@@ -70,9 +77,43 @@ class ModelArgs:
             if key not in text and key in config:
                 text[key] = config[key]
         names = {f.name for f in fields(cls) if f.init}
+        required = REQUIRED if text.get("num_experts") else (*REQUIRED, "intermediate_size")
+        missing = [k for k in required if k not in text]
+        if missing:  # the defaults are one checkpoint's shapes: another's weights would fail with a shape mismatch
+            raise ValueError(f"{missing[0]} is missing (a Qwen3.5 config sets {', '.join(required)})")
         return cls(**{k: v for k, v in text.items() if k in names})
 
+    def check(self) -> None:
+        """ValueError naming the first field with a value no model can have (a sizes' type or range)."""
+        sizes = [*POSITIVE, *(["head_dim"] if self.head_dim is not None else []),
+                 *(["num_experts_per_tok", "moe_intermediate_size"] if self.num_experts else [])]
+        for name in sizes:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("mtp_num_hidden_layers", "num_experts", "shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
+            raise ValueError(f"rope_parameters must be an object, got {self.rope_parameters!r}")
+        if self.layer_types is not None and (not isinstance(self.layer_types, list) or not set(self.layer_types)
+                                             <= {"full_attention", "linear_attention"}):
+            raise ValueError(f"layer_types must be a list of full_attention and linear_attention, got "
+                             f"{self.layer_types!r}"[:200])
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+
     def __post_init__(self):
+        self.check()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         rope = self.rope_parameters or {}

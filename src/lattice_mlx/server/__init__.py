@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..cli import ArgumentParser
 from ..decode import generate_step
-from ..generate import checkpoint_sampling
+from ..generate import checkpoint_sampling, interrupts_to_main
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
 from ..speculative import SpecOptions, SpecStats, speculate
@@ -137,6 +137,7 @@ def _check_flags(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts_to_main()
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     # until serving starts, SIGTERM stops the process as Ctrl-C does: one line, no traceback
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             httpd.server_close()
             return 1
     model_id = served_name(args.model, args.served_model_name)
-    engine = Engine(model, tokenizer, model_id, speculation, args.max_queue)
+    engine = Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context)
     host, port = httpd.server_address[:2]
     limits = Limits(default_max_tokens=args.max_tokens, max_tokens=args.max_tokens_limit,
                     context=model.args.max_position_embeddings, allow_long_context=args.allow_long_context,

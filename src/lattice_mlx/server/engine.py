@@ -43,9 +43,10 @@ class Engine:
     """The model and its one generation worker. `submit` refuses (503) beyond `max_queue` waiting jobs and after
     `stop`; `run` is the worker, on the thread that loaded the model (MLX is used from that thread only)."""
 
-    def __init__(self, model, tokenizer, model_id: str, speculation: SpecOptions | None, max_queue: int = 16):
+    def __init__(self, model, tokenizer, model_id: str, speculation: SpecOptions | None, max_queue: int = 16,
+                 allow_long_context: bool = False):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.speculation, self.max_queue = speculation, max_queue
+        self.speculation, self.max_queue, self.allow_long_context = speculation, max_queue, allow_long_context
         self.prompt_cache: PromptCache | None = None  # the state after the last request's prompt (all but its last token)
         self.jobs: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -121,7 +122,8 @@ class Engine:
         pc, cached = self._prompt_cache(job.ids)
         stream = stream_generate(self.model, self.tokenizer, job.ids, max_tokens=job.max_tokens, temp=s.temp,
                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, chat_template=False,
-                                 speculation=self.speculation, prompt_cache=pc)
+                                 speculation=self.speculation, prompt_cache=pc,
+                                 allow_long_context=self.allow_long_context)
         tic = time.perf_counter()
         deadline = time.monotonic() + job.seconds
         try:
