@@ -3,6 +3,12 @@ import os
 # MLX runs fp32 matmuls as TF32 on CUDA (and on Apple M5-class GPUs) unless this is 0; set before MLX is imported.
 # The equivalence tests compare fp32 paths and want fp32 arithmetic. No effect on the CPU backend.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# The traced and compiled paths are what a GPU runs by default, and the suite holds them to the paths built op by op
+# on every backend: on here too, where the CPU default is off (settings.GPU_ONLY; the test of that default unsets
+# them). Subprocesses the tests start inherit them.
+os.environ.setdefault("LATTICE_COMPILE", "1")
+os.environ.setdefault("LATTICE_TRACE_STEPS", "1")
+os.environ.setdefault("LATTICE_TRACE_ROUNDS", "1")
 
 import re
 

@@ -164,3 +164,22 @@ def test_the_prefill_caches_are_not_held_for_the_generation(checkpoints, monkeyp
         next(gen)
     gc.collect()
     assert made and all(r() is None for r in made)
+
+
+def test_tracing_is_on_by_default_on_a_gpu_and_off_on_the_cpu(monkeypatch):
+    """Unset, the three tracing switches follow the backend: a first replay on MLX's CPU backend compiles C++ (tens of
+    seconds on a fresh machine) for no warm gain, so they are off there; on a GPU they are on."""
+    from types import SimpleNamespace
+
+    from lattice_mlx import settings
+
+    for variable in ("LATTICE_COMPILE", "LATTICE_TRACE_STEPS", "LATTICE_TRACE_ROUNDS"):
+        monkeypatch.delenv(variable, raising=False)
+    names = ("compile", "trace_steps", "trace_rounds")
+    monkeypatch.setattr(mx, "default_device", lambda: SimpleNamespace(type=mx.DeviceType.cpu))
+    assert [settings.on(n) for n in names] == [False] * 3
+    monkeypatch.setattr(mx, "default_device", lambda: SimpleNamespace(type=mx.DeviceType.gpu))
+    assert [settings.on(n) for n in names] == [True] * 3
+    monkeypatch.setenv("LATTICE_TRACE_STEPS", "0")
+    assert [settings.on(n) for n in names] == [True, False, True]
+    assert settings.current().compile == settings.GPU_ONLY

@@ -8,6 +8,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 SWITCH = ("1", "0", "")  # on / off settings: 1 on, 0 off, unset the default
+# The default of the tracing switches: on where a trace pays, a GPU backend (graph building on the host is what it
+# saves); off on MLX's CPU backend, where the first replay of each trace compiles C++ (tens of seconds on a fresh
+# machine) and a warm traced step ran no faster than one built op by op (docs/results/code_measurements.md,
+# 'tracing on the CPU')
+GPU_ONLY = "gpu"
 
 
 @dataclass(frozen=True)
@@ -22,11 +27,12 @@ SETTINGS = {
     "kernels": Setting("LATTICE_KERNELS", "", ("", "ref", "cpu"),
                        "use ref (plain-ops references), cpu (the kernel bodies on the CPU render) or leave it unset"),
     "mtp": Setting("LATTICE_MTP", "0", SWITCH, "use 1 (MTP on) or 0 (off)"),
-    "compile": Setting("LATTICE_COMPILE", "1", SWITCH, "use 1 (compiled, the default) or 0 (layer by layer)"),
-    "trace_steps": Setting("LATTICE_TRACE_STEPS", "1", SWITCH,
-                           "use 1 (traced plain steps, the default) or 0 (built per step)"),
-    "trace_rounds": Setting("LATTICE_TRACE_ROUNDS", "1", SWITCH,
-                            "use 1 (traced rounds, the default) or 0 (built per round)"),
+    "compile": Setting("LATTICE_COMPILE", GPU_ONLY, SWITCH,
+                       "use 1 (compiled), 0 (layer by layer) or leave it unset (compiled on a GPU)"),
+    "trace_steps": Setting("LATTICE_TRACE_STEPS", GPU_ONLY, SWITCH,
+                           "use 1 (traced plain steps), 0 (built per step) or leave it unset (traced on a GPU)"),
+    "trace_rounds": Setting("LATTICE_TRACE_ROUNDS", GPU_ONLY, SWITCH,
+                            "use 1 (traced rounds), 0 (built per round) or leave it unset (traced on a GPU)"),
     "pipeline_transport": Setting("LATTICE_PIPELINE_TRANSPORT", "", ("", "sendrecv", "collective"),
                                   "use one of sendrecv, collective"),
     "bench_lock": Setting("LATTICE_BENCH_LOCK", "/tmp/lattice_mlx_bench.lock", None, ""),
@@ -45,15 +51,19 @@ def raw(name: str) -> str:
     value = os.environ.get(s.variable, s.default)
     if name == "kernels":
         value = value.lower()
-    if s.choices is not None and value not in s.choices:
+    if s.choices is not None and value not in s.choices and value != s.default:
         raise ValueError(f"{s.variable}={value!r}: {s.hint}")
     return value
 
 
 def on(name: str) -> bool:
-    """An on / off setting: on unless it is 0 (unset: its default)."""
-    value = raw(name)
-    return (value or SETTINGS[name].default) == "1"
+    """An on / off setting: 1 on, 0 off, unset its default (GPU_ONLY: on unless MLX's default device is the CPU)."""
+    value = raw(name) or SETTINGS[name].default
+    if value == GPU_ONLY:
+        import mlx.core as mx  # (only the tracing switches ask: this module reads the environment, nothing else)
+
+        return mx.default_device().type != mx.DeviceType.cpu
+    return value == "1"
 
 
 @contextmanager
