@@ -110,7 +110,7 @@ def bad_requests(port: int) -> list[tuple[str, str, bytes, set[int]]]:
     post = f"POST /v1/completions HTTP/1.1\r\n{host}\r\n"
     ok = b'{"prompt": "x", "max_tokens": 1}'
     return [
-        ("garbage_body", post + f"Content-Type: application/json\r\nContent-Length: 64", None, {400}),
+        ("garbage_body", post + "Content-Type: application/json\r\nContent-Length: 64", None, {400}),
         ("oversized_body", post + "Content-Type: application/json\r\nContent-Length: 2000000", b"", {413}),
         ("negative_length", post + "Content-Type: application/json\r\nContent-Length: -1", ok, {400}),
         ("text_length", post + "Content-Type: application/json\r\nContent-Length: many", ok, {400}),
