@@ -51,8 +51,10 @@ class Client:
         self.port, self.timeout = port, timeout
 
     def request(self, body: dict, stream: bool = False, headers: dict | None = None) -> tuple[int, str, dict]:
-        """(status, text or error message, response headers) of one completion request; retries 503s."""
-        for _ in range(50):
+        """(status, text or error message, response headers) of one completion request; retries 503s for up to
+        five minutes."""
+        give_up = time.monotonic() + 300
+        while time.monotonic() < give_up:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
             conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": stream}).encode(),
                          headers={"Content-Type": "application/json", **(headers or {})})
@@ -80,7 +82,7 @@ class Client:
                 parts.append(obj["choices"][0]["text"])
             conn.close()
             return 200, "".join(parts), dict(r.getheaders())
-        return 503, "still busy after 50 tries", {}
+        return 503, "still busy after five minutes", {}
 
     def raw(self, head: str, body: bytes = b"") -> int:
         """Sends these header lines and body as they are; the response's status (0 if the connection dropped)."""
@@ -136,7 +138,8 @@ def main() -> int:
     random.seed(args.seed)
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
-    cmd = [sys.executable, "-m", "lattice_mlx.server", "--port", str(port), "--max-queue", "16",
+    # a queue as deep as the clients: every valid request waits its turn (503 past the queue is a test of its own)
+    cmd = [sys.executable, "-m", "lattice_mlx.server", "--port", str(port), "--max-queue", str(max(16, args.clients)),
            "--request-timeout", "30", "--io-timeout", "5"] + (["--model", args.model] if args.model else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     summary: dict = {"command": " ".join(["python", "scripts/bench/soak_server.py", *sys.argv[1:]]),

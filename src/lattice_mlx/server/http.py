@@ -139,8 +139,28 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
             self.wfile.write(data)
 
         def _error(self, e: HTTPError, close: bool = False) -> None:
+            close = close or self.close_connection or e.status in (411, 413)
             self._json(e.status, {"error": {"message": str(e), "type": e.kind, "code": e.status}}, e.headers,
-                       close=close or self.close_connection or e.status in (411, 413))
+                       close=close)
+            if close:
+                self._linger()
+
+        def _linger(self) -> None:
+            """Before closing on a body left unread: the answer sent, the write side shut, what the client still
+            sends read and dropped for at most a second (closing with unread bytes resets the connection, and a
+            client would lose the answer to the reset)."""
+            try:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_WR)
+                self.connection.settimeout(0.2)
+                deadline, total = time.monotonic() + 1.0, 0
+                while time.monotonic() < deadline and total < max_body:
+                    data = self.connection.recv(65536)
+                    if not data:
+                        break
+                    total += len(data)
+            except OSError:
+                pass
 
         def _site(self) -> None:
             if not site.host_ok(self.headers.get("Host")):
@@ -201,14 +221,13 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
             size = int(length)
             if size > max_body:
                 raise HTTPError(f"the body ({size} bytes) is over this server's limit of {max_body} bytes", 413)
-            kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
-                self.close_connection = True
-                raise HTTPError(f"Content-Type must be application/json, got {kind or 'none'!r}", 415)
-            data = self.rfile.read(size)
+            data = self.rfile.read(size)  # (read before a 415: the connection stays usable)
             if len(data) < size:
                 self.close_connection = True
                 raise ConnectionError("the body ended early")
+            kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                raise HTTPError(f"Content-Type must be application/json, got {kind or 'none'!r}", 415)
             return parse_json(data)
 
         def _post(self):
