@@ -192,7 +192,7 @@ def main() -> int:
             rng = random.Random(args.seed * 1000 + i)
             c = Client(port, timeout=60)
             while time.monotonic() < end:
-                r = rng.random()
+                r, action = rng.random(), "valid"
                 try:
                     if r < 0.55:  # valid, whole or streamed
                         prompt, stream = rng.choice(PROMPTS), rng.random() < 0.5
@@ -204,18 +204,19 @@ def main() -> int:
                         note("valid_stream" if stream else "valid_whole", status == 200 and text == quiet[prompt],
                              f"{status} {text!r} != {quiet[prompt]!r}")
                     elif r < 0.70:
-                        stream = rng.random() < 0.6
+                        stream, action = rng.random() < 0.6, "abandon"
                         c.abandon(stream, after=rng.uniform(0.05, 0.5))
                         note("abandoned_stream" if stream else "abandoned_whole", True)
                     else:
                         kind, head, body, want = rng.choice(bad)
+                        action = kind
                         if body is None:
                             body = bytes(rng.randrange(256) for _ in range(64))
                         status = c.raw(head, body)
                         note(kind, status in want or (kind == "oversized_body" and status == 0),
                              f"status {status}, want {sorted(want)}")
                 except (OSError, http.client.HTTPException) as e:
-                    note("connection_error", False, repr(e))
+                    note("connection_error", False, f"{action}: {e!r}")
 
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()

@@ -93,6 +93,7 @@ class Site:
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # connections waiting to be accepted (socketserver's 5 reset clients arriving together)
 
     def handle_error(self, request, client_address):
         """A client that leaves or stalls is routine: one debug line, not a traceback on the server's log."""
