@@ -2,6 +2,8 @@
 
 import warnings
 
+from . import startup  # noqa: F401  (first: Ctrl-C while a command's imports run is one line)
+
 # `python -m lattice_mlx.generate` runs a module this package has already imported (for the public API below);
 # that is intended, so runpy's warning about it is noise.
 warnings.filterwarnings("ignore", message=r".*found in sys.modules after import of package 'lattice_mlx'")

@@ -5,9 +5,10 @@ prefills only MORE (prompt_cache.PromptCache)."""
 import sys
 
 from .cli import ArgumentParser, command_name
-from .generate import check_context, interrupts_to_main
+from .generate import check_context
 from .load import LoadError, load
 from .prompt_cache import PromptCache
+from .startup import interrupts_to_main
 
 EPILOG = ("Then `python -m lattice_mlx.generate --prompt-cache-file PATH --prompt MORE` continues the cached prompt "
           "with MORE and prefills only MORE's tokens.")

@@ -24,7 +24,6 @@ from .generate import (
     check_context,
     check_max_tokens,
     checkpoint_sampling,
-    interrupts_to_main,
     sampling_flags,
     stream_generate,
 )
@@ -32,6 +31,7 @@ from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .prompt_cache import PromptCache
 from .sample import Sampler
 from .speculative import SpecOptions
+from .startup import interrupts_to_main
 
 HELP = ("/reset starts a new conversation, /quit (or Ctrl-D, or Ctrl-C here) leaves; Ctrl-C during a reply stops it "
         "and keeps the part shown")

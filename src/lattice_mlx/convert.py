@@ -17,7 +17,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .cli import ArgumentParser, command_name
-from .generate import interrupts_to_main
 from .load import (
     DTYPES,
     LoadError,
@@ -30,6 +29,7 @@ from .load import (
 )
 from .models.mtp import DraftVocab
 from .rotate import rotate_model
+from .startup import interrupts_to_main
 
 DEFAULT_Q_BITS = 4
 DEFAULT_Q_GROUP_SIZE = 64

@@ -3,52 +3,20 @@
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# The commands whose main() calls `interrupts_to_main()` first (the console script by its name).
-QUIET_STARTUP = {"lattice_mlx.generate", "lattice_mlx.convert", "lattice_mlx.chat", "lattice_mlx.cache_prompt",
-                 "lattice_mlx.server", "lattice-generate"}
+import mlx.core as mx
 
-
-def _interrupted_at_startup(signum, frame):
-    print("interrupted", file=sys.stderr)
-    raise SystemExit(130)
-
-
-def _started_command() -> str | None:
-    """The module `python -m` is starting (sys.argv[0] stays "-m" until it is found), or the script's file name."""
-    argv = getattr(sys, "orig_argv", [])
-    if sys.argv and sys.argv[0] == "-m" and "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1]
-    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None
-
-
-# A command's start-up imports the package (mlx-lm, transformers, torch) for seconds before its main() runs: Ctrl-C
-# there ends in one line and exit code 130, not an import traceback. The package imports this module first.
-if (_started_command() in QUIET_STARTUP and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-    signal.signal(signal.SIGINT, _interrupted_at_startup)
-
-import mlx.core as mx  # noqa: E402
-
-from .cli import ArgumentParser, add_speculation_args, command_name, speculation_from_args  # noqa: E402
-from .decode import generate_step  # noqa: E402
-from .load import DEMO_MODEL, LoadError, load, resolve_path  # noqa: E402
-from .sample import Sampler  # noqa: E402
-from .speculative import SpecOptions, SpecStats, speculate  # noqa: E402
-
-
-def interrupts_to_main() -> None:
-    """Ctrl-C raises KeyboardInterrupt again, for main() to catch, once the start-up is over."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_at_startup:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
+from .cli import ArgumentParser, add_speculation_args, command_name, speculation_from_args
+from .decode import generate_step
+from .load import DEMO_MODEL, LoadError, load, resolve_path
+from .sample import Sampler
+from .speculative import SpecOptions, SpecStats, speculate
+from .startup import interrupts_to_main
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DEFAULT_MAX_TOKENS = 128

@@ -21,10 +21,11 @@ import mlx.core as mx
 
 from ..cli import ArgumentParser
 from ..decode import generate_step
-from ..generate import checkpoint_sampling, interrupts_to_main
+from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
 from ..speculative import SpecOptions, SpecStats, speculate
+from ..startup import interrupts_to_main
 from .engine import Engine, Job
 from .http import Server, Site, is_loopback, make_handler
 from .protocol import BadRequest, HTTPError, Limits, StopScanner, parse_request
