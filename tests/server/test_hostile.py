@@ -169,3 +169,18 @@ def test_the_server_is_healthy_after_all_of_it(strict):
     assert raw(port, "GET /health HTTP/1.1") == (200, {"status": "ok"}) and proc.poll() is None
     quick(port)
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("after", [0.3, 2.0])
+def test_ctrl_c_while_the_server_starts_is_one_line(after):
+    """During the imports (the start-up handler) or while loading and warming up (main's own): one line, exit 130."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "lattice_mlx.server", "--port", str(_free_port())],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    lines = [line for line in err.splitlines() if " INFO " not in line]
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err
