@@ -9,6 +9,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,8 +98,6 @@ class Server(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):
         """A client that leaves or stalls is routine: one debug line, not a traceback on the server's log."""
-        import sys
-
         err = sys.exc_info()[1]
         if isinstance(err, (ConnectionError, TimeoutError, OSError)):
             log.debug("%s: connection ended: %s", client_address[0], err)
@@ -113,6 +112,7 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
         timeout = io_timeout  # every socket read and write (a client that never reads cannot hold its thread)
         server_version = "lattice_mlx"
         _looked = 0.0  # when _next last looked whether the client is still there
+        _body_read = False  # whether this request's body has been read (a refusal before it closes the connection)
 
         def log_message(self, fmt, *args):
             log.debug("%s %s", self.address_string(), fmt % args)
@@ -172,11 +172,12 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
                 raise HTTPError(f"cross-site requests from {origin!r} are refused"[:200], 403, "permission_error")
 
         def _guarded(self, handle) -> None:
+            self._body_read = False
             try:
                 self._site()
                 handle()
-            except HTTPError as e:
-                self._error(e)
+            except HTTPError as e:  # refused before its body was read: the body would be read as the next request
+                self._error(e, close=self.command == "POST" and not self._body_read)
             except (ConnectionError, TimeoutError):
                 self.close_connection = True
 
@@ -226,6 +227,7 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
             if len(data) < size:
                 self.close_connection = True
                 raise ConnectionError("the body ended early")
+            self._body_read = True
             kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if kind != "application/json":
                 raise HTTPError(f"Content-Type must be application/json, got {kind or 'none'!r}", 415)
