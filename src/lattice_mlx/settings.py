@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
+import mlx.core as mx
+
 SWITCH = ("1", "0", "")  # on / off settings: 1 on, 0 off, unset the default
 # The default of the tracing switches: on where a trace pays, a GPU backend (graph building on the host is what it
 # saves); off on MLX's CPU backend, where the first replay of each trace compiles C++ (tens of seconds on a fresh
@@ -60,8 +62,6 @@ def on(name: str) -> bool:
     """An on / off setting: 1 on, 0 off, unset its default (GPU_ONLY: on unless MLX's default device is the CPU)."""
     value = raw(name) or SETTINGS[name].default
     if value == GPU_ONLY:
-        import mlx.core as mx  # (only the tracing switches ask: this module reads the environment, nothing else)
-
         return mx.default_device().type != mx.DeviceType.cpu
     return value == "1"
 

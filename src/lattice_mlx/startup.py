@@ -26,8 +26,6 @@ def _started_command() -> str | None:
     return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None
 
 
-# A command's start-up imports the package (mlx-lm, transformers, torch) for seconds before its main() runs: Ctrl-C
-# there ends in one line and exit code 130, not an import traceback. The package imports this module first.
 if (_started_command() in QUIET_STARTUP and threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
     signal.signal(signal.SIGINT, _interrupted_at_startup)

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from .engine import Engine, Job
-from .protocol import HTTPError, Limits, parse_json, parse_request
+from .protocol import BadRequest, HTTPError, Limits, parse_json, parse_request
 
 log = logging.getLogger("lattice_mlx.server")
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -219,7 +219,7 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
                 raise HTTPError("a Content-Length header is required", 411)
             if not (length.isascii() and length.strip().isdigit()):
                 self.close_connection = True
-                raise BadLength(f"Content-Length must be a non-negative integer, got {length!r}"[:200])
+                raise BadRequest(f"Content-Length must be a non-negative integer, got {length!r}"[:200])
             size = int(length)
             if size > max_body:
                 raise HTTPError(f"the body ({size} bytes) is over this server's limit of {max_body} bytes", 413)
@@ -342,6 +342,3 @@ def make_handler(engine: Engine, site: Site, limits: Limits, sampling_defaults: 
 
     return Handler
 
-
-class BadLength(HTTPError):
-    """A Content-Length that is not a number: 400, and the connection closed (its body cannot be found)."""
