@@ -22,7 +22,9 @@
 #                  TEMPS [0], LENGTHS [16,96], REPS [10], EXTRA [more bench flags: --trace-ab, --head-q4-ab,
 #                  --draft-vocab-ab 32768, --no-stock, --workloads code], PROFILE=1 for CUPTI, NAME, LIMIT s [300]
 #   oracle         MTP speedup over the synthetic acceptance grid (0.8B shape)
-#   tuner          the pipelined tuner at oracle 0.3 and 0.8 beside fixed K=3, with its decision log
+#   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
+#                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
+#                  SD_LENGTHS [256], REPS [10], NAME, LIMIT s [520]
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
 #   drafters       every draft source on the demo model (bench_drafters.py)
 #   distributed    kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES [4b 27b]) one
@@ -146,15 +148,13 @@ for mode in "$@"; do
   oracle)
     step oracle_0.8b 200 "${B[@]}" oracle --model "$BIG" --dtype bfloat16 --reps 5 --lengths 16,96 \
       --oracle-ps 0,0.5,0.8,1 --k 2,3 --no-stock --out "$RES/oracle_0.8b" ;;
-  tuner)  # the pipelined tuner at oracle 0.3 and 0.8 beside fixed K=3, its decision log (changes of K with the costs
-          # behind them, off decisions, slow passes) printed from the JSON
-    for p in 0.3 0.8; do
-      step "tuner_p$p" "${TUNER_LIMIT:-150}" "${B[@]}" decode --model "$BIG" --dtype bfloat16 --reps "${REPS:-10}" \
-        --lengths 16,96 --temps 0 --legs plain,plain-aa,pipelined --k 3,adaptive --oracle-p "$p" --no-stock \
-        --out "$RES/tuner_p$p"
-      python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(x) for g in d['groups'] for l in g['legs']
-        for x in (l.get('speculation') or {}).get('tuner_log', [])[:40]]" "$RES/tuner_p$p/decode.json" || true
-    done ;;
+  spec-default)  # the default speculation against plain and fixed K=1..4, whole generations, a fresh process per
+                 # group (spec_default.py): SD_MODEL [0.8b], SD_DRAFTS [oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,
+                 # oracle:1,head], SD_TEMPS [0], SD_LENGTHS [256], REPS [10], NAME, LIMIT s [520]
+    step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
+      --drafts "${SD_DRAFTS:-oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,oracle:1,head}" --temps "${SD_TEMPS:-0}" \
+      --lengths "${SD_LENGTHS:-256}" --reps "${REPS:-10}" --out "$RES/${NAME:-spec_default}.json"
+    cat "$RES/${NAME:-spec_default}.out" ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;

@@ -1,5 +1,5 @@
 """Command-line plumbing shared by the entry modules: one-line flag errors and the speculation flags (with the one
-environment switch, LATTICE_MTP=1) turned into SpecOptions. Value ranges are checked by the API's own objects."""
+environment switch, LATTICE_MTP) turned into SpecOptions. Value ranges are checked by the API's own objects."""
 
 import argparse
 import sys
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import settings
 from .speculative import MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions
+from .speculative.options import ADAPTIVE_MAX_K, FIXED_K
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -23,37 +24,49 @@ def command_name(module: str) -> str:
     return name if name.startswith("lattice") and not name.endswith(".py") else f"python -m {module}"
 
 
-def env_mtp() -> bool:
-    """LATTICE_MTP=1 turns MTP speculation on as --mtp does; 0 or unset leaves it off; anything else is an error."""
-    return settings.on("mtp")
-
-
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     defaults = SpecOptions()
-    g = p.add_argument_group("speculative decoding (off unless --mtp, --draft or --tree)")
-    g.add_argument("--mtp", action="store_true", help="draft with the checkpoint's MTP head (= --draft mtp; "
-                   "also LATTICE_MTP=1)")
+    g = p.add_argument_group("speculative decoding (MTP drafts, adaptive depth: on by default on a GPU when the "
+                             "checkpoint has an MTP head)")
+    on = g.add_mutually_exclusive_group()
+    on.add_argument("--mtp", action="store_true", help="draft with the checkpoint's MTP head on any backend, the "
+                    "CPU's too (= --draft mtp; an error on a checkpoint without one)")
+    on.add_argument("--no-mtp", action="store_true", help="plain decoding (also LATTICE_MTP=0)")
     g.add_argument("--draft", help="draft source: mtp, self[:LAYERS], ngram, mtp+ngram")
-    g.add_argument("--draft-tokens", type=int, default=defaults.draft_tokens,
-                   help=f"draft depth K, 1..{MAX_DRAFT_TOKENS} (the largest, when adaptive)")
+    g.add_argument("--draft-tokens", type=int,
+                   help=f"draft depth K, 1..{MAX_DRAFT_TOKENS} (the largest, when adaptive); default "
+                        f"{ADAPTIVE_MAX_K} adaptive, {FIXED_K} with --no-adaptive")
     g.add_argument("--verify", default=defaults.verify,
                    help=f"verifier: auto (pipelined for MTP chains, batched otherwise) or {' or '.join(VERIFIERS)}")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=defaults.adaptive,
-                   help="tune K from acceptance and turn speculation off when it cannot pay (--no-adaptive keeps K "
-                        "fixed, e.g. for benchmarks)")
+                   help="tune K from acceptance and cost and turn speculation off when it cannot pay (--no-adaptive "
+                        "keeps K fixed, e.g. for benchmarks)")
     g.add_argument("--tree", help="verify a tree of MTP drafts, widths per depth, e.g. 2-2-1")
 
 
-def speculation_from_args(args: argparse.Namespace) -> SpecOptions | None:
-    """SpecOptions from the flags above (ValueError for a bad combination), or None for plain decoding."""
+def speculation_from_args(args: argparse.Namespace) -> tuple[SpecOptions, str]:
+    """(SpecOptions from the flags above, when they apply: 'on' (asked for: --mtp, --draft, --tree), 'off' (--no-mtp)
+    or 'auto' (neither: `speculation`)). A bad combination is a ValueError, checked before any model loads."""
     from . import decode
     from .speculative import pipelined as rounds
 
-    rounds.tracing_enabled()  # LATTICE_TRACE_ROUNDS and LATTICE_TRACE_STEPS checked up front, speculation on or
-    decode.tracing_enabled()  # not, as LATTICE_MTP is
+    rounds.tracing_enabled()  # LATTICE_TRACE_ROUNDS, LATTICE_TRACE_STEPS and LATTICE_MTP checked up front
+    decode.tracing_enabled()
+    settings.on("mtp")
     if args.mtp and args.draft not in (None, "mtp"):
         raise ValueError(f"--mtp and --draft {args.draft} name two draft sources: pass one")
-    draft = args.draft or ("mtp" if args.mtp or args.tree or env_mtp() else None)
-    options = SpecOptions(draft=draft or "mtp", draft_tokens=args.draft_tokens, verify=args.verify,
+    asked = args.mtp or args.draft is not None or args.tree is not None
+    if args.no_mtp and asked:
+        raise ValueError("--no-mtp and " + ("--draft" if args.draft else "--tree") + " contradict each other: "
+                         "pass one")
+    options = SpecOptions(draft=args.draft or "mtp", draft_tokens=args.draft_tokens, verify=args.verify,
                           adaptive=args.adaptive, tree=args.tree)  # checked even when speculation stays off
-    return options if draft is not None else None
+    return options, "on" if asked else ("off" if args.no_mtp else "auto")
+
+
+def resolve_speculation(model, options: SpecOptions, when: str) -> SpecOptions | None:
+    """The options `speculation_from_args` gave, for this model: 'auto' speculates where `auto_applies` (a head,
+    and a GPU backend unless LATTICE_MTP says otherwise), silently decoding plainly elsewhere."""
+    from .speculative import auto_applies
+
+    return options if when == "on" or when == "auto" and auto_applies(model) else None

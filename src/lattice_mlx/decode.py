@@ -61,17 +61,23 @@ def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):
 class TracedSteps:
     """Plain decoding's state between steps and the trace of one step. The attention caches become fixed-capacity
     buffers read whole and masked on the device (cache.FixedKVCache: a step's shapes stay the same from step to
-    step, and as pipelined MTP rounds read them); the GDN caches are read and written as they are."""
+    step, and as pipelined MTP rounds read them); the GDN caches are read and written as they are.
 
-    def __init__(self, model, sampler: Sampler, cache: list):
+    The pipelined MTP loop's plain stretches (speculation off) run these same steps on its caches: `hidden=True`
+    also returns the hidden the MTP head pairs with the next token, and `traced=False` builds each step op by op
+    (where tracing does not pay: the CPU backend). A step whose GDN caches still hold a verify's picked state
+    (cache.GDNCache.pick: the first step after a round) is built op by op; the steps after it replay the trace."""
+
+    def __init__(self, model, sampler: Sampler, cache: list, *, hidden: bool = False, traced: bool = True):
         self.model, self.sampler, self.values = model, sampler, sampler.values()
+        self.hidden, self.traced = hidden, traced
         # the trace's key, once per generation (not per token): a Sampler's structure (its numbers are an input; a
-        # subclass samples its own way, with a trace of its own) and the kernels switch
-        self.key = (sampler.structure() if type(sampler) is Sampler else sampler, use_kernels())
+        # subclass samples its own way, with a trace of its own), whether it returns the hidden, the kernels switch
+        self.key = (sampler.structure() if type(sampler) is Sampler else sampler, hidden, use_kernels())
         self.cache = [caches.FixedKVCache.from_kv(c) if type(c) is caches.KVCache else c for c in cache]
         self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
         self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
-        self.bound = self.kv[0].bound if self.kv else 0  # positions written: exact (every step keeps its one row)
+        self.bound = self.kv[0].bound if self.kv else 0  # positions written: an upper bound (exact in plain decoding)
         for c in self.kv:
             c.offset, c.whole = self.kv[0].offset, True  # one offset array for every attention layer
 
@@ -97,40 +103,55 @@ class TracedSteps:
         for c in self.gdn:
             c.conv, c.ssm = next(it), next(it)
 
-    def _traced(self):
-        model = self.model
+    def _body(self, state: list, extras: list):
+        """One step: (state arrays, [y, the sampler's numbers]) -> (state arrays, the next token[, the hidden])."""
+        y, values = extras
+        self._set_state(state)
+        out = self.model(y.reshape(1, 1), self.cache, return_hidden=self.hidden)
+        logits, hidden = out if self.hidden else (out, None)
+        logits = logits[0, -1]
+        # a Sampler's numbers are an input: one trace serves every temperature, top-p and min-p (a subclass samples
+        # its own way, with a trace of its own)
+        y = self.sampler(logits, values) if type(self.sampler) is Sampler else self.sampler(logits)
+        if self.kv:  # one array for all layers: the length the step's positions kernel computed (offset + 1)
+            offset = self.kv[0].length
+            for c in self.kv:
+                c.offset = offset
+        return (self._state(), y, hidden[0]) if self.hidden else (self._state(), y)
 
+    def _traced(self):
         def body(steps: "TracedSteps", state: list, extras: list):
-            y, values = extras
-            steps._set_state(state)
             with compiled.forced(False):  # the per-layer traces would add nothing inside this one
-                logits = model(y.reshape(1, 1), steps.cache)[0, -1]
-                # a Sampler's numbers are an input: one trace serves every temperature, top-p and min-p (a subclass
-                # samples its own way, with a trace of its own)
-                y = steps.sampler(logits, values) if type(steps.sampler) is Sampler else steps.sampler(logits)
-            if steps.kv:  # one array for all layers: the length the step's positions kernel computed (offset + 1)
-                offset = steps.kv[0].length
-                for c in steps.kv:
-                    c.offset = offset
-            return steps._state(), y
+                return steps._body(state, extras)
 
         def fallback(state: list, extras: list):
-            return list(state), mx.zeros_like(extras[0])
+            y = mx.zeros_like(extras[0])
+            return (list(state), y, mx.zeros((1, self.model.args.hidden_size))) if self.hidden else (list(state), y)
 
-        return traces.compile_traced(body, fallback, [mx.random.state, model.state])
+        return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
 
-    def step(self, y: mx.array) -> mx.array:
-        """The next token after y (a scalar array) from one replay of the trace; the caches advance one row."""
+    def step(self, y: mx.array):
+        """The next token after y (a scalar array) from one replay of the trace (and with `hidden`, the hidden
+        [1, H] the MTP head pairs with it); the caches advance one row."""
         for c in self.kv:
             c.bound = self.bound
             c.reserve(1)
-        cached, _ = traces.cached(self.model, "steps", self.key, self._traced)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
-        (nxt,) = traces.call(cached, self.key, self, self.kv, [y, self.values])
+        if self.traced and all(c.window_pick is None for c in self.gdn):
+            cached, _ = traces.cached(self.model, "steps", self.key, self._traced)
+            out = traces.call(cached, self.key, self, self.kv, [y, self.values])
+        else:
+            state, *out = self._body(self._state(), [y, self.values])
+            caches.FixedKVCache._memo = None
+            for c in self.kv:
+                c.length = None
+            self._set_state(state)
+            for c in self.gdn:
+                c.window_pick = None
         self.bound += 1
         for c, offset in zip(self.gdn, offsets):
             c.offset = offset + 1
-        return nxt
+        return tuple(out) if self.hidden else out[0]
 
 
 def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None = None,

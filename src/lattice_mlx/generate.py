@@ -11,11 +11,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .cli import ArgumentParser, add_speculation_args, command_name, speculation_from_args
+from .cli import ArgumentParser, add_speculation_args, command_name, resolve_speculation, speculation_from_args
 from .decode import generate_step
 from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .sample import Sampler
-from .speculative import SpecOptions, SpecStats, speculate
+from .speculative import SpecOptions, SpecStats, auto_applies, speculate
 from .startup import interrupts_to_main
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -113,12 +113,17 @@ def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | 
 def stream_generate(
     model, tokenizer, prompt: str | list[int], *, max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P, top_k: int = DEFAULT_TOP_K, min_p: float = 0.0, chat_template: bool = False,
-    speculation: SpecOptions | None = None, prompt_cache=None, seed: int | None = None,
+    speculation: SpecOptions | str | None = "auto", prompt_cache=None, seed: int | None = None,
     sampler: Sampler | None = None, logits_processors: list | None = None, max_kv_size: int | None = None,
     allow_long_context: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Yields one response per generated token (text piece and id); the last one carries finish_reason and, when
-    `speculation` is given (e.g. SpecOptions() for MTP drafts, adaptive K), the speculation statistics.
+    the generation speculated, the speculation statistics.
+
+    `speculation`: "auto" (the default) speculates with the checkpoint's MTP head, adaptive depth, where
+    `speculative.auto_applies` (a head, on a GPU backend unless LATTICE_MTP says otherwise) and nothing asked for
+    here rules it out (logits_processors, max_kv_size), and decodes plainly otherwise; a SpecOptions asks for exactly
+    that speculation (an error where it cannot run); None decodes plainly.
 
     As in mlx-lm's API, a text prompt is encoded as it is; `chat_template=True` wraps it as one user message.
     `prompt_cache` (prompt_cache.PromptCache, or its saved file's path): the state after a prefix of the prompt,
@@ -135,6 +140,13 @@ def stream_generate(
     elif not isinstance(sampler, Sampler):
         raise ValueError("sampler must be a lattice_mlx.Sampler (speculation needs its probabilities), got "
                          f"{type(sampler).__name__}")
+    if isinstance(speculation, str):
+        if speculation != "auto":
+            raise ValueError(f"speculation={speculation!r}: use 'auto', a SpecOptions or None")
+        speculation = SpecOptions() if auto_applies(model) and not logits_processors and max_kv_size is None \
+            else None
+    elif speculation is not None and not isinstance(speculation, SpecOptions):
+        raise ValueError(f"speculation must be 'auto', a SpecOptions or None, got {type(speculation).__name__}")
     if logits_processors and speculation is not None:
         raise ValueError("logits_processors work with plain decoding only: drop them or the speculation")
     if max_kv_size is not None:
@@ -298,7 +310,7 @@ def prompt_line(result: GenerationResult) -> str:
 
 
 def run(args: argparse.Namespace) -> GenerationResult:
-    speculation = speculation_from_args(args)
+    options, when = speculation_from_args(args)
     check_max_tokens(args.max_tokens)  # the API checks these too; here they fail before the model loads
     Sampler(**sampling_flags(args, {})[0])  # the flags given, before a checkpoint is fetched
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -330,7 +342,8 @@ def run(args: argparse.Namespace) -> GenerationResult:
         raise ValueError(f"{e}: shorten the prompt or --max-tokens, or pass --allow-long-context") from None
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, **sampling, chat_template=chat_template,
-        speculation=speculation, prompt_cache=prompt_cache, max_kv_size=args.max_kv_size,
+        speculation=resolve_speculation(model, options, when) if args.max_kv_size is None or when == "on" else None,
+        prompt_cache=prompt_cache, max_kv_size=args.max_kv_size,
         allow_long_context=args.allow_long_context, on_text=lambda t: print(t, end="", flush=True),
     )
     print()

@@ -16,6 +16,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 
+import mlx.core as mx  # noqa: E402
+
 from lattice_mlx import generate, load  # noqa: E402
 
 PROMPT = "def add(a, b):"
@@ -28,10 +30,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+def _start(tmp: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, int, Path]:
+    """A server process; `env`: variables over this one's. By default LATTICE_MTP=1: MTP on whatever the backend (on
+    the CPU it is off unless asked for), so that the speculative path is what these tests serve."""
     port, log = _free_port(), tmp / f"server-{time.monotonic_ns()}.log"
     proc = subprocess.Popen([sys.executable, "-m", "lattice_mlx.server", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env={**os.environ})
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                            env={**os.environ, "LATTICE_MTP": "1", **(env or {})})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -68,11 +73,12 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
 
 
 def test_shapes_are_compiled_before_serving(client, server):
-    """The start-up warm-up (plain, then every K up to the default 2, fixed) runs before the first request is
-    taken: logged before the 'serving' line (the first MoE generation at each K took 9-17 s on the H200)."""
+    """The start-up warm-up (plain, then every K up to the default 4, fixed, and the head's catch-up row counts) runs
+    before the first request is taken: logged before the 'serving' line (the first MoE generation at each K took
+    9-17 s on the H200)."""
     text = server[1].read_text()
     warm, serving = text.find("warmed up in"), text.find("serving lattice-demo")
-    assert 0 <= warm < serving and "verify shapes for K = 1..2" in text, text
+    assert 0 <= warm < serving and "verify shapes for K = 1..4" in text and "MTP on, K up to 4" in text, text
 
 
 def test_models_lists_the_served_model(client):
@@ -162,10 +168,14 @@ def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
     assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
 
 
-def test_sigterm_shuts_down_gracefully(tmp_path):
-    proc, port, log = _start(tmp_path, "--no-mtp")
+def test_default_speculation_and_sigterm(tmp_path):
+    """LATTICE_MTP unset: MTP on on a GPU backend, plain decoding on the CPU's (speculative.auto_applies), and the
+    start-up log says which; the first SIGTERM shuts the server down, exit 0."""
+    proc, port, log = _start(tmp_path, "--no-warmup", env={"LATTICE_MTP": ""})
     status, obj = _raw(port, "POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode())
-    assert status == 200 and "speculation" not in obj["usage"]
+    gpu = mx.default_device().type != mx.DeviceType.cpu
+    assert status == 200 and ("speculation" in obj["usage"]) == gpu
+    assert ("(MTP on, K up to 4" if gpu else "(MTP off;") in log.read_text()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0 and "shut down" in log.read_text()
 

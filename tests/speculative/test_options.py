@@ -23,7 +23,8 @@ def test_bad_options_are_refused(kwargs, message):
 def test_options_are_frozen_and_name_what_they_need():
     options = SpecOptions()
     assert (options.draft, options.draft_tokens, options.verify, options.adaptive, options.tree) == \
-        ("mtp", 2, "auto", True, None)
+        ("mtp", 4, "auto", True, None)
+    assert SpecOptions(adaptive=False).draft_tokens == 3 and SpecOptions(draft_tokens=2).draft_tokens == 2
     with pytest.raises(AttributeError):
         options.draft_tokens = 3
     assert options.needs_mtp and SpecOptions(draft="mtp+ngram").needs_mtp

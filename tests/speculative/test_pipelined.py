@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lattice_mlx import cache as caches
+from lattice_mlx import decode
 from lattice_mlx import load, sample
 from lattice_mlx.bench import oracles
 from lattice_mlx.bench.oracles import OracleDrafter
@@ -285,10 +286,11 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     assert tuned == plain[:120]
 
 
-def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatch):
-    """After plain stretches of 5, 6, 13 and 2 steps (backlog remainders of every other length) the head's first
-    forward takes CATCH_UP_ROWS rows, the count its backlog pieces take: a new row count compiles new kernels on a
-    GPU, inside the generation. The tokens stay plain decoding's."""
+def test_head_catches_up_in_one_forward_of_a_power_of_two_rows(checkpoints, monkeypatch):
+    """Plain stretches of 5, 6, 13 and 2 steps: the head runs no forward during them, and when a round follows it
+    takes the whole stretch's slots in one forward whose row count is a power of two (>= CATCH_UP_ROWS): a new row
+    count compiles new kernels on a GPU, inside the generation, so the counts must come from a short fixed list. The
+    prompt's slots wait for the first round too. The tokens stay plain decoding's."""
     from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
 
     model, _ = load(checkpoints["untied"])
@@ -302,36 +304,45 @@ def test_head_runs_one_row_count_after_any_plain_stretch(checkpoints, monkeypatc
                                  drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
     assert got == plain[:70]
     assert stats.rounds >= 5
-    # the prompt's tail, a round's rows (K + 1 <= 4), one row per draft step, the backlog's pieces: nothing else
-    tail = rows[0]
-    assert set(rows[1:]) <= {1, 2, 3, 4, CATCH_UP_ROWS}, rows
-    assert rows.count(CATCH_UP_ROWS) >= 4, rows  # at least the four stretches' first drafts
-    assert tail <= len(PROMPT)
+    buckets = {CATCH_UP_ROWS << i for i in range(8)}
+    # a round's rows (K + 1 <= 4), one row per draft step, the catch-up's buckets: nothing else
+    assert set(rows) <= {1, 2, 3, 4} | buckets, rows
+    # the first forward: the prompt's slots and the first 5 plain steps' together (none fed before)
+    assert rows[0] == max(CATCH_UP_ROWS, 1 << (len(PROMPT) + 5 - 1).bit_length()), rows
+    # one catch-up per stretch that a round ends: 6 + 1 slots -> 8, 13 + 1 -> 16, 2 + 1 -> 8, then the schedule
+    # again: 5 + 1 -> 8, 6 + 1 -> 8, 13 + 1 -> 16
+    catch_ups = [r for r in rows[1:] if r in buckets]
+    assert catch_ups[:6] == [8, 16, 8, 8, 8, 16], rows
 
 
 def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, monkeypatch):
     """Sampled, the tuner keeping K = 0: one draw per token from the same logits as generate_step's, so under one seed
-    the very same tokens (the head's backlog work draws nothing)."""
+    the very same tokens; the plain steps are plain decoding's own traced step (decode.TracedSteps, returning the
+    hidden too), with no round traced and no head forward (its slots wait for a round that never comes)."""
     model, _ = load(checkpoints["untied"])
     sampler = Sampler(temp=0.8)
     mx.random.seed(5)
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=sampler), range(40))]
     _scheduled(monkeypatch, [0])
+    heads = []
+    head_call = type(model.mtp).__call__
+    monkeypatch.setattr(type(model.mtp), "__call__", lambda self, *a, **kw: (heads.append(1),
+                                                                               head_call(self, *a, **kw))[1])
+    model.runtime.traces.clear()
     mx.random.seed(5)
     spec, stats = adaptive_tokens(model, PROMPT, 40, sampler=sampler)
-    assert spec == plain and stats.rounds == 0
-    # plain steps after a plain step replay one trace (their verify; the head's backlog stays on the host)
-    assert any(key[0] == 0 for key in model.runtime.traces.get("rounds", {}))
-    with rounds.tracing(False):
+    assert spec == plain and stats.rounds == 0 and not heads
+    assert not model.runtime.traces.get("rounds") and [key[1] for key in model.runtime.traces["steps"]] == [True]
+    with rounds.tracing(False), decode.tracing(False):
         mx.random.seed(5)
         built, _ = adaptive_tokens(model, PROMPT, 40, sampler=sampler)
     assert built == plain
 
 
 def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
-    """The head's KV cache after rounds of K = 0 (its backlog fed in pieces of CATCH_UP_ROWS) and K = 2 holds, row
-    for row, what one forward of the head over all the verified slots writes (fp32): the drafts after a plain
-    stretch see the right past."""
+    """The head's KV cache after plain steps (their slots and the prompt's caught up in one forward when a round
+    follows) and rounds of K = 2 holds, row for row, what one forward of the head over all the verified slots writes
+    (fp32): the drafts after a plain stretch see the right past."""
     from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
 
     model, _ = load(checkpoints["untied"])
@@ -343,11 +354,10 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
     verified, out_tokens = 0, [first]
     for r, k in enumerate(schedule + [0]):
         pr.bounds(r, verified)
-        out = pr.verify(*pr.draft(r, k))
-        mx.eval(*out)
-        tokens, n = out
-        out_tokens += tokens.tolist()[: n.item() + 1]
-        verified += n.item() + 1
+        tokens, n = pr.round(r, k)
+        n = n.item() if k else 0
+        out_tokens += tokens.tolist()[: n + 1]
+        verified += n + 1
     # the reference: the target's hiddens over the whole sequence, every slot (token t+1, hidden t) through the head
     ids = PROMPT + out_tokens
     _, h_all = prefill(model, mx.array(ids), model.make_cache(), return_hidden=True)
@@ -355,8 +365,8 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
     head = model.mtp
     head(model.model.embed_tokens(mx.array(ids[1:]))[None], head.from_target(h_all[:-1])[None], ref)
     got = pr.mcache[0]
-    rows = got.offset.item()  # the head's true rows: all slots but the ones still pending
-    assert rows >= len(ids) - 1 - (CATCH_UP_ROWS + 3)
+    rows = got.offset.item()  # the head's true rows: every slot but the last plain step's, still pending
+    assert rows == len(ids) - 2
     assert mx.allclose(got.keys[..., :rows, :], ref[0].keys[..., :rows, :], atol=1e-4, rtol=1e-4).item()
     assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-4, rtol=1e-4).item()
 

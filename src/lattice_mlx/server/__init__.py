@@ -24,7 +24,9 @@ from ..decode import generate_step
 from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
-from ..speculative import SpecOptions, SpecStats, speculate
+from ..speculative import SpecOptions, SpecStats, auto_applies, speculate
+from ..speculative.options import ADAPTIVE_MAX_K
+from ..speculative.pipelined import warm_catch_up
 from ..startup import interrupts_to_main
 from .engine import Engine, Job
 from .http import Server, Site, is_loopback, make_handler
@@ -68,6 +70,8 @@ def warm_up(model, speculation: SpecOptions | None) -> None:
             for _ in zip(range(2 * (k or 1) + 2), steps):
                 pass
             steps.close()
+    if speculation is not None:
+        warm_catch_up(model)
     log.info("warmed up in %.1f s: decode%s, greedy and sampled", time.perf_counter() - tic,
              f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "")
 
@@ -117,9 +121,9 @@ def setup_arg_parser() -> ArgumentParser:
                    help="accept a prompt plus max_tokens past the checkpoint's context length")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling a request leaves out takes the checkpoint's generation_config.json")
-    p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
-    p.add_argument("--draft-tokens", type=int, default=SpecOptions().draft_tokens,
-                   help="MTP draft depth K (the largest, adaptive)")
+    p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head "
+                   "(MTP is on by default on a GPU; on the CPU backend only with LATTICE_MTP=1)")
+    p.add_argument("--draft-tokens", type=int, help=f"MTP draft depth K, the largest (adaptive) [{ADAPTIVE_MAX_K}]")
     p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
                    "compile the decode and verify shapes (otherwise the first request pays for them)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         defaults = {}
         if args.generation_config == "auto":
             defaults = checkpoint_sampling(resolve_path(args.model) if args.model else DEMO_MODEL)
-        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
+        speculation = SpecOptions(draft_tokens=args.draft_tokens) if auto_applies(model) and not args.no_mtp \
+            else None
         httpd = Server((args.host, args.port), None)
     except (LoadError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("bound to %s: clients on other machines must name this server by an --allow-host name", host)
     sampling = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "greedy"
     log.info("serving %s on http://%s:%d/v1 (MTP %s; default sampling: %s; context %d tokens)", engine.model_id,
-             host, port, f"on, K up to {args.draft_tokens}, adaptive" if speculation else "off", sampling,
+             host, port, f"on, K up to {speculation.draft_tokens}, adaptive" if speculation else "off", sampling,
              limits.context)
     # HTTP on a thread of its own; generation on this one, where the model was loaded
     http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="http",

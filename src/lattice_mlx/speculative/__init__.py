@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from .. import settings
 from ..sample import Sampler
 from .chain import run_chain
 from .draft_model import make_draft_model
@@ -19,8 +20,17 @@ from .options import DRAFT_SOURCES, MAX_DRAFT_TOKENS, VERIFIERS, SpecOptions, Sp
 from .pipelined import run_pipelined
 from .tree import run_tree
 
-__all__ = ["DRAFT_SOURCES", "MAX_DRAFT_TOKENS", "VERIFIERS", "SpecOptions", "SpecStats", "check_split_model",
-           "make_draft_model", "parse_tree", "speculate"]
+__all__ = ["DRAFT_SOURCES", "MAX_DRAFT_TOKENS", "VERIFIERS", "SpecOptions", "SpecStats", "auto_applies",
+           "check_split_model", "make_draft_model", "parse_tree", "speculate"]
+
+
+def auto_applies(model) -> bool:
+    """Whether speculation='auto' (the API's, the CLI's, the server's and chat's default) speculates on `model`: it
+    has an MTP head, and LATTICE_MTP is 1, or unset on a GPU backend. On MLX's CPU backend a forward's cost grows
+    with its rows about as K + 1 plain steps' would (the demo: 17.5 ms over one row, 31.4 over two, 56.4 over four),
+    so no depth pays there even when every draft is kept (docs/adr/0008-mtp-on-by-default.md); --mtp (or
+    LATTICE_MTP=1) still speculates there, adaptively."""
+    return bool(getattr(model, "has_mtp", False)) and settings.on("mtp")
 
 
 def check_split_model(model, options: SpecOptions | None) -> None:

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field, replace
 DRAFT_SOURCES = ("mtp", "self", "ngram", "mtp+ngram")
 VERIFIERS = ("batched", "sequential", "pipelined")
 MAX_DRAFT_TOKENS = 8
+# K when --draft-tokens is not given: adaptive depth ranges over 1..4 (a depth past 4 paid in no leg measured), a fixed
+# depth is 3 (the best fixed K on the H200 at acceptance 0.8 and with the demo's head: docs/results/README.md)
+ADAPTIVE_MAX_K, FIXED_K = 4, 3
 
 
 def parse_tree(spec: str) -> tuple[int, ...]:
@@ -23,7 +26,8 @@ def parse_tree(spec: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class SpecOptions:
     """draft: 'mtp' (the checkpoint's MTP head), 'self[:LAYERS]' (a subset of the target's layers), 'ngram' (prompt
-    lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round; verify: 'batched' (one forward over K+1
+    lookup) or 'mtp+ngram'; draft_tokens: K, the most drafted per round (None: ADAPTIVE_MAX_K when adaptive,
+    FIXED_K when not); verify: 'batched' (one forward over K+1
     tokens), 'pipelined' (batched, every decision on the device and the next round dispatched before this one is
     read; MTP chains: pipelined.py), 'sequential' (one per token, the A/B reference) or 'auto' (the default: pipelined
     for MTP chains on one process, batched otherwise; `resolved`); adaptive: tune K from measured
@@ -31,12 +35,14 @@ class SpecOptions:
     depth ('2-2-1')."""
 
     draft: str = "mtp"
-    draft_tokens: int = 2
+    draft_tokens: int | None = None
     verify: str = "auto"
     adaptive: bool = True
     tree: str | None = None
 
     def __post_init__(self):
+        if self.draft_tokens is None:
+            object.__setattr__(self, "draft_tokens", ADAPTIVE_MAX_K if self.adaptive else FIXED_K)
         if self.draft.partition(":")[0] not in DRAFT_SOURCES:
             raise ValueError(f"unknown draft source {self.draft!r}: use mtp, self[:LAYERS], ngram or mtp+ngram")
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \

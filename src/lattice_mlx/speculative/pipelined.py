@@ -23,14 +23,14 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .. import cache as caches
-from .. import settings, traces
-from ..decode import resume
+from .. import decode, settings, traces
+from ..decode import PREFILL_STEP, TracedSteps, resume
 from ..metal import use_kernels
 from ..metal.argmax import argmax
 from ..models import compiled
 from ..runtime import runtime_of
 from ..sample import Sampler, accept_sampled_arrays
-from .drafters import CATCH_UP_ROWS, _pick, feed_head, mtp_prefill
+from .drafters import CATCH_UP_ROWS, _pick, feed_head
 from .options import SpecOptions, SpecStats
 from .tuning import (
     MIN_POSITION_ROUNDS,
@@ -120,9 +120,7 @@ def _traced_round(model, k: int):
             # layer by layer inside the trace: the per-layer traces (models/compiled.py) would add nothing to this
             # one, and tracing them inside it would swap tracers into their captured weights
             with compiled.forced(False):
-                # k = 0: a plain step's verify alone (its host part, the head's backlog, ran before the call)
-                drafts, q = rounds.draft(0, k) if k else (mx.zeros((0,), dtype=mx.int32), None)
-                tokens, n = rounds.verify(drafts, q)
+                tokens, n = rounds.verify(*rounds.draft(0, k))
             return rounds._state(), tokens, n
         finally:
             rounds.override, rounds.values = override, values
@@ -137,6 +135,25 @@ def _traced_round(model, k: int):
     return traces.compile_traced(body, fallback, captured)
 
 
+def catch_up_rows() -> list[int]:
+    """The row counts of the head's catch-up forwards (PipelinedRounds._catch_up): powers of two from CATCH_UP_ROWS
+    to PREFILL_STEP."""
+    return [CATCH_UP_ROWS << i for i in range((PREFILL_STEP // CATCH_UP_ROWS).bit_length())]
+
+
+def warm_catch_up(model) -> None:
+    """One head forward at every catch-up row count, on a scratch cache: their kernels compile now (a server's
+    start-up) and not inside a generation."""
+    head, H = model.mtp, model.args.hidden_size
+    for rows in catch_up_rows():
+        mcache = [caches.FixedKVCache.from_kv(c) for c in head.make_cache()]
+        for c in mcache:
+            c.whole = True
+        e = model.model.embed_tokens(mx.zeros((rows,), dtype=mx.int32))
+        hid = mx.zeros((rows, H), dtype=e.dtype)  # the activations' dtype, as the target's hiddens
+        mx.eval(head(e[None], head.from_target(hid)[None], mcache))
+
+
 class PipelinedRounds:
     """The device state between rounds and the graph of one round; `run_pipelined` drives it."""
 
@@ -149,8 +166,10 @@ class PipelinedRounds:
         self.model, self.sampler, self.k, self.override = model, sampler, k, override
         # a Sampler's numbers (temperature, top-p, min-p), an input of a traced round (a subclass: its own numbers)
         self.values = sampler.values() if type(sampler) is Sampler else None
+        # The head's prompt slots are not fed now: they wait with the plain steps' slots until the first round drafts
+        # (`_catch_up`), so a generation that never speculates (adaptive depth found it cannot pay) never runs the
+        # head over the prompt (on the CPU that was 0.67 s for a 1,900-token prompt, inside the first tokens).
         mcache = head_cache if head_cache is not None else model.mtp.make_cache()
-        tail, tail_hidden = mtp_prefill(model, [*prompt[1:], first], hidden, mcache)
         self.m0 = mcache[0].offset  # the head's rows before the first round
         self.mcache = [caches.FixedKVCache.from_kv(c) for c in mcache]
         self.cache = [caches.FixedKVCache.from_kv(c) if isinstance(c, caches.KVCache) else c for c in cache]
@@ -158,75 +177,94 @@ class PipelinedRounds:
         self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
         for c in self.kv:  # one offset array for every attention layer (they advance together)
             c.offset = self.kv[0].offset
-        for c in self.gdn:
-            c.begin()  # every verify records its steps; pick() keeps the accepted ones
         self.p = prompt_len if prompt_len is not None else len(prompt)
-        self.tail = len(tail)
-        self.last_k = k  # the depth of the round dispatched last (its unread rows bound the caches' offsets)
-        # plain steps (K = 0 rounds) leave their slot to the head in a backlog, fed CATCH_UP_ROWS at a time
+        slots = [*prompt[1:], first]
+        self.tail = len(slots)  # the head's slots pending before the first round (all the prompt's)
+        # last_k: the depth of the round dispatched last (0: a plain step; its unread rows bound the caches'
+        # offsets). After plain steps the head's slots wait in `backlog`, all of their rows valid.
+        self.last_k = 0
         self.backlog: list[tuple[mx.array, mx.array]] = []
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
-        # the generated index of y
+        # the generated index of y (plain steps count on the host, `plain_steps`, and are added when a round starts)
         self.y = mx.array([first], dtype=mx.int32)
-        self.ptok, self.phid = mx.array(tail, dtype=mx.int32), tail_hidden
-        self.pn = mx.array(len(tail) - 1, dtype=mx.int32)
+        self.ptok, self.phid = mx.array(slots, dtype=mx.int32), hidden
+        self.pn = mx.array(len(slots) - 1, dtype=mx.int32)
         self.gen = mx.array(0, dtype=mx.int32)
+        self.plain_steps = 0
         self.traced = tracing_enabled() and (override is None or hasattr(override, "apply"))
         for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
             c.whole = self.traced
+        # plain steps (K = 0): plain decoding's own step (decode.TracedSteps) on these caches, also returning the
+        # hidden the head pairs with the next token
+        self.steps = TracedSteps(model, sampler, self.cache, hidden=True, traced=decode.tracing_enabled())
+        for c in self.kv:  # (a traced plain step too: its shapes stay the same from step to step)
+            c.whole = self.traced or self.steps.traced
 
     def bounds(self, r: int, verified: int) -> None:
         """Host-side upper bounds of the caches' offsets before round r, `verified` = rows kept by rounds 0..r-2
-        (read). The head's is exact but for its backlog (< CATCH_UP_ROWS plain steps' slots not fed yet); the
+        (read). The head's counts every slot there is, fed or pending (the prompt's, the plain steps'); the
         target's misses only round r-1's unread count."""
-        head = self.m0 + (self.tail + verified if r else 0)
+        head = self.m0 + self.tail + verified
         for c in self.mcache:
             c.bound = head
         for c in self.kv:
             c.bound = self.p + verified + (self.last_k + 1 if r else 0)
 
-    def _feed_backlog(self, rows: int) -> None:
-        """The head takes the first `rows` backlog slots (plain steps' tokens and hiddens, all valid) into its cache."""
-        (tok, hid), self.backlog = self._joined(self.backlog[:rows]), self.backlog[rows:]
-        feed_head(self.model, tok, hid, self.mcache, step=rows, wait=False)
+    def _feed(self, tok: mx.array, hid: mx.array) -> None:
+        """The head takes slots (tokens [R], target hiddens [R, H], all valid) into its cache (queued, not waited
+        for)."""
+        feed_head(self.model, tok, hid, self.mcache, step=tok.shape[0], wait=False)
         for c in self.mcache:  # a fixed-capacity cache writes at its offset without moving it
-            c.offset = c.offset + rows
+            c.offset = c.offset + tok.shape[0]
 
-    @staticmethod
-    def _joined(slots: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
-        return mx.concatenate([t for t, _ in slots]), mx.concatenate([h for _, h in slots])
-
-    def plain(self) -> tuple[mx.array, None]:
-        """A K = 0 round's (no) drafts: a plain step. A speculative round's slot (n + 1 of its rows valid, n on the
-        device) goes to the head now, as the next draft would take it; a plain step's slot (one valid row) joins the
-        backlog, which the head takes in pieces of CATCH_UP_ROWS (one row count: a new one compiles new kernels on a
-        GPU)."""
+    def plain_step(self) -> tuple[mx.array, int]:
+        """A K = 0 pass: one step of plain decoding (decode.TracedSteps, the very step generate_step runs) on the
+        target's caches. After a round, its slots (n + 1 of its rows valid, n on the device) go to the head now, as
+        the next draft would take them, and the GDN caches leave the verify's recording; after a plain step its slot
+        joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token [1], 0)."""
         if self.last_k:
             self._draft_rows(0)
+            for c in self.gdn:
+                c.commit()  # the next step reads the last verify's picked state, and writes a plain one
         else:
             self.backlog.append((self.ptok, self.phid))
-        while len(self.backlog) >= CATCH_UP_ROWS:
-            self._feed_backlog(CATCH_UP_ROWS)
-        self.last_k = 0
-        return mx.zeros((0,), dtype=mx.int32), None
+        self.steps.bound = self.kv[0].bound if self.kv else 0
+        y, hidden = self.steps.step(self.y)
+        self.y = self.ptok = y.reshape(1)
+        self.phid, self.plain_steps, self.last_k = hidden, self.plain_steps + 1, 0
+        return self.y, 0
+
+    def _catch_up(self) -> None:
+        """Before the first draft after plain steps (or the generation's first): the head takes every pending slot
+        (the prompt's, the plain steps') in one batched forward per PREFILL_STEP rows, the last piece with the
+        draft's forward. That piece is padded to a power of two rows (>= CATCH_UP_ROWS) with copies of the newest
+        slot, scratch rows past the head's true end that the next ones overwrite, as a draft step's are: a forward
+        over a row count not seen before compiles new kernels on a GPU, seconds inside a generation
+        (docs/results/code_measurements.md, 'pipelined tuner')."""
+        slots = [*self.backlog, (self.ptok, self.phid)]
+        tok, hid = (mx.concatenate([t for t, _ in slots]), mx.concatenate([h for _, h in slots])) \
+            if len(slots) > 1 else slots[0]
+        rows = tok.shape[0]
+        cut = rows - (rows % PREFILL_STEP or PREFILL_STEP)
+        for start in range(0, cut, PREFILL_STEP):
+            self._feed(tok[start : start + PREFILL_STEP], hid[start : start + PREFILL_STEP])
+        tok, hid, rows = tok[cut:], hid[cut:], rows - cut
+        pad = max(CATCH_UP_ROWS, 1 << (rows - 1).bit_length()) - rows
+        if pad:
+            tok = mx.concatenate([tok, mx.repeat(tok[-1:], pad)])
+            hid = mx.concatenate([hid, mx.repeat(hid[-1:], pad, axis=0)])
+        self.ptok, self.phid, self.pn, self.backlog = tok, hid, mx.array(rows - 1, dtype=mx.int32), []
+        if self.plain_steps:
+            self.gen, self.plain_steps = self.gen + self.plain_steps, 0
+        for c in self.gdn:
+            c.begin()  # every verify records its steps; pick() keeps the accepted ones
 
     def _draft_rows(self, k: int):
-        """The head over the pending slots (the last round's rows, or the backlog's remainder and the newest slot):
-        returns its output at the newest token's slot [1, 1, H], the head caches' (true end, bound) and the offsets
-        of the scratch rows of k draft steps."""
-        if self.last_k == 0 and self.backlog:  # after plain steps: the backlog's remainder, then the newest slot
-            self.backlog.append((self.ptok, self.phid))
-            tok, hid = self._joined(self.backlog)
-            rows = tok.shape[0]  # <= CATCH_UP_ROWS (plain() feeds the backlog in pieces of it)
-            # Always CATCH_UP_ROWS rows (the backlog pieces' count), the tail being copies of the newest slot: past
-            # the head's true end (offset + pn + 1), scratch rows the next ones overwrite, as a draft step's are.
-            # A remainder of its own length was a new row count per plain stretch's length, and a new count compiles
-            # new kernels on a GPU, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner').
-            if rows < CATCH_UP_ROWS:
-                tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_ROWS - rows)])
-                hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_ROWS - rows, axis=0)])
-            self.ptok, self.phid = tok, hid
-            self.pn, self.backlog = mx.array(rows - 1, dtype=mx.int32), []
+        """The head over the pending slots (the last round's rows, or after plain steps every slot waiting:
+        `_catch_up`): returns its output at the newest token's slot [1, 1, H], the head caches' (true end, bound)
+        and the offsets of the scratch rows of k draft steps."""
+        if self.last_k == 0:
+            self._catch_up()
         head, embed = self.model.mtp, self.model.model.embed_tokens
         x = head(embed(self.ptok)[None], head.from_target(self.phid)[None], self.mcache)  # [1, R, H]
         x = mx.take(x, self.pn.reshape(1), axis=1)  # the slot of the newest token
@@ -238,11 +276,9 @@ class PipelinedRounds:
         return x, base, offsets
 
     def draft(self, r: int, k: int | None = None) -> tuple[mx.array, mx.array | None]:
-        """k drafts [k] (default: the K it was built with; and q [k, V] when sampling) from the pending slots; the
-        head's cache keeps the true rows. k = 0: a plain step (`plain`)."""
+        """k >= 1 drafts [k] (default: the K it was built with; and q [k, V] when sampling) from the pending slots;
+        the head's cache keeps the true rows."""
         k = self.k if k is None else k
-        if k == 0:
-            return self.plain()
         model, head, embed = self.model, self.model.mtp, self.model.model.embed_tokens
         vocab, V = head.draft_vocab, model.args.vocab_size
         x, base, offsets = self._draft_rows(k)
@@ -308,23 +344,21 @@ class PipelinedRounds:
             c.conv, c.ssm, c.window_pick = next(it), next(it), next(it)
 
     def _can_trace(self, k: int) -> bool:
-        """A steady-state round: same K as the last one, its K + 1 rows pending for the head, no backlog (K = 0, a
-        plain step after a plain step: any backlog, which its host part feeds), every cache written once already;
-        and no hidden tap (make_draft_model's, which would keep the trace's arrays)."""
-        return (self.traced and k == self.last_k and (k == 0 or not self.backlog) and self.ptok.shape[0] == k + 1
+        """A steady-state round: same K as the last one, its K + 1 rows pending for the head, every cache written
+        once already (a round after plain steps is not: its GDN caches hold no verify's picks); and no hidden tap
+        (make_draft_model's, which would keep the trace's arrays)."""
+        return (self.traced and k == self.last_k and self.ptok.shape[0] == k + 1
                 and all(c.keys is not None for c in (*self.mcache, *self.kv))
                 and all(c.window_pick is not None for c in self.gdn)
                 and runtime_of(self.model).hidden_tap is None)
 
-    def round(self, r: int, k: int) -> tuple[mx.array, mx.array]:
-        """Round r of depth k (0: a plain step): traced when it can be (`_can_trace`), else built op by op.
-        Returns (tokens [k + 1], n) as `verify`. A traced plain step runs its host part (`plain`: the head's
-        backlog) first and its verify as the trace: built op by op, the tuner's plain steps cost about a third more
-        than plain decoding's (docs/results/code_measurements.md, 'pipelined tuner')."""
+    def round(self, r: int, k: int) -> tuple[mx.array, "mx.array | int"]:
+        """Round r of depth k, traced when it can be (`_can_trace`), else built op by op; k = 0: a plain step
+        (`plain_step`). Returns (tokens [k + 1], n) as `verify` (n = 0, a host int, for a plain step)."""
+        if k == 0:
+            return self.plain_step()
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
-        if k == 0:
-            self.plain()
         # what the graph depends on besides its inputs: K, the sampler's structure (its numbers are an input; a
         # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
         # hidden, the override's kind, the kernels switch
@@ -334,7 +368,7 @@ class PipelinedRounds:
         cached, _ = traces.cached(self.model, "rounds", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
-        need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache if k]
+        need = [(c, k + 1) for c in self.kv] + [(c, 2 * k) for c in self.mcache]
         if any(c.needed(rows) > c.capacity() for c, rows in need):
             cap = max(c.needed(rows) for c, rows in need)
             for c, rows in need:
@@ -343,7 +377,7 @@ class PipelinedRounds:
         if vocab is not None:
             vocab._lm_rows(self.model)  # gathered (or checked) outside the trace
         extras = ([self.values] if self.values is not None else []) + \
-            (self.override.device_inputs(k) if self.override is not None and k else [])
+            (self.override.device_inputs(k) if self.override is not None else [])
         tokens, n = traces.call(cached, key, self, [*self.mcache, *self.kv], extras)
         self.last_k = k
         return tokens, n
@@ -397,13 +431,13 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
         rounds.bounds(r, verified)
         out = rounds.round(r, k)
         mid = time.perf_counter()
-        mx.async_eval(*out)
+        mx.async_eval(out[0], out[1]) if k else mx.async_eval(out[0])
         if pending is not None:
             # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
             # array, evaluated on the stream behind round r + 1, so reading it waited for round r + 1 to finish and
             # undid the pipelining (scripts/bench/round_host.py measures both reads)
             tokens, n, pk = pending
-            n = n.item()
+            n = n.item() if pk else 0
             tokens = tokens.tolist()[: n + 1]
         if k:
             stats.draft_time_s += mid - tic

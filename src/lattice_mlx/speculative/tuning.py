@@ -119,6 +119,9 @@ class PipelinedTuner:
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
+            if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
+                self.k, self.left, self.off_tokens = 0, MAX_OFF_TOKENS, MAX_OFF_TOKENS
+                self.log.append(f"plain steps for {MAX_OFF_TOKENS} tokens first: no depth could pay before")
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -216,7 +219,16 @@ class PipelinedTuner:
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = k
             return k
-        self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}")
+        # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
+        # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
+        # the longest stretch, and the process remembers it (its next generations start there).
+        ceiling = max((self.speedup(d, [1.0] * d) or 0.0 for d in range(1, self.k_max + 1)), default=0.0)
+        hopeless = 0 < ceiling < SPECULATE_MIN_GAIN
+        if hopeless:
+            self.off_tokens = MAX_OFF_TOKENS
+        self.memory["hopeless"] = hopeless
+        self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
+                              + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
         self.probe_k = self.memory["k"] = k

@@ -1,0 +1,179 @@
+"""What the default speculation gets, whole generations: plain decoding, an A/A plain leg, the default
+(`SpecOptions()`, what speculation="auto" resolves to where it applies) and fixed K = 1..4, on one model, in one
+fresh process per group of legs (a group: one draft source, temperature and length), >= 10 paired repetitions with
+the legs interleaved (ABBA), every leg's first generation in this process inside the timed repetitions.
+
+Usage: python scripts/bench/spec_default.py --model 0.8b|demo|DIR [--drafts oracle:0.8,head] [--temps 0,0.7]
+         [--lengths 256,1024] [--legs plain,plain-aa,default,k1,k2,k3,k4] [--reps 10] [--out FILE.json]
+A driver: it runs each group in a subprocess of its own (`--group`) and writes one JSON with them all.
+
+Draft sources: `oracle:P` (SYNTHETIC, greedy only: the head's drafts are computed, then replaced by plain greedy's
+token with probability P per position: bench/oracles.DeviceOracle), `head` (the checkpoint's own MTP head; on a
+random shape its drafts are ~never accepted). Timing: wall seconds from the call to the last of N tokens, prefill
+included (a prompt of --prompt-tokens random ids on random shapes, the bench's code prompts on the demo, or
+--long-prompt N tokens of this repository's source). Only plain decoding's step trace and the prefill shapes are
+warmed before the first timed repetition (one plain generation): every other first-use cost (the rounds' traces,
+the head's shapes, the tuner starting without memory) lands in the first repetition, reported apart as well.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from lattice_mlx import SpecOptions, SpecStats, speculate
+from lattice_mlx.bench import stats as bs
+from lattice_mlx.bench.oracles import DeviceOracle
+from lattice_mlx.bench.report import device_name, provenance
+from lattice_mlx.bench.run import load_target, text_prompts, workload_prompts
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import auto_applies
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def leg_options(leg: str) -> SpecOptions | None:
+    if leg in ("plain", "plain-aa"):
+        return None
+    if leg in ("default", "mtp"):  # `mtp`: --mtp on a backend where auto stays plain (the CPU)
+        return SpecOptions()
+    return SpecOptions(draft_tokens=int(leg[1:]), adaptive=False)
+
+
+def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, reference: list[int] | None,
+            seed: int) -> tuple[float, float, dict | None, list[int]]:
+    """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens)."""
+    sampler = Sampler(temp=temp)
+    mx.random.seed(seed)
+    options = leg_options(leg)
+    tic = time.perf_counter()
+    if options is None:
+        stream, stats = generate_step(model, mx.array(ids), sampler=sampler), None
+    else:
+        stats = SpecStats.of(options)
+        drafter = None
+        if drafts.startswith("oracle:"):
+            drafter = DeviceOracle(reference, float(drafts.split(":")[1]), model.args.vocab_size,
+                                   options.draft_tokens, seed=seed)
+        stream = speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter)
+    tokens, first = [], None
+    for t in stream:
+        tokens.append(t)
+        if first is None:
+            first = time.perf_counter()
+        if len(tokens) == n:
+            break
+    end = time.perf_counter()
+    return end - tic, end - first, (stats.to_dict() if stats is not None else None), tokens
+
+
+def prompts_for(target, args) -> list[list[int]]:
+    if args.long_prompt:
+        text = "\n".join(p.read_text() for p in sorted((ROOT / "src" / "lattice_mlx").rglob("*.py")))
+        ids = list(target.tokenizer.encode(text))
+        step = max(1, (len(ids) - args.long_prompt) // max(1, args.reps))
+        return [ids[i * step : i * step + args.long_prompt] for i in range(args.reps)]
+    if target.tokenizer is None:
+        return workload_prompts(target, "random", args.reps, tokens=args.prompt_tokens, seed=args.seed)
+    texts = text_prompts("code")
+    return [list(target.tokenizer.encode(texts[i % len(texts)])) for i in range(args.reps)]
+
+
+def run_group(args) -> dict:
+    drafts, temp, n = args.group.split("|")
+    temp, n = float(temp), int(n)
+    target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype, seed=args.seed,
+                         stock=False)
+    model, legs = target.model, args.legs.split(",")
+    prompts = prompts_for(target, args)
+    t0 = time.perf_counter()
+    refs = [None] * len(prompts)
+    if drafts.startswith("oracle:"):  # plain greedy's continuation of every prompt (also warms plain decoding)
+        refs = [run_leg(model, "plain", ids, n + 8, 0.0, drafts, None, 0)[3] for ids in prompts]
+    else:
+        run_leg(model, "plain", prompts[0], n, temp, drafts, None, 0)
+    warm_s = time.perf_counter() - t0
+    records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": []} for leg in legs}
+    identical = True
+    for rep in range(args.reps):
+        outputs = {}
+        for leg in bs.abba_order(legs, rep):
+            wall, decode, st, tokens = run_leg(model, leg, prompts[rep], n, temp, drafts, refs[rep], 1000 + rep)
+            r = records[leg]
+            r["wall_s"].append(wall)
+            r["decode_s"].append(decode)
+            r["acceptance"].append(st["acceptance_rate"] if st else None)
+            r["rounds"].append(st["rounds"] if st else None)
+            r["decisions"].append((st["decisions"] + st["tuner_log"])[:12] if st else None)
+            outputs[leg] = tokens
+        if temp == 0:
+            identical &= all(t == outputs[legs[0]] for t in outputs.values())
+    out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
+           "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
+           else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
+    plain = records["plain"]["wall_s"]
+    out["ratios"] = {}  # tok/s of the leg / plain's = plain's seconds / the leg's, paired by repetition
+    for leg in legs:
+        for what in ("wall_s", "decode_s"):
+            ratios = [p / x for p, x in zip(records["plain"][what], records[leg][what])]
+            out["ratios"][f"{leg}/{what}"] = {**bs.summarize(ratios), "first": ratios[0],
+                                              "after_first": bs.summarize(ratios[1:])}
+        times = records[leg]["wall_s"][1:]
+        med = float(np.median(times)) if times else 0.0
+        out["ratios"][f"{leg}/slow_reps"] = [i + 1 for i, t in enumerate(times) if med and t > 2 * med]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="0.8b")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafts", default="oracle:0.8")
+    p.add_argument("--temps", default="0")
+    p.add_argument("--lengths", default="256")
+    p.add_argument("--legs", default="plain,plain-aa,default,k1,k2,k3,k4")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--long-prompt", type=int, default=0, help="prompts of this many tokens of the repository's source")
+    p.add_argument("--group", help=argparse.SUPPRESS)  # one group, in this process (the driver's child)
+    p.add_argument("--out", default="spec_default.json")
+    args = p.parse_args()
+    if args.group:
+        print(json.dumps(run_group(args)))
+        return 0
+    groups = [f"{d}|{t}|{n}" for d in args.drafts.split(",") for t in args.temps.split(",")
+              for n in args.lengths.split(",") if not (d.startswith("oracle") and float(t) > 0)]
+    result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "argv": sys.argv,
+                       "lattice_env": {k: v for k, v in os.environ.items() if k.startswith("LATTICE_")}},
+              "groups": []}
+    for g in groups:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--group", g]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"group {g} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            result["groups"].append({"group": g, "error": proc.stderr[-3000:]})
+            continue
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res["process_s"] = time.perf_counter() - t
+        result["groups"].append(res)
+        rat = res["ratios"]
+        print(f"{g}: " + "  ".join(f"{leg} {rat[f'{leg}/wall_s']['median']:.2f} (first {rat[f'{leg}/wall_s']['first']:.2f})"
+                                   for leg in args.legs.split(",")[1:])
+              + f"  [{res['process_s']:.0f} s]", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Speculation by default ([spec-default]): speculation="auto" in the API, the CLI, the server and chat; what it
+resolves to on each backend; and the tuner's verdict where no depth can pay."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from lattice_mlx import SpecOptions, generate, load, settings
+from lattice_mlx.speculative import auto_applies
+from lattice_mlx.speculative.tuning import MAX_OFF_TOKENS, SPECULATE_MIN_GAIN, PipelinedTuner
+
+
+def run_cli(*args, env: dict | None = None):
+    return subprocess.run([sys.executable, "-m", "lattice_mlx.generate", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+PROMPT = "def fibonacci(n):\n"
+GPU = mx.default_device().type != mx.DeviceType.cpu
+
+
+def test_auto_speculates_where_it_applies_and_decodes_plainly_elsewhere(checkpoints, no_mtp_checkpoint):
+    """The API's default: MTP (adaptive, K up to 4) with a head on a GPU, or wherever LATTICE_MTP=1; plain on the
+    CPU backend by default, with LATTICE_MTP=0, or on a checkpoint without a head (no error). Greedy tokens are
+    plain decoding's either way."""
+    model, tok = load(checkpoints["tied"])
+    plain = generate(model, tok, PROMPT, max_tokens=24, speculation=None)
+    assert plain.speculation is None
+    for mtp, on in [(None, GPU), (True, True), (False, False)]:
+        with settings.override(mtp=mtp):
+            assert auto_applies(model) == on
+            got = generate(model, tok, PROMPT, max_tokens=24)  # speculation="auto"
+        assert got.tokens == plain.tokens
+        assert (got.speculation is not None) == on, mtp
+        if on:
+            assert got.speculation["draft"] == "mtp" and got.speculation["verify"] == "pipelined"
+            assert got.speculation["draft_tokens"] == 4
+    bare, tok2 = load(no_mtp_checkpoint)
+    with settings.override(mtp=True):
+        assert not auto_applies(bare)
+        assert generate(bare, tok2, PROMPT, max_tokens=8).speculation is None
+        # what the caller asked for beside it rules speculation out: plain, no error
+        assert generate(model, tok, PROMPT, max_tokens=8, max_kv_size=64).speculation is None
+    with pytest.raises(ValueError, match="'auto', a SpecOptions or None"):
+        generate(model, tok, PROMPT, max_tokens=8, speculation="on")
+    with pytest.raises(ValueError, match="'auto', a SpecOptions or None"):
+        generate(model, tok, PROMPT, max_tokens=8, speculation=True)
+
+
+def test_cli_default_mtp_and_no_mtp(checkpoints):
+    """generate's CLI: neither flag is speculation="auto" (on a GPU, or with LATTICE_MTP=1); --mtp speculates on any
+    backend; --no-mtp (or LATTICE_MTP=0) decodes plainly; the two flags together are a one-line usage error."""
+    base = ["--model", str(checkpoints["tied"]), "--prompt", "hello", "--max-tokens", "12", "--json"]
+
+    def run(*flags, env=None):
+        out = run_cli(*base, *flags, env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])
+
+    default, forced, plain = run(env={"LATTICE_MTP": ""}), run("--mtp"), run("--no-mtp")
+    assert ("speculation" in default) == GPU and "speculation" in forced and "speculation" not in plain
+    assert forced["speculation"]["draft_tokens"] == 4 and forced["tokens"] == plain["tokens"] == default["tokens"]
+    assert "speculation" in run(env={"LATTICE_MTP": "1"})
+    assert "speculation" not in run("--draft-tokens", "3", env={"LATTICE_MTP": "0"})
+    both = run_cli(*base, "--mtp", "--no-mtp")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr and "Traceback" not in both.stderr
+    tree = run_cli(*base, "--no-mtp", "--tree", "2-1")
+    assert tree.returncode == 1 and "contradict" in tree.stderr and "Traceback" not in tree.stderr
+
+
+class _Costs(PipelinedTuner):
+    """A tuner whose passes cost what it is told (no clock)."""
+
+    def run(self, costs: dict[int, float], rates: list[float], passes: int) -> list[int]:
+        ks = []
+        for _ in range(passes):
+            k = self.next_k(rates, lambda: rates)
+            self.observe(k, costs[k])
+            ks.append(k)
+        return ks
+
+
+def test_tuner_goes_plain_for_good_where_no_depth_can_pay():
+    """Rounds that cost what K + 1 plain steps cost (MLX's CPU backend, by measurement) cannot pay even when every
+    draft is kept: the tuner turns speculation off for the longest stretch at its first decision, and the next
+    generation in the process starts with that stretch. Where rows are cheap (a GPU) the same acceptance keeps it
+    speculating."""
+    linear = {k: 1.0 * (k + 1) for k in range(5)}
+    memory: dict = {}
+    tuner = _Costs(4, memory)
+    ks = tuner.run(linear, [0.95, 0.9, 0.85, 0.8], 60)
+    assert ks.count(0) >= 50 and memory["hopeless"] and tuner.left > MAX_OFF_TOKENS - 60
+    assert "every draft kept" in tuner.decisions[0]
+    nxt = _Costs(4, memory)
+    assert nxt.run(linear, [0.95], 40) == [0] * 40
+    cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    memory = {}
+    ks = _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], 60)
+    assert ks[-20:].count(0) == 0 and not memory.get("hopeless") and max(ks) == 4
+    # acceptance 0: off, but not for good (the head may draft better later in the text)
+    memory = {}
+    _Costs(4, memory).run(cheap, [0.0], 60)
+    assert memory["hopeless"] is False
+    assert SPECULATE_MIN_GAIN > 1
