@@ -27,8 +27,8 @@ __all__ = ["DRAFT_SOURCES", "MAX_DRAFT_TOKENS", "VERIFIERS", "SpecOptions", "Spe
 def auto_applies(model) -> bool:
     """Whether speculation='auto' (the API's, the CLI's, the server's and chat's default) speculates on `model`: it
     has an MTP head, and LATTICE_MTP is 1, or unset on a GPU backend. On MLX's CPU backend a forward's cost grows
-    with its rows about as K + 1 plain steps' would (the demo: 17.5 ms over one row, 31.4 over two, 56.4 over four),
-    so no depth pays there even when every draft is kept (docs/adr/0008-mtp-on-by-default.md); --mtp (or
+    with its rows about as K + 1 plain steps' would, so no depth pays there even when every draft is kept
+    (docs/results/code_measurements.md, 'Speculation on the CPU'; docs/adr/0008-mtp-on-by-default.md); --mtp (or
     LATTICE_MTP=1) still speculates there, adaptively."""
     return bool(getattr(model, "has_mtp", False)) and settings.on("mtp")
 

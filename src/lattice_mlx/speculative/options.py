@@ -8,7 +8,7 @@ DRAFT_SOURCES = ("mtp", "self", "ngram", "mtp+ngram")
 VERIFIERS = ("batched", "sequential", "pipelined")
 MAX_DRAFT_TOKENS = 8
 # K when --draft-tokens is not given: adaptive depth ranges over 1..4 (a depth past 4 paid in no leg measured), a fixed
-# depth is 3 (the best fixed K on the H200 at acceptance 0.8 and with the demo's head: docs/results/README.md)
+# depth is 3 (the best fixed K measured at acceptance 0.8 and with the demo's head: docs/results/README.md)
 ADAPTIVE_MAX_K, FIXED_K = 4, 3
 
 
