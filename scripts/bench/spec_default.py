@@ -39,6 +39,10 @@ from lattice_mlx.speculative import auto_applies
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def leg_options(leg: str) -> SpecOptions | None:
     if leg in ("plain", "plain-aa"):
         return None
@@ -102,7 +106,9 @@ def run_group(args) -> dict:
     warm_s = time.perf_counter() - t0
     records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": []} for leg in legs}
     identical = True
+    log(f"{args.group}: loaded and warmed in {time.perf_counter() - t0:.1f} s")
     for rep in range(args.reps):
+        tic = time.perf_counter()
         outputs = {}
         for leg in bs.abba_order(legs, rep):
             wall, decode, st, tokens = run_leg(model, leg, prompts[rep], n, temp, drafts, refs[rep], 1000 + rep)
@@ -115,6 +121,8 @@ def run_group(args) -> dict:
             outputs[leg] = tokens
         if temp == 0:
             identical &= all(t == outputs[legs[0]] for t in outputs.values())
+        log(f"{args.group}: rep {rep} in {time.perf_counter() - tic:.1f} s: " + " ".join(
+            f"{leg} {records[leg]['wall_s'][-1]:.3f}" for leg in legs))
     out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
            "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
            else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
@@ -159,10 +167,10 @@ def main() -> int:
     for g in groups:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--group", g]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # (its progress on our stderr)
         if proc.returncode:
-            print(f"group {g} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            result["groups"].append({"group": g, "error": proc.stderr[-3000:]})
+            log(f"group {g} failed (exit {proc.returncode})")
+            result["groups"].append({"group": g, "error": proc.returncode})
             continue
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res["process_s"] = time.perf_counter() - t
