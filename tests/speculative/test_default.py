@@ -9,9 +9,15 @@ import sys
 import mlx.core as mx
 import pytest
 
-from lattice_mlx import SpecOptions, generate, load, settings
+from lattice_mlx import SpecStats, generate, load, settings
 from lattice_mlx.speculative import auto_applies
-from lattice_mlx.speculative.tuning import MAX_OFF_TOKENS, SPECULATE_MIN_GAIN, PipelinedTuner
+from lattice_mlx.speculative.tuning import (
+    MAX_OFF_TOKENS,
+    MIN_POSITION_ROUNDS,
+    OFF_HOPE,
+    SPECULATE_MIN_GAIN,
+    PipelinedTuner,
+)
 
 
 def run_cli(*args, env: dict | None = None):
@@ -105,3 +111,32 @@ def test_tuner_goes_plain_for_good_where_no_depth_can_pay():
     _Costs(4, memory).run(cheap, [0.0], 60)
     assert memory["hopeless"] is False
     assert SPECULATE_MIN_GAIN > 1
+
+
+def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
+    """Drafts never accepted (a random head, oracle p = 0): hope for more accepted rounds keeps the tuner at its depth
+    or takes it shallower, never deeper (on the H200 it went K 1 -> 2 'hoping 1.25' at acceptance 0); the plain
+    stretches grow 64 -> 256 tokens, so a 256-token generation probes at most twice after its first rounds; and a
+    generation after one that ended in plain steps starts with a plain stretch."""
+    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF
+
+    costs = {0: 1.6, 1: 2.0, 2: 2.3, 3: 2.6, 4: 2.9}  # ms per pass at the H200's 0.8B shape
+    memory: dict = {}
+    tuner, stats = _Costs(4, memory), SpecStats()
+    ks = []
+    for _ in range(256):
+        k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                         lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+        tuner.observe(k, costs[k])
+        if k:
+            stats.record(k, 0)
+        ks.append(k)
+        assert not ks[:-1] or k <= max(ks[:-1]) or ks[-2] == 0  # deeper only when a stretch ends
+    probes = sum(1 for a, b in zip(ks, ks[1:]) if a == 0 and b > 0)
+    assert probes <= 2 and ks.count(0) > 220 and memory["off"]
+    nxt = _Costs(4, memory)
+    assert nxt.run(costs, [0.0], PIPELINED_FIRST_OFF) == [0] * PIPELINED_FIRST_OFF
+    # the H200's case: at K=1 with K=2's cost known, hope favouring K=2 keeps K=1
+    tuner = PipelinedTuner(4, {"cost": {0: 1.6, 1: 2.0, 2: 2.3}, "k": 1})
+    tuner.left = 0
+    assert tuner.k == 1 and tuner.next_k([0.0], lambda: [0.4, 0.35]) == 1 and not tuner.decisions

@@ -383,11 +383,12 @@ def _tune(tuner, rates, cost_of, n):
 
 def test_pipelined_tuner_decides_from_round_costs():
     """cost(K) from the loop's passes (not the first SKIP after a change), tokens(K) from acceptance: a round
-    that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 32
-    plain steps, then probes again, and the next stretch is 64."""
+    that costs 1.5 plain steps and yields 2.7 tokens keeps speculating; one that yields ~1.1 turns it off for 64
+    plain steps, then probes again, and the next stretch is 4 times longer."""
     from lattice_mlx.speculative.tuning import (
         ADAPTIVE_WARMUP_ROUNDS,
-        FIRST_OFF_TOKENS,
+        PIPELINED_FIRST_OFF,
+        PIPELINED_OFF_GROWTH,
         PLAIN_TIMED_STEPS,
         PLAIN_WARMUP_STEPS,
     )
@@ -399,10 +400,12 @@ def test_pipelined_tuner_decides_from_round_costs():
     assert ks[:baseline] == [0] * baseline and ks[baseline] == 2
     assert tuner.cost[0] == pytest.approx(1.0) and tuner.estimate(3) == pytest.approx(1.75)
     assert ks[-1] == 3 and not tuner.decisions  # 3.4 tokens for 1.75 steps beats 2.7 for 1.5
-    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, 1 + FIRST_OFF_TOKENS + ADAPTIVE_WARMUP_ROUNDS + 1)
-    assert ks[0] == 0 and "off for 32 tokens" in tuner.decisions[0]
-    assert ks[1:FIRST_OFF_TOKENS] == [0] * (FIRST_OFF_TOKENS - 1) and ks[FIRST_OFF_TOKENS] > 0  # probed again
-    assert ks[-1] == 0 and len(tuner.decisions) == 2 and "off for 64 tokens" in tuner.decisions[1]
+    first = PIPELINED_FIRST_OFF
+    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, 1 + first + ADAPTIVE_WARMUP_ROUNDS + 1)
+    assert ks[0] == 0 and f"off for {first} tokens" in tuner.decisions[0]
+    assert ks[1:first] == [0] * (first - 1) and ks[first] > 0  # probed again
+    assert ks[-1] == 0 and len(tuner.decisions) == 2
+    assert f"off for {first * PIPELINED_OFF_GROWTH} tokens" in tuner.decisions[1]
     # the log (forwarded to SpecStats.tuner_log): the change of K and both off decisions, with the costs behind them
     assert tuner.log[0].startswith("K 2 -> 3: predicted ") and "K=0 1000.00 K=2 1500.00" in tuner.log[0]
     assert [e.split(";")[0] for e in tuner.log[1:]] == tuner.decisions and "K=3 1750.00" in tuner.log[-1]
@@ -425,7 +428,7 @@ def test_pipelined_tuner_margins_near_break_even_and_between_depths():
     ks = _tune(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 8)  # (K=1 is tried first: its
     # estimate from the line through cost(0) and cost(2) is 1.06x)
     assert 1.0 < tuner.speedup(2, [0.2, 0.1]) < SPECULATE_MIN_GAIN and 1.0 < 1.2 / 1.16 < SPECULATE_MIN_GAIN
-    assert ks[-1] == 0 and "off for 32 tokens" in tuner.decisions[0]
+    assert ks[-1] == 0 and "off for 64 tokens" in tuner.decisions[0]
     # K=3 predicts ~1.01x K=2's (3.4 tokens for 1.87 steps against 2.7 for 1.5) and each pass's cost swings +-6%:
     # K settles instead of following the noise
     tuner, passes = rounds.PipelinedTuner(3), itertools.count()
@@ -641,7 +644,7 @@ def test_pipelined_tuner_starts_from_the_costs_measured_before():
 
 def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     """Four rounds that read acceptance 0.25 predict no gain, but with spec.OFF_HOPE more accepted rounds they would:
-    the tuner keeps speculating (a wrong plain stretch costs 32+ tokens at plain speed) until its rounds tell; rates
+    the tuner keeps speculating (a wrong plain stretch costs 64+ tokens at plain speed) until its rounds tell; rates
     as low as the hopeful ones still turn it off."""
     from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
 
@@ -654,7 +657,7 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     plain = rounds.PipelinedTuner(2)
     _tune(plain, rates, cost, start)
     assert plain.speedup(1, rates) < 1.05 and plain.speedup(1, hopeful) >= 1.05
-    assert plain.next_k(rates) == 0 and "off for 32 tokens" in plain.decisions[0]  # (without the hopeful rates)
+    assert plain.next_k(rates) == 0 and "off for 64 tokens" in plain.decisions[0]  # (without the hopeful rates)
     hoping = rounds.PipelinedTuner(2)
     _tune(hoping, rates, cost, start)
     assert hoping.next_k(rates, lambda: hopeful) > 0 and not hoping.decisions

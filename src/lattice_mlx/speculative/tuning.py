@@ -16,6 +16,11 @@ ADAPTIVE_START_K = 2
 PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
 PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
+# The pipelined tuner's plain stretches: longer, and growing faster, than the host loop's. Each probe of speculation
+# after one has a fixed cost besides its rounds (the head's catch-up forward, a round and a plain step built op by op
+# where the state changes hands), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
+# decoding (docs/results/code_measurements.md, 'pipelined tuner')
+PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
 # refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to
 # plain decoding at low acceptance (docs/results/code_measurements.md, 'pipelined tuner').
@@ -110,7 +115,7 @@ class PipelinedTuner:
         self.cost = self.memory.setdefault("cost", {})
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
-        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), FIRST_OFF_TOKENS, []
+        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), PIPELINED_FIRST_OFF, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
         self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
@@ -122,6 +127,11 @@ class PipelinedTuner:
             if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
                 self.k, self.left, self.off_tokens = 0, MAX_OFF_TOKENS, MAX_OFF_TOKENS
                 self.log.append(f"plain steps for {MAX_OFF_TOKENS} tokens first: no depth could pay before")
+            elif self.memory.get("off"):  # the last generation ended in a plain stretch: one here first too
+                self.k, self.left = 0, PIPELINED_FIRST_OFF
+                self.off_tokens = PIPELINED_FIRST_OFF * PIPELINED_OFF_GROWTH
+                self.log.append(f"plain steps for {PIPELINED_FIRST_OFF} tokens first: the last generation ended "
+                                "in plain steps")
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -201,8 +211,8 @@ class PipelinedTuner:
             hoped = hopeful()
             hope = [(d, self.speedup(d, hoped)) for d in near]
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
-            if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay (at the hopeful best)
-                k = self.k if d == self.k or self.cost.get(d) is None and self.k in self.cost else d
+            if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay, or go shallower
+                k = min(self.k, d)  # (hope is a reason to keep speculating, not to explore deeper)
                 if k != self.k and self.switches < self.LOGGED_SWITCHES:
                     self.switches += 1
                     self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
@@ -218,6 +228,7 @@ class PipelinedTuner:
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = k
+            self.memory["off"] = False
             return k
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
@@ -226,14 +237,14 @@ class PipelinedTuner:
         hopeless = 0 < ceiling < SPECULATE_MIN_GAIN
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
-        self.memory["hopeless"] = hopeless
+        self.memory["hopeless"], self.memory["off"] = hopeless, True
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
         self.probe_k = self.memory["k"] = k
         self.k, self.left = 0, self.off_tokens - 1
-        self.off_tokens = min(2 * self.off_tokens, MAX_OFF_TOKENS)
+        self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
         return 0
 
 
