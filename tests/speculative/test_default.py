@@ -140,3 +140,29 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     tuner = PipelinedTuner(4, {"cost": {0: 1.6, 1: 2.0, 2: 2.3}, "k": 1})
     tuner.left = 0
     assert tuner.k == 1 and tuner.next_k([0.0], lambda: [0.4, 0.35]) == 1 and not tuner.decisions
+
+
+def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
+    """On a GPU a depth's first round in a process compiles its traced round (10-20 s on the H200): the tuner moves to a
+    depth without a trace only for NEW_DEPTH_MIN_GAIN, to a traced one for SWITCH_MIN_GAIN, and probes after a plain
+    stretch at a traced depth."""
+    from lattice_mlx.speculative.tuning import NEW_DEPTH_MIN_GAIN, SWITCH_MIN_GAIN
+
+    costs, rates = {0: 1.0, 2: 1.5, 3: 1.75}, [0.9, 0.85, 0.8, 0.78]
+
+    def at3(traced):
+        tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3}, traced)
+        tuner.left = 0
+        return tuner, tuner.next_k(rates)
+
+    tuner, k = at3(lambda d: True)
+    gain = tuner.speedup(4, rates) / tuner.speedup(3, rates)
+    assert SWITCH_MIN_GAIN < gain < NEW_DEPTH_MIN_GAIN and k == 4  # (K=4 estimated on the line: 2.0)
+    assert at3(lambda d: d != 4)[1] == 3
+    # off at acceptance 0, the best depth (K=2) untraced: the next probe is at the traced K=3
+    tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3}, lambda d: d == 3)
+    tuner.left = 0
+    assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 3
+    tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3})
+    tuner.left = 0
+    assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 2

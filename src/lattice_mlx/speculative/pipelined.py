@@ -352,6 +352,19 @@ class PipelinedRounds:
                 and all(c.window_pick is not None for c in self.gdn)
                 and runtime_of(self.model).hidden_tap is None)
 
+    def trace_key(self, k: int) -> tuple:
+        """What a traced round's graph depends on besides its inputs: K, the sampler's structure (its numbers are an
+        input; a Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
+        hidden, the override's kind, the kernels switch."""
+        head = self.model.mtp
+        sampler = self.sampler.structure() if self.values is not None else self.sampler
+        return (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
+
+    def has_trace(self, k: int) -> bool:
+        """Whether a round of depth k would replay a trace this process has compiled (k = 0: plain decoding's step,
+        or rounds are not traced: no compile either way)."""
+        return not k or not self.traced or self.trace_key(k) in runtime_of(self.model).traces.get("rounds", {})
+
     def round(self, r: int, k: int) -> tuple[mx.array, "mx.array | int"]:
         """Round r of depth k, traced when it can be (`_can_trace`), else built op by op; k = 0: a plain step
         (`plain_step`). Returns (tokens [k + 1], n) as `verify` (n = 0, a host int, for a plain step)."""
@@ -359,12 +372,7 @@ class PipelinedRounds:
             return self.plain_step()
         if not self._can_trace(k):
             return self.verify(*self.draft(r, k))
-        # what the graph depends on besides its inputs: K, the sampler's structure (its numbers are an input; a
-        # Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
-        # hidden, the override's kind, the kernels switch
-        head = self.model.mtp
-        sampler = self.sampler.structure() if self.values is not None else self.sampler
-        key = (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
+        key = self.trace_key(k)
         cached, _ = traces.cached(self.model, "rounds", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
         # bound; a buffer that must grow takes the others with it (one new shape for the trace, not one per buffer)
@@ -409,13 +417,13 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
     if not model.has_mtp:
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
-    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy)) if options.adaptive else None
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
     first = sampler(logits).item()
     yield first
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
+    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace) if options.adaptive else None
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden

@@ -13,6 +13,13 @@ ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
 # Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
 # deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
 ADAPTIVE_START_K = 2
+# The pipelined tuner starts at 3, the best fixed depth measured at acceptance 0.8 and with the demo's head: on a GPU
+# each depth's first round in a process compiles its traced round (10-20 s on the H200), so a first generation that
+# climbed 2 -> 3 -> 4 paid three of them (docs/results/code_measurements.md, 'First use of a verify depth')
+PIPELINED_START_K = 3
+# A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
+# one (its first round compiles the trace)
+NEW_DEPTH_MIN_GAIN = 1.10
 PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
 PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
@@ -95,7 +102,7 @@ class PipelinedTuner:
     per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
     with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
     of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
-    first (the baseline), then ADAPTIVE_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
+    first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
     round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
     speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
     plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes what it
@@ -108,19 +115,21 @@ class PipelinedTuner:
     SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
     REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
 
-    def __init__(self, k_max: int, memory: dict | None = None):
+    def __init__(self, k_max: int, memory: dict | None = None, traced: Callable[[int], bool] | None = None):
+        """`traced(k)`: whether a round of depth k has a compiled trace in this process (None: every depth has)."""
         self.k_max, self.memory = k_max, {} if memory is None else memory
+        self.traced = traced or (lambda k: True)
         # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
         # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
         self.cost = self.memory.setdefault("cost", {})
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
-        self.probe_k, self.off_tokens, self.decisions = min(k_max, ADAPTIVE_START_K), PIPELINED_FIRST_OFF, []
+        self.probe_k, self.off_tokens, self.decisions = min(k_max, PIPELINED_START_K), PIPELINED_FIRST_OFF, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
         self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
-            self.probe_k = min(k_max, max(1, self.memory.get("k") or ADAPTIVE_START_K))
+            self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
@@ -212,7 +221,8 @@ class PipelinedTuner:
             hope = [(d, self.speedup(d, hoped)) for d in near]
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
             if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay, or go shallower
-                k = min(self.k, d)  # (hope is a reason to keep speculating, not to explore deeper)
+                # (hope is a reason to keep speculating, not to explore deeper, nor to compile a new depth)
+                k = d if d < self.k and self.traced(d) else self.k
                 if k != self.k and self.switches < self.LOGGED_SWITCHES:
                     self.switches += 1
                     self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
@@ -220,9 +230,9 @@ class PipelinedTuner:
                 return k
         if gain >= SPECULATE_MIN_GAIN:
             current = gains.get(self.k)
-            if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN \
-                    and gain < current * SWITCH_MIN_GAIN:
-                k = self.k  # a change of K costs untraced rounds: not for a small predicted gain
+            margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
+            if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
+                k = self.k  # a change of K costs untraced rounds (and a new depth a compile): not for a small gain
             if k != self.k and self.switches < self.LOGGED_SWITCHES:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
@@ -242,7 +252,8 @@ class PipelinedTuner:
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
-        self.probe_k = self.memory["k"] = k
+        # the next probe at the best depth if its round is traced, else at this one (no compile for a probe)
+        self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
         self.k, self.left = 0, self.off_tokens - 1
         self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
         return 0
