@@ -14,7 +14,7 @@ ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
 # deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
 ADAPTIVE_START_K = 2
 # The pipelined tuner starts at 3, the best fixed depth measured at acceptance 0.8 and with the demo's head: on a GPU
-# each depth's first round in a process compiles its traced round (10-20 s on the H200), so a first generation that
+# each depth's first round in a process compiles its traced round (seconds), so a first generation that
 # climbed 2 -> 3 -> 4 paid three of them (docs/results/code_measurements.md, 'First use of a verify depth')
 PIPELINED_START_K = 3
 # A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
