@@ -1,6 +1,6 @@
 """A chat REPL: `python -m lattice_mlx.chat [--model M]`. The conversation's state is kept between turns (a prompt
 cache: each turn prefills only what follows the previous turn's prompt, i.e. the reply and the new message) and MTP
-speculation is on where the checkpoint has a head and `speculative.auto_applies` (a GPU, or LATTICE_MTP=1). Sampling flags left out take the checkpoint's generation_config.json,
+speculation is on where the checkpoint has a head. Sampling flags left out take the checkpoint's generation_config.json,
 as `generate` does. Type a message and Enter; `/reset` starts over; `/quit`, end of input or Ctrl-C at the prompt
 leaves; Ctrl-C during a reply stops it and keeps the part shown."""
 
@@ -30,7 +30,7 @@ from .generate import (
 from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .prompt_cache import PromptCache
 from .sample import Sampler
-from .speculative import SpecOptions, auto_applies
+from .speculative import SpecOptions
 from .startup import interrupts_to_main
 
 HELP = ("/reset starts a new conversation, /quit (or Ctrl-D, or Ctrl-C here) leaves; Ctrl-C during a reply stops it "
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer, sampling, from_checkpoint = start(args)
         mx.random.seed(args.seed)
-        speculation = SpecOptions() if auto_applies(model) and not args.no_mtp else None
+        speculation = SpecOptions() if model.has_mtp and not args.no_mtp else None
         print(banner(sampling, from_checkpoint, speculation), file=sys.stderr)
         return converse(model, tokenizer, args, sampling, speculation)
     except (LoadError, ValueError) as e:

@@ -26,12 +26,11 @@ def command_name(module: str) -> str:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     defaults = SpecOptions()
-    g = p.add_argument_group("speculative decoding (MTP drafts, adaptive depth: on by default on a GPU when the "
-                             "checkpoint has an MTP head)")
+    g = p.add_argument_group("speculative decoding (off unless --mtp, --draft, --tree or LATTICE_MTP=1)")
     on = g.add_mutually_exclusive_group()
-    on.add_argument("--mtp", action="store_true", help="draft with the checkpoint's MTP head on any backend, the "
-                    "CPU's too (= --draft mtp; an error on a checkpoint without one)")
-    on.add_argument("--no-mtp", action="store_true", help="plain decoding (also LATTICE_MTP=0)")
+    on.add_argument("--mtp", action="store_true", help="draft with the checkpoint's MTP head (= --draft mtp; an "
+                    "error on a checkpoint without one)")
+    on.add_argument("--no-mtp", action="store_true", help="plain decoding, whatever LATTICE_MTP says")
     g.add_argument("--draft", help="draft source: mtp, self[:LAYERS], ngram, mtp+ngram")
     g.add_argument("--draft-tokens", type=int,
                    help=f"draft depth K, 1..{MAX_DRAFT_TOKENS} (the largest, when adaptive); default "
@@ -65,8 +64,8 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[SpecOptions, str]:
 
 
 def resolve_speculation(model, options: SpecOptions, when: str) -> SpecOptions | None:
-    """The options `speculation_from_args` gave, for this model: 'auto' speculates where `auto_applies` (a head,
-    and a GPU backend unless LATTICE_MTP says otherwise), silently decoding plainly elsewhere."""
+    """The options `speculation_from_args` gave, for this model: 'auto' speculates where `auto_applies`
+    (LATTICE_MTP=1 and a head), silently decoding plainly elsewhere."""
     from .speculative import auto_applies
 
     return options if when == "on" or when == "auto" and auto_applies(model) else None

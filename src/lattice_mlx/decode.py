@@ -1,5 +1,6 @@
 """The decode floor every loop builds on: chunked prefill and plain one-token-per-forward decoding."""
 
+import contextlib
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -136,12 +137,15 @@ class TracedSteps:
         for c in self.kv:
             c.bound = self.bound
             c.reserve(1)
+        # one input shape and dtype for every caller (a scalar, the samplers' uint32): another is a new trace
+        y = y.reshape(()) if y.dtype == mx.uint32 else y.reshape(()).astype(mx.uint32)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         if self.traced and all(c.window_pick is None for c in self.gdn):
             cached, _ = traces.cached(self.model, "steps", self.key, self._traced)
             out = traces.call(cached, self.key, self, self.kv, [y, self.values])
-        else:
-            state, *out = self._body(self._state(), [y, self.values])
+        else:  # (a one-off between replays is built layer by layer: no per-layer traces compiled for it alone)
+            with compiled.forced(False) if self.traced else contextlib.nullcontext():
+                state, *out = self._body(self._state(), [y, self.values])
             caches.FixedKVCache._memo = None
             for c in self.kv:
                 c.length = None

@@ -121,7 +121,7 @@ def stream_generate(
     the generation speculated, the speculation statistics.
 
     `speculation`: "auto" (the default) speculates with the checkpoint's MTP head, adaptive depth, where
-    `speculative.auto_applies` (a head, on a GPU backend unless LATTICE_MTP says otherwise) and nothing asked for
+    `speculative.auto_applies` (a head, and LATTICE_MTP=1: off by default for now) and nothing asked for
     here rules it out (logits_processors, max_kv_size), and decodes plainly otherwise; a SpecOptions asks for exactly
     that speculation (an error where it cannot run); None decodes plainly.
 

@@ -28,9 +28,9 @@ class Setting:
 SETTINGS = {
     "kernels": Setting("LATTICE_KERNELS", "", ("", "ref", "cpu"),
                        "use ref (plain-ops references), cpu (the kernel bodies on the CPU render) or leave it unset"),
-    # speculation="auto" (every command's default): on a GPU with a head, off on the CPU backend (speculative/__init__.py)
-    "mtp": Setting("LATTICE_MTP", GPU_ONLY, SWITCH,
-                   "use 1 (MTP on where the checkpoint has a head), 0 (off) or leave it unset (on on a GPU)"),
+    # speculation="auto" (the API's and generate's default) speculates where this is on and the checkpoint has a head
+    # (speculative.auto_applies); off by default until the default's evidence holds (docs/adr/0008)
+    "mtp": Setting("LATTICE_MTP", "0", SWITCH, "use 1 (MTP on where the checkpoint has a head) or 0 (off)"),
     "compile": Setting("LATTICE_COMPILE", GPU_ONLY, SWITCH,
                        "use 1 (compiled), 0 (layer by layer) or leave it unset (compiled on a GPU)"),
     "trace_steps": Setting("LATTICE_TRACE_STEPS", GPU_ONLY, SWITCH,

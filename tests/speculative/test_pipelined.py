@@ -286,33 +286,29 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     assert tuned == plain[:120]
 
 
-def test_head_catches_up_in_one_forward_of_a_power_of_two_rows(checkpoints, monkeypatch):
-    """Plain stretches of 5, 6, 13 and 2 steps: the head runs no forward during them, and when a round follows it
-    takes the whole stretch's slots in one forward whose row count is a power of two (>= CATCH_UP_ROWS): a new row
-    count compiles new kernels on a GPU, inside the generation, so the counts must come from a short fixed list. The
-    prompt's slots wait for the first round too. The tokens stay plain decoding's."""
-    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
+def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):
+    """Plain stretches of 5, 6, 70 and 2 steps: the head runs no forward during them, and when a round follows it
+    takes the stretch's slots in forwards of CATCH_UP_PIECE rows, the last padded (a new row count compiles new
+    kernels on a GPU, inside the generation: every catch-up has the one count). The prompt's slots wait for the first
+    round too. The tokens stay plain decoding's."""
+    from lattice_mlx.speculative.pipelined import CATCH_UP_PIECE
 
     model, _ = load(checkpoints["untied"])
-    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(80))]
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(200))]
     rows = []
     head_call = type(model.mtp).__call__
     monkeypatch.setattr(type(model.mtp), "__call__", lambda self, e, h, *a, **kw: (
         rows.append(e.shape[1]), head_call(self, e, h, *a, **kw))[1])
-    _scheduled(monkeypatch, [0] * 5 + [2] + [0] * 6 + [3] + [0] * 13 + [1, 2] + [0] * 2 + [3, 3])
-    got, stats = adaptive_tokens(model, PROMPT, 70,
+    _scheduled(monkeypatch, [0] * 5 + [2] + [0] * 6 + [3] + [0] * 70 + [1, 2] + [0] * 2 + [3, 3])
+    got, stats = adaptive_tokens(model, PROMPT, 100,
                                  drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=4))
-    assert got == plain[:70]
+    assert got == plain[:100]
     assert stats.rounds >= 5
-    buckets = {CATCH_UP_ROWS << i for i in range(8)}
-    # a round's rows (K + 1 <= 4), one row per draft step, the catch-up's buckets: nothing else
-    assert set(rows) <= {1, 2, 3, 4} | buckets, rows
-    # the first forward: the prompt's slots and the first 5 plain steps' together (none fed before)
-    assert rows[0] == max(CATCH_UP_ROWS, 1 << (len(PROMPT) + 5 - 1).bit_length()), rows
-    # one catch-up per stretch that a round ends: 6 + 1 slots -> 8, 13 + 1 -> 16, 2 + 1 -> 8, then the schedule
-    # again: 5 + 1 -> 8, 6 + 1 -> 8, 13 + 1 -> 16
-    catch_ups = [r for r in rows[1:] if r in buckets]
-    assert catch_ups[:6] == [8, 16, 8, 8, 8, 16], rows
+    # a round's rows (K + 1 <= 4), one row per draft step, the catch-up pieces: nothing else
+    assert set(rows) == {1, 2, 3, 4, CATCH_UP_PIECE}, rows
+    # the first forward: the prompt's slots and the first 5 plain steps' together (none fed before); one piece per
+    # stretch a round ends, two for the 70 steps' (71 slots)
+    assert rows[0] == CATCH_UP_PIECE and rows.count(CATCH_UP_PIECE) >= 1 + 1 + 2 + 1, rows
 
 
 def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, monkeypatch):
@@ -343,14 +339,14 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
     """The head's KV cache after plain steps (their slots and the prompt's caught up in one forward when a round
     follows) and rounds of K = 2 holds, row for row, what one forward of the head over all the verified slots writes
     (fp32): the drafts after a plain stretch see the right past."""
-    from lattice_mlx.speculative.drafters import CATCH_UP_ROWS
+    from lattice_mlx.speculative.pipelined import CATCH_UP_PIECE
 
     model, _ = load(checkpoints["untied"])
     cache = model.make_cache()
     logits, hidden = prefill(model, mx.array(PROMPT), cache, return_hidden=True)
     first = mx.argmax(logits).item()
     pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
-    schedule = [0] * (CATCH_UP_ROWS + 5) + [2, 0, 0, 2]
+    schedule = [0] * (CATCH_UP_PIECE + 5) + [2, 0, 0, 2]
     verified, out_tokens = 0, [first]
     for r, k in enumerate(schedule + [0]):
         pr.bounds(r, verified)

@@ -24,7 +24,7 @@ from ..decode import generate_step
 from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
-from ..speculative import SpecOptions, SpecStats, auto_applies, speculate
+from ..speculative import SpecOptions, SpecStats, speculate
 from ..speculative.options import ADAPTIVE_MAX_K
 from ..speculative.pipelined import warm_catch_up
 from ..startup import interrupts_to_main
@@ -121,8 +121,7 @@ def setup_arg_parser() -> ArgumentParser:
                    help="accept a prompt plus max_tokens past the checkpoint's context length")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling a request leaves out takes the checkpoint's generation_config.json")
-    p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head "
-                   "(MTP is on by default on a GPU; on the CPU backend only with LATTICE_MTP=1)")
+    p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
     p.add_argument("--draft-tokens", type=int, help=f"MTP draft depth K, the largest (adaptive) [{ADAPTIVE_MAX_K}]")
     p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
                    "compile the decode and verify shapes (otherwise the first request pays for them)")
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         defaults = {}
         if args.generation_config == "auto":
             defaults = checkpoint_sampling(resolve_path(args.model) if args.model else DEMO_MODEL)
-        speculation = SpecOptions(draft_tokens=args.draft_tokens) if auto_applies(model) and not args.no_mtp \
-            else None
+        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
         httpd = Server((args.host, args.port), None)
     except (LoadError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,11 +25,11 @@ __all__ = ["DRAFT_SOURCES", "MAX_DRAFT_TOKENS", "VERIFIERS", "SpecOptions", "Spe
 
 
 def auto_applies(model) -> bool:
-    """Whether speculation='auto' (the API's, the CLI's, the server's and chat's default) speculates on `model`: it
-    has an MTP head, and LATTICE_MTP is 1, or unset on a GPU backend. On MLX's CPU backend a forward's cost grows
-    with its rows about as K + 1 plain steps' would, so no depth pays there even when every draft is kept
-    (docs/results/code_measurements.md, 'Speculation on the CPU'; docs/adr/0008-mtp-on-by-default.md); --mtp (or
-    LATTICE_MTP=1) still speculates there, adaptively."""
+    """Whether speculation='auto' (the API's and generate's default) speculates on `model`: it has an MTP head and
+    LATTICE_MTP=1. Off by default for now: measured, the default speculation still lost to plain decoding where
+    drafts are never accepted, and its first generation in a fresh process compiled for tens of seconds on a GPU
+    (docs/adr/0008-mtp-on-by-default.md); on MLX's CPU backend no depth pays (docs/results/code_measurements.md,
+    'Speculation on the CPU')."""
     return bool(getattr(model, "has_mtp", False)) and settings.on("mtp")
 
 

@@ -15,6 +15,7 @@ Indexing as in chain.py: y is the newest token (position p, not yet fed); MTP sl
 with the target hidden h_j at RoPE position j.
 """
 
+import contextlib
 import functools
 import logging
 import time
@@ -24,13 +25,14 @@ import mlx.core as mx
 
 from .. import cache as caches
 from .. import decode, settings, traces
-from ..decode import PREFILL_STEP, TracedSteps, resume
+from ..decode import TracedSteps, resume
 from ..metal import use_kernels
 from ..metal.argmax import argmax
+from ..metal.gated_delta import picked
 from ..models import compiled
 from ..runtime import runtime_of
 from ..sample import Sampler, accept_sampled_arrays
-from .drafters import CATCH_UP_ROWS, _pick, feed_head
+from .drafters import _pick, feed_head
 from .options import SpecOptions, SpecStats
 from .tuning import (
     MIN_POSITION_ROUNDS,
@@ -135,23 +137,20 @@ def _traced_round(model, k: int):
     return traces.compile_traced(body, fallback, captured)
 
 
-def catch_up_rows() -> list[int]:
-    """The row counts of the head's catch-up forwards (PipelinedRounds._catch_up): powers of two from CATCH_UP_ROWS
-    to PREFILL_STEP."""
-    return [CATCH_UP_ROWS << i for i in range((PREFILL_STEP // CATCH_UP_ROWS).bit_length())]
+# The row count of every head forward that catches up on pending slots (the prompt's, a plain stretch's)
+CATCH_UP_PIECE = 64
 
 
 def warm_catch_up(model) -> None:
-    """One head forward at every catch-up row count, on a scratch cache: their kernels compile now (a server's
-    start-up) and not inside a generation."""
+    """One head forward over CATCH_UP_PIECE rows on a scratch cache: its kernels compile now (a server's start-up)
+    and not inside a generation."""
     head, H = model.mtp, model.args.hidden_size
-    for rows in catch_up_rows():
-        mcache = [caches.FixedKVCache.from_kv(c) for c in head.make_cache()]
-        for c in mcache:
-            c.whole = True
-        e = model.model.embed_tokens(mx.zeros((rows,), dtype=mx.int32))
-        hid = mx.zeros((rows, H), dtype=e.dtype)  # the activations' dtype, as the target's hiddens
-        mx.eval(head(e[None], head.from_target(hid)[None], mcache))
+    mcache = [caches.FixedKVCache.from_kv(c) for c in head.make_cache()]
+    for c in mcache:
+        c.whole = True
+    e = model.model.embed_tokens(mx.zeros((CATCH_UP_PIECE,), dtype=mx.int32))
+    hid = mx.zeros((CATCH_UP_PIECE, H), dtype=e.dtype)  # the activations' dtype, as the target's hiddens
+    mx.eval(head(e[None], head.from_target(hid)[None], mcache))
 
 
 class PipelinedRounds:
@@ -224,8 +223,11 @@ class PipelinedRounds:
         joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token [1], 0)."""
         if self.last_k:
             self._draft_rows(0)
-            for c in self.gdn:
-                c.commit()  # the next step reads the last verify's picked state, and writes a plain one
+            window = self.model.args.linear_conv_kernel_dim - 1
+            for c in self.gdn:  # the verify's picked window and state as plain ones: the step replays its trace
+                c.commit()
+                c.conv, c.ssm = picked(c.conv, c.ssm, c.window_pick, window)
+                c.window_pick = None
         else:
             self.backlog.append((self.ptok, self.phid))
         self.steps.bound = self.kv[0].bound if self.kv else 0
@@ -236,23 +238,21 @@ class PipelinedRounds:
 
     def _catch_up(self) -> None:
         """Before the first draft after plain steps (or the generation's first): the head takes every pending slot
-        (the prompt's, the plain steps') in one batched forward per PREFILL_STEP rows, the last piece with the
-        draft's forward. That piece is padded to a power of two rows (>= CATCH_UP_ROWS) with copies of the newest
-        slot, scratch rows past the head's true end that the next ones overwrite, as a draft step's are: a forward
-        over a row count not seen before compiles new kernels on a GPU, seconds inside a generation
-        (docs/results/code_measurements.md, 'pipelined tuner')."""
+        (the prompt's, the plain steps') in forwards of CATCH_UP_PIECE rows, the last one with the draft's forward,
+        padded with copies of the newest slot (scratch rows past the head's true end that the next ones overwrite, as
+        a draft step's are). One row count whatever the stretch: on a GPU a forward over a row count not seen before
+        compiles new kernels, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner')."""
         slots = [*self.backlog, (self.ptok, self.phid)]
         tok, hid = (mx.concatenate([t for t, _ in slots]), mx.concatenate([h for _, h in slots])) \
             if len(slots) > 1 else slots[0]
         rows = tok.shape[0]
-        cut = rows - (rows % PREFILL_STEP or PREFILL_STEP)
-        for start in range(0, cut, PREFILL_STEP):
-            self._feed(tok[start : start + PREFILL_STEP], hid[start : start + PREFILL_STEP])
+        cut = rows - (rows % CATCH_UP_PIECE or CATCH_UP_PIECE)
+        for start in range(0, cut, CATCH_UP_PIECE):
+            self._feed(tok[start : start + CATCH_UP_PIECE], hid[start : start + CATCH_UP_PIECE])
         tok, hid, rows = tok[cut:], hid[cut:], rows - cut
-        pad = max(CATCH_UP_ROWS, 1 << (rows - 1).bit_length()) - rows
-        if pad:
-            tok = mx.concatenate([tok, mx.repeat(tok[-1:], pad)])
-            hid = mx.concatenate([hid, mx.repeat(hid[-1:], pad, axis=0)])
+        if rows < CATCH_UP_PIECE:
+            tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_PIECE - rows)])
+            hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
         self.ptok, self.phid, self.pn, self.backlog = tok, hid, mx.array(rows - 1, dtype=mx.int32), []
         if self.plain_steps:
             self.gen, self.plain_steps = self.gen + self.plain_steps, 0
@@ -371,7 +371,10 @@ class PipelinedRounds:
         if k == 0:
             return self.plain_step()
         if not self._can_trace(k):
-            return self.verify(*self.draft(r, k))
+            # a one-off round between traced ones (a new depth's first, the first after plain steps) is built layer
+            # by layer: per-layer traces would be compiled for it alone (on a GPU, seconds)
+            with compiled.forced(False) if self.traced else contextlib.nullcontext():
+                return self.verify(*self.draft(r, k))
         key = self.trace_key(k)
         cached, _ = traces.cached(self.model, "rounds", key, lambda: _traced_round(self.model, k))
         # room for the round: the target's k + 1 rows, the head's k + 1 pending and k - 1 scratch rows past its
