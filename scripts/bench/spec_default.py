@@ -93,8 +93,8 @@ def prompts_for(target, args) -> list[list[int]]:
 def run_group(args) -> dict:
     drafts, temp, n = args.group.split("|")
     temp, n = float(temp), int(n)
-    target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype, seed=args.seed,
-                         stock=False)
+    target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype or None,
+                         seed=args.seed, stock=False)
     model, legs = target.model, args.legs.split(",")
     prompts = prompts_for(target, args)
     t0 = time.perf_counter()
@@ -144,7 +144,7 @@ def main() -> int:
     p.add_argument("--model", default="0.8b")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="'' : the checkpoint's own (what load() gives)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafts", default="oracle:0.8")
     p.add_argument("--temps", default="0")
@@ -176,8 +176,8 @@ def main() -> int:
         res["process_s"] = time.perf_counter() - t
         result["groups"].append(res)
         rat = res["ratios"]
-        print(f"{g}: " + "  ".join(f"{leg} {rat[f'{leg}/wall_s']['median']:.2f} (first {rat[f'{leg}/wall_s']['first']:.2f})"
-                                   for leg in args.legs.split(",")[1:])
+        print(f"{g}: " + "  ".join(f"{leg} {rat[f'{leg}/wall_s']['median']:.2f} "
+                                   f"(first {rat[f'{leg}/wall_s']['first']:.2f})" for leg in args.legs.split(",")[1:])
               + f"  [{res['process_s']:.0f} s]", flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

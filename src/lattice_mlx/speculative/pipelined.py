@@ -1,15 +1,15 @@
 """Pipelined MTP rounds (`--verify pipelined`): every decision of a round on the device, and round r + 1 dispatched
 before round r is read, so the host builds the next round while the GPU runs this one.
 
-A round of shape K (fixed, or picked per round by PipelinedTuner; K = 0 is a plain step): the MTP head drafts K
-tokens; the target verifies [y, d1..dK] (always K + 1 rows); acceptance picks n (leading matches when greedy;
-min(1, p/q) with the residual and bonus draws when sampling) and the next token with array ops; the caches keep n + 1
-rows: attention caches hold their length as a device scalar
-(cache.FixedKVCache), GDN layers take the state and conv window of step n from the verify's recorded steps
-(GDNCache.pick). The MTP head's next round feeds all K + 1 verified rows (rows past n are stale and are
-overwritten) and reads its first draft at row n. No `.item()` inside a round: the host reads a round's tokens
-one round late, so a stop (end of sequence, max tokens) inside a round discards the overshoot and the tokens are
-exactly the synchronous loop's.
+A round of shape K (fixed, or picked per round by PipelinedTuner; K = 0 is a plain step: plain decoding's own traced
+step, decode.TracedSteps, the head's slots waiting until a round resumes): the MTP head drafts K tokens; the target
+verifies [y, d1..dK] (always K + 1 rows); acceptance picks n (leading matches when greedy; min(1, p/q) with the
+residual and bonus draws when sampling) and the next token with array ops; the caches keep n + 1 rows: attention
+caches hold their length as a device scalar (cache.FixedKVCache), GDN layers take the state and conv window of step
+n from the verify's recorded steps (GDNCache.pick). The MTP head's next round feeds all K + 1 verified rows (rows
+past n are stale and are overwritten) and reads its first draft at row n. No `.item()` inside a round: the host
+reads a round's tokens one round late, so a stop (end of sequence, max tokens) inside a round discards the overshoot
+and the tokens are exactly the synchronous loop's.
 
 Indexing as in chain.py: y is the newest token (position p, not yet fed); MTP slot j pairs embed(t_{j+1})
 with the target hidden h_j at RoPE position j.
@@ -88,7 +88,7 @@ def _head_offsets(k: int):
     return mx.compile(lambda offset, n: tuple(offset + n + (1 + i) for i in range(max(k - 1, 1))))
 
 
-# Traced rounds: a steady-state round (the same K as the round before, no plain-step backlog) is one
+# Traced rounds: a steady-state round (the same K as the round before, its K + 1 slots pending for the head) is one
 # mx.compile trace, replayed every round: a replay hands MLX the graph for a fraction of the host time that building
 # the round in Python takes (docs/results/code_measurements.md, 'Host-bound decoding, and traces'). The caches' arrays, the
 # newest token and the head's pending slots go in and out of the trace as arguments; the model's arrays and the PRNG
@@ -222,7 +222,8 @@ class PipelinedRounds:
         the next draft would take them, and the GDN caches leave the verify's recording; after a plain step its slot
         joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token [1], 0)."""
         if self.last_k:
-            self._draft_rows(0)
+            with compiled.forced(False) if self.traced else contextlib.nullcontext():  # (one-off, as in round())
+                self._draft_rows(0)
             window = self.model.args.linear_conv_kernel_dim - 1
             for c in self.gdn:  # the verify's picked window and state as plain ones: the step replays its trace
                 c.commit()
@@ -253,7 +254,9 @@ class PipelinedRounds:
         if rows < CATCH_UP_PIECE:
             tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_PIECE - rows)])
             hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
-        self.ptok, self.phid, self.pn, self.backlog = tok, hid, mx.array(rows - 1, dtype=mx.int32), []
+        # (plain steps' tokens are the samplers' uint32; a round's are int32, as its trace takes them)
+        self.ptok, self.phid, self.pn, self.backlog = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32), []
+        self.y = self.y.astype(mx.int32)
         if self.plain_steps:
             self.gen, self.plain_steps = self.gen + self.plain_steps, 0
         for c in self.gdn:
