@@ -192,18 +192,12 @@ def generate_step(model, ids: mx.array, *, sampler: Sampler, cache: list | None 
     y = pick(logits)
     mx.async_eval(y)
     # a cache the caller passed is updated in place, so only this loop's own caches go into a trace
-    # (with the hidden the MTP head reads as an output when the model has a head: the very trace the pipelined loop's
-    # plain stretches replay, one compile for both)
-    steps = TracedSteps(model, sampler, cache, hidden=getattr(model, "has_mtp", False)) \
-        if own and not logits_processors and TracedSteps.applies(model, cache) else None
+    steps = TracedSteps(model, sampler, cache) if own and not logits_processors and \
+        TracedSteps.applies(model, cache) else None
     if steps is not None:
         cache = None  # the prefill's attention caches: their rows are in the traced step's buffers now (memory)
     while True:
-        if steps is not None:
-            next_y = steps.step(y)
-            next_y = next_y[0] if steps.hidden else next_y
-        else:
-            next_y = pick(model(y.reshape(1, 1), cache)[0, -1])
+        next_y = steps.step(y) if steps is not None else pick(model(y.reshape(1, 1), cache)[0, -1])
         mx.async_eval(next_y)
         yield y.item()
         y = next_y
