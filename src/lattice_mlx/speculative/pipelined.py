@@ -222,7 +222,7 @@ class PipelinedRounds:
         the next draft would take them, and the GDN caches leave the verify's recording; after a plain step its slot
         joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token [1], 0)."""
         if self.last_k:
-            with compiled.forced(False) if self.traced else contextlib.nullcontext():  # (one-off, as in round())
+            with compiled.forced(False) if self._one_off() else contextlib.nullcontext():
                 self._draft_rows(0)
             window = self.model.args.linear_conv_kernel_dim - 1
             for c in self.gdn:  # the verify's picked window and state as plain ones: the step replays its trace
@@ -355,6 +355,11 @@ class PipelinedRounds:
                 and all(c.window_pick is not None for c in self.gdn)
                 and runtime_of(self.model).hidden_tap is None)
 
+    def _one_off(self) -> bool:
+        """Whether work outside a traced round is a one-off between replays (rounds traced, no hidden tap holding
+        every round out of its trace): then it is built layer by layer, not from per-layer traces compiled for it."""
+        return self.traced and runtime_of(self.model).hidden_tap is None
+
     def trace_key(self, k: int) -> tuple:
         """What a traced round's graph depends on besides its inputs: K, the sampler's structure (its numbers are an
         input; a Sampler subclass: the sampler itself), the draft vocabulary, the head and how it reads the target's
@@ -376,7 +381,7 @@ class PipelinedRounds:
         if not self._can_trace(k):
             # a one-off round between traced ones (a new depth's first, the first after plain steps) is built layer
             # by layer: per-layer traces would be compiled for it alone (on a GPU, seconds)
-            with compiled.forced(False) if self.traced else contextlib.nullcontext():
+            with compiled.forced(False) if self._one_off() else contextlib.nullcontext():
                 return self.verify(*self.draft(r, k))
         key = self.trace_key(k)
         cached, _ = traces.cached(self.model, "rounds", key, lambda: _traced_round(self.model, k))
