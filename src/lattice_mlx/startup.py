@@ -3,6 +3,7 @@ before its main() runs; Ctrl-C there ends in one line and exit code 130, not an 
 this module before anything else, and only a process started as one of the commands below is affected: a program
 that imports lattice_mlx keeps its own SIGINT handling."""
 
+import os
 import signal
 import sys
 import threading
@@ -14,8 +15,10 @@ QUIET_STARTUP = {"lattice_mlx.generate", "lattice_mlx.convert", "lattice_mlx.cha
 
 
 def _interrupted_at_startup(signum, frame):
-    print("interrupted", file=sys.stderr)
-    raise SystemExit(130)
+    # exits at once: an exception raised here can land inside native code importing (torch's, through pybind11),
+    # which then aborts the process with a C++ traceback; before main() there is nothing to clean up or flush
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def _started_command() -> str | None:
