@@ -138,7 +138,8 @@ class TracedSteps:
             c.bound = self.bound
             c.reserve(1)
         # one input shape and dtype for every caller (a scalar, the samplers' uint32): another is a new trace
-        y = y.reshape(()) if y.dtype == mx.uint32 else y.reshape(()).astype(mx.uint32)
+        if y.ndim or y.dtype != mx.uint32:  # (plain decoding's own token already is: nothing added per step)
+            y = y.reshape(()).astype(mx.uint32)
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         if self.traced and all(c.window_pick is None for c in self.gdn):
             cached, _ = traces.cached(self.model, "steps", self.key, self._traced)

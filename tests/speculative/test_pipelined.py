@@ -352,7 +352,7 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
         pr.bounds(r, verified)
         tokens, n = pr.round(r, k)
         n = n.item() if k else 0
-        out_tokens += tokens.tolist()[: n + 1]
+        out_tokens += tokens.reshape(-1).tolist()[: n + 1]  # (a plain step returns a scalar)
         verified += n + 1
     # the reference: the target's hiddens over the whole sequence, every slot (token t+1, hidden t) through the head
     ids = PROMPT + out_tokens

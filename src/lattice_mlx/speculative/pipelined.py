@@ -220,7 +220,8 @@ class PipelinedRounds:
         """A K = 0 pass: one step of plain decoding (decode.TracedSteps, the very step generate_step runs) on the
         target's caches. After a round, its slots (n + 1 of its rows valid, n on the device) go to the head now, as
         the next draft would take them, and the GDN caches leave the verify's recording; after a plain step its slot
-        joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token [1], 0)."""
+        joins the backlog, which the head takes when speculation resumes (`_catch_up`). Returns (the token, a scalar
+        array as the step returns it: no reshape per token; 0)."""
         if self.last_k:
             with compiled.forced(False) if self._one_off() else contextlib.nullcontext():
                 self._draft_rows(0)
@@ -232,9 +233,8 @@ class PipelinedRounds:
         else:
             self.backlog.append((self.ptok, self.phid))
         self.steps.bound = self.kv[0].bound if self.kv else 0
-        y, hidden = self.steps.step(self.y)
-        self.y = self.ptok = y.reshape(1)
-        self.phid, self.plain_steps, self.last_k = hidden, self.plain_steps + 1, 0
+        self.y, self.phid = self.steps.step(self.y)
+        self.ptok, self.plain_steps, self.last_k = self.y, self.plain_steps + 1, 0
         return self.y, 0
 
     def _catch_up(self) -> None:
@@ -243,9 +243,9 @@ class PipelinedRounds:
         padded with copies of the newest slot (scratch rows past the head's true end that the next ones overwrite, as
         a draft step's are). One row count whatever the stretch: on a GPU a forward over a row count not seen before
         compiles new kernels, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner')."""
-        slots = [*self.backlog, (self.ptok, self.phid)]
-        tok, hid = (mx.concatenate([t for t, _ in slots]), mx.concatenate([h for _, h in slots])) \
-            if len(slots) > 1 else slots[0]
+        slots = [*self.backlog, (self.ptok, self.phid)]  # (a plain step's token is a scalar)
+        tok, hid = (mx.concatenate([t.reshape(-1) for t, _ in slots]), mx.concatenate([h for _, h in slots])) \
+            if len(slots) > 1 else (slots[0][0].reshape(-1), slots[0][1])
         rows = tok.shape[0]
         cut = rows - (rows % CATCH_UP_PIECE or CATCH_UP_PIECE)
         for start in range(0, cut, CATCH_UP_PIECE):
@@ -256,7 +256,7 @@ class PipelinedRounds:
             hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
         # (plain steps' tokens are the samplers' uint32; a round's are int32, as its trace takes them)
         self.ptok, self.phid, self.pn, self.backlog = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32), []
-        self.y = self.y.astype(mx.int32)
+        self.y = self.y.reshape(1).astype(mx.int32)
         if self.plain_steps:
             self.gen, self.plain_steps = self.gen + self.plain_steps, 0
         for c in self.gdn:
@@ -457,7 +457,7 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
             # undid the pipelining (scripts/bench/round_host.py measures both reads)
             tokens, n, pk = pending
             n = n.item() if pk else 0
-            tokens = tokens.tolist()[: n + 1]
+            tokens = tokens.tolist()[: n + 1] if pk else [tokens.item()]
         if k:
             stats.draft_time_s += mid - tic
             stats.verify_time_s += time.perf_counter() - mid
