@@ -18,6 +18,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from lattice_mlx.metal import q4_matmul as q4_module
 from lattice_mlx.metal.q4_matmul import Pre, dense_matmul_kernel, q4_matmul_kernel, unfused
 
 H, I, GDN_IN, GDN_V, ATT_O = 1024, 3584, 8224, 2048, 2048  # 0.8B: hidden, MLP, GDN in_proj rows, GDN values, o_proj in
@@ -100,13 +101,21 @@ def main() -> None:
     p.add_argument("--ms", default="1,2,4,8")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--set", choices=("q4", "dense"), default="q4")
+    p.add_argument("--only", default="", help="comma list of substrings: run the cases whose name holds one")
+    p.add_argument("--capacities", default=q4_module.CAPACITY,
+                   help="comma list of q4_matmul.CAPACITIES: each case run under each (the rows a variant holds)")
     args = p.parse_args()
     spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(args.profiler_dir, "gpu_kernels.py"))
     prof_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof_mod)
     results = {}
-    for M in map(int, args.ms.split(",")):
+    policies = args.capacities.split(",")
+    for M, policy in [(M, c) for M in map(int, args.ms.split(",")) for c in policies]:
+        q4_module.CAPACITY = policy
         for name, fn in (cases if args.set == "q4" else dense_cases)(M).items():
+            if args.only and not any(o in name for o in args.only.split(",")):
+                continue
+            name = f"{name} [{policy}]" if len(policies) > 1 else name
             for _ in range(3):
                 mx.eval(fn())  # compile, warm
             with prof_mod.kernel_profile(steps=args.calls) as prof:

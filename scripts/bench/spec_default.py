@@ -33,6 +33,7 @@ from lattice_mlx.bench.oracles import DeviceOracle
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_target, text_prompts, workload_prompts
 from lattice_mlx.decode import generate_step
+from lattice_mlx.metal import _dialect, q4_matmul
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import auto_applies
 
@@ -51,22 +52,26 @@ def leg_options(leg: str) -> SpecOptions | None:
     return SpecOptions(draft_tokens=int(leg[1:]), adaptive=False)
 
 
-def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, reference: list[int] | None,
-            seed: int) -> tuple[float, float, dict | None, list[int]]:
-    """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens)."""
+def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, reference: list[int] | None, seed: int):
+    """(the leg's token stream, its SpecStats or None)."""
     sampler = Sampler(temp=temp)
     mx.random.seed(seed)
     options = leg_options(leg)
-    tic = time.perf_counter()
     if options is None:
-        stream, stats = generate_step(model, mx.array(ids), sampler=sampler), None
-    else:
-        stats = SpecStats.of(options)
-        drafter = None
-        if drafts.startswith("oracle:"):
-            drafter = DeviceOracle(reference, float(drafts.split(":")[1]), model.args.vocab_size,
-                                   options.draft_tokens, seed=seed)
-        stream = speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter)
+        return generate_step(model, mx.array(ids), sampler=sampler), None
+    stats = SpecStats.of(options)
+    drafter = None
+    if drafts.startswith("oracle:"):
+        drafter = DeviceOracle(reference, float(drafts.split(":")[1]), model.args.vocab_size,
+                               options.draft_tokens, seed=seed)
+    return speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter), stats
+
+
+def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, reference: list[int] | None,
+            seed: int) -> tuple[float, float, dict | None, list[int]]:
+    """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens)."""
+    tic = time.perf_counter()
+    stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
     tokens, first = [], None
     for t in stream:
         tokens.append(t)
@@ -76,6 +81,38 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
             break
     end = time.perf_counter()
     return end - tic, end - first, (stats.to_dict() if stats is not None else None), tokens
+
+
+def profile_leg(kernel_profile, model, leg: str, ids: list[int], n: int, temp: float, drafts: str,
+                reference: list[int] | None, seed: int) -> dict:
+    """GPU kernels per generated token over n tokens after the first (one untimed generation of its own, CUPTI):
+    kernels, kernel microseconds, GPU busy and span per token, and per round where the leg speculates."""
+    stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
+    try:
+        next(stream)  # prefill and the first token stay outside the profile
+        rounds0 = stats.rounds if stats is not None else 0
+        with kernel_profile(steps=n) as prof:
+            for _ in zip(range(n), stream):
+                pass
+    finally:
+        stream.close()
+    s = prof.summary(top=5)
+    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                        "span_us_per_step")}
+    out["steps_are"] = "generated tokens"
+    if stats is not None:
+        out["rounds"] = stats.rounds - rounds0
+        out["acceptance"] = stats.to_dict()["acceptance_rate"]
+    return out
+
+
+def load_profiler(folder: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(folder, "gpu_kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel_profile
 
 
 def prompts_for(target, args) -> list[list[int]]:
@@ -93,6 +130,7 @@ def prompts_for(target, args) -> list[list[int]]:
 def run_group(args) -> dict:
     drafts, temp, n = args.group.split("|")
     temp, n = float(temp), int(n)
+    q4_matmul.CAPACITY = args.capacity
     target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype or None,
                          seed=args.seed, stock=False)
     model, legs = target.model, args.legs.split(",")
@@ -104,15 +142,22 @@ def run_group(args) -> dict:
     else:
         run_leg(model, "plain", prompts[0], n, temp, drafts, None, 0)
     warm_s = time.perf_counter() - t0
-    records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": []} for leg in legs}
+    records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": [],
+                     "kernel_builds": [], "kernel_build_s": []} for leg in legs}
+    builds0 = _dialect.first_uses()
+    log(f"{args.group}: kernel variants built while warming: {builds0['variants']} in {builds0['seconds']:.1f} s")
     identical = True
     log(f"{args.group}: loaded and warmed in {time.perf_counter() - t0:.1f} s")
     for rep in range(args.reps):
         tic = time.perf_counter()
         outputs = {}
         for leg in bs.abba_order(legs, rep):
+            b0 = _dialect.first_uses()
             wall, decode, st, tokens = run_leg(model, leg, prompts[rep], n, temp, drafts, refs[rep], 1000 + rep)
+            b1 = _dialect.first_uses()
             r = records[leg]
+            r["kernel_builds"].append(b1["variants"] - b0["variants"])
+            r["kernel_build_s"].append(round(b1["seconds"] - b0["seconds"], 3))
             r["wall_s"].append(wall)
             r["decode_s"].append(decode)
             r["acceptance"].append(st["acceptance_rate"] if st else None)
@@ -122,8 +167,18 @@ def run_group(args) -> dict:
         if temp == 0:
             identical &= all(t == outputs[legs[0]] for t in outputs.values())
         log(f"{args.group}: rep {rep} in {time.perf_counter() - tic:.1f} s: " + " ".join(
-            f"{leg} {records[leg]['wall_s'][-1]:.3f}" for leg in legs))
+            f"{leg} {records[leg]['wall_s'][-1]:.3f}" + (f" (built {records[leg]['kernel_builds'][-1]} variants in "
+                                                         f"{records[leg]['kernel_build_s'][-1]:.1f} s)"
+                                                         if records[leg]['kernel_builds'][-1] else "") for leg in legs))
+    profiles = {}
+    if args.profile:
+        kernel_profile = load_profiler(args.profile)
+        for leg in legs:
+            if leg != "plain-aa":
+                profiles[leg] = profile_leg(kernel_profile, model, leg, prompts[0], n, temp, drafts, refs[0], 7)
+                log(f"{args.group}: profile {leg}: {profiles[leg]}")
     out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
+           "capacity": args.capacity, "gpu_profile": profiles or None, "kernel_builds_warming": builds0,
            "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
            else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
     plain = records["plain"]["wall_s"]
@@ -153,6 +208,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--long-prompt", type=int, default=0, help="prompts of this many tokens of the repository's source")
+    p.add_argument("--profile", metavar="DIR", help="also profile each leg's GPU kernels per token (CUPTI: DIR/gpu_kernels.py)")
+    p.add_argument("--capacity", default=q4_matmul.CAPACITY, choices=q4_matmul.CAPACITIES,
+                   help="the rows a 4-bit / dense matmul variant holds (lattice_mlx.metal.q4_matmul.CAPACITY)")
     p.add_argument("--group", help=argparse.SUPPRESS)  # one group, in this process (the driver's child)
     p.add_argument("--out", default="spec_default.json")
     args = p.parse_args()

@@ -13,7 +13,8 @@
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (bench_kernels.py)
 #   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py); PER_FORWARD=1: kernels, GPU time,
 #                  busy and span per forward over T = 1..8 instead (profile_kernels.py)
-#   q4-fused       the fused 4-bit (SET=dense: unquantized) projections' GPU time by rows M, CUPTI (bench_q4_fused.py)
+#   q4-fused       the fused 4-bit (SET=dense: unquantized) projections' GPU time by rows M, CUPTI (bench_q4_fused.py);
+#                  MS [1,2,4,8], CAPACITIES [shared] (several: each case under each, the variant's rows held)
 #   profile        where a decode step's wall time goes, op by op (profile_step.py)
 #   host           a plain step's and a pipelined round's host time: Python graph building, MLX dispatch, waiting
 #                  (round_host.py; HOST_K [3])
@@ -24,7 +25,8 @@
 #   oracle         MTP speedup over the synthetic acceptance grid (0.8B shape)
 #   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
-#                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520]
+#                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
+#                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
 #   drafters       every draft source on the demo model (bench_drafters.py)
 #   distributed    kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES [4b 27b]) one
@@ -131,7 +133,8 @@ for mode in "$@"; do
     if [[ ${PER_FORWARD:-0} == 1 ]]; then
       step kernels_per_forward 300 python3 scripts/bench/profile_kernels.py --out "$RES/kernels_per_forward"
     else step_kernels; fi ;;
-  q4-fused) step q4_fused 200 python3 scripts/bench/bench_q4_fused.py --profiler-dir .device-tools ${SET:+--set "$SET"} --out "$RES/q4_fused.json" ;;
+  q4-fused) step q4_fused "${LIMIT:-200}" python3 scripts/bench/bench_q4_fused.py --profiler-dir .device-tools ${SET:+--set "$SET"} \
+      ${MS:+--ms "$MS"} ${ONLY:+--only "$ONLY"} ${CAPACITIES:+--capacities "$CAPACITIES"} --out "$RES/q4_fused.json" ;;
   profile) step profile 300 python3 scripts/bench/profile_step.py --out "$RES/profile" --dtype bfloat16 ;;
   host)
     step round_host "${HOST_LIMIT:-240}" python3 scripts/bench/round_host.py --shape "$BIG" --k "${HOST_K:-3}" --steps 64 \
@@ -154,6 +157,7 @@ for mode in "$@"; do
     step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
       --drafts "${SD_DRAFTS:-oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,oracle:1,head}" --temps "${SD_TEMPS:-0}" \
       --lengths "${SD_LENGTHS:-256}" --reps "${REPS:-10}" --legs "${SD_LEGS:-plain,plain-aa,default,k1,k2,k3,k4}" \
+      ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) \
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
   trees)

@@ -310,3 +310,47 @@ def test_glu_kernel_rows_are_batch_invariant():
     for m in range(8):
         assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(x[:, m : m + 1], w, s, b, group_size=64, pre=pre,
                                                                 glu=True)), m
+
+
+def test_capacity_policies():
+    """The rows a variant holds: decode keeps a one-row variant; "shared" holds 2..8 rows in one, "pow2" in 2 / 4 / 8,
+    "exact" one per M."""
+    got = {}
+    for policy in q4_module.CAPACITIES:
+        q4_module.CAPACITY, before = policy, q4_module.CAPACITY
+        try:
+            got[policy] = [q4_module.capacity(M) for M in range(1, 9)]
+        finally:
+            q4_module.CAPACITY = before
+    assert got == {"shared": [1, 8, 8, 8, 8, 8, 8, 8], "pow2": [1, 2, 4, 4, 8, 8, 8, 8],
+                   "exact": [1, 2, 3, 4, 5, 6, 7, 8]}
+
+
+@needs_gpu
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
+@pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
+def test_row_capacity_changes_no_result(kind, glu, monkeypatch):
+    """A call of M rows in a variant holding more rows (MM > M, the rows taken from x's shape) is bitwise the call in
+    the variant of exactly M rows, and each row is the one-row call: a verify of any depth can share one variant."""
+    if glu and kind not in (None, "rms"):
+        pytest.skip("the SwiGLU epilogue follows a plain or rms prologue")
+    x, pre = make_pre(kind, 5, 1024, mx.bfloat16, seed=41)
+    _, w, s, b = make(1, 2 * 501 if glu else 1003, 1024, 64, mx.bfloat16, seed=42)
+    for M in (2, 3, 5):
+        if kind == "gate":
+            xm, pm = x[:, :, :M], Pre("gate", src=pre.src[:, :M])
+        elif kind == "gated_rms":
+            xm, pm = x[:, :M], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, :M], offset=24)
+        else:
+            xm, pm = x[:, :M], pre
+        out = {}
+        for policy in q4_module.CAPACITIES:
+            monkeypatch.setattr(q4_module, "CAPACITY", policy)
+            out[policy] = q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm, glu=glu, init_value=float("nan"))
+        monkeypatch.setattr(q4_module, "CAPACITY", "shared")
+        for policy, y in out.items():
+            assert mx.array_equal(y, out["exact"]), (kind, M, policy)
+        one = xm[:, :, :1] if kind == "gate" else xm[:, :1]
+        p1 = Pre("gate", src=pm.src[:, :1]) if kind == "gate" else (
+            Pre("gated_rms", pm.weight, pm.eps, src=pm.src[:, :1], offset=24) if kind == "gated_rms" else pm)
+        assert mx.array_equal(out["shared"][:, :1], q4_matmul_kernel(one, w, s, b, group_size=64, pre=p1, glu=glu))

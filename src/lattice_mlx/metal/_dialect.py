@@ -13,6 +13,7 @@ import hashlib
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -379,7 +380,10 @@ class Kernel:
             if variant not in self.launched:
                 if dialect != "cpu":
                     zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in inputs]
+                    tic = time.perf_counter()
                     mx.eval(impl(inputs=zeros, **launch))
+                    _FIRST_USES["variants"] += 1
+                    _FIRST_USES["seconds"] += time.perf_counter() - tic
                 self.launched.add(variant)
             return impl(inputs=inputs, **launch)
         except Exception as e:  # noqa: BLE001 (any failure of a build or launch: this kernel falls back for good)
@@ -391,6 +395,17 @@ class Kernel:
         print(f"lattice_mlx: kernel {self.name} failed on {dialect} ({why[:300]}); its plain-ops reference runs "
               "instead for the rest of this process. Please report it with the output of `python -m "
               "lattice_mlx.doctor`.", file=sys.stderr)
+
+
+# The first launches of variants on Metal or CUDA in this process: how many, and the seconds their guarded runs took
+# (MLX builds a custom kernel's variant there: an NVRTC compile of 1.3-1.8 s each on CUDA). Benchmarks read it to
+# say what a first generation spent building kernels.
+_FIRST_USES = {"variants": 0, "seconds": 0.0}
+
+
+def first_uses() -> dict:
+    """{"variants": n, "seconds": s}: the variants first launched in this process so far, and their build time."""
+    return dict(_FIRST_USES)
 
 
 def kernels() -> list[Kernel]:

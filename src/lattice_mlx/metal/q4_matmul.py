@@ -177,6 +177,18 @@ _GLU = f"""float t2 = 0.0f;
       const float gv = {_round("total")}, uv = {_round("f * t2")};
       total = {_round(_round("gv * (1.0f / (1.0f + LX_EXP(-gv)))") + " * uv")};
     }}"""
+# M, the rows of this call, from x's shape: the template constant MM is the rows the registers and the shared memory
+# hold (one variant of MM rows serves every M <= MM; `capacity`), the loops over rows stop at M. MM = 1: M is 1 at
+# compile time.
+_ROWS_M = {
+    "none": """int M = 1;
+  if (MM > 1)
+    for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];""",
+    "gate": """const int M = MM > 1 ? x_shape[0] * x_shape[2] : 1;  // x [B, H, T, D]""",
+    "gated_rms": """int M = 1;  // x [B, T, H, D]
+  if (MM > 1)
+    for (int d = 0; d < x_ndim - 2; ++d) M *= x_shape[d];""",
+}
 _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gated_rms": ("nw", "zs")}
 
 # One threadgroup/block per R rows of w (per R output columns and their 2R rows with the glu epilogue), its SK warps
@@ -187,8 +199,9 @@ _EXTRA_INPUTS = {"none": (), "rms": ("nw",), "swiglu": (), "gate": ("g",), "gate
 # an explicit fma (no contraction left to the compiler to choose per variant), so row m of an M-row call is bitwise
 # a one-row call on it. RR: the rows a block computes; NO: the output's width.
 _BODY = """
-  LX_SHARED float red[SK * {RR} * M];
-  LX_SHARED float sqs[SK * M];
+  LX_SHARED float red[SK * {RR} * MM];
+  LX_SHARED float sqs[SK * MM];
+  {ROWS_M}
   const int N = w_shape[0];
   const int NO = {NO};
 {W_DEFS}
@@ -197,7 +210,7 @@ _BODY = """
   const int n0 = LX_BID_X * R;
   if (n0 >= NO) return;  // the whole block: n0 is the block's
 
-  float acc[{RR}][M], sq[M];
+  float acc[{RR}][MM], sq[MM];
   for (int m = 0; m < M; ++m) {
     sq[m] = 0.0f;
     for (int r = 0; r < {RR}; ++r) acc[r][m] = 0.0f;
@@ -205,7 +218,7 @@ _BODY = """
 
   for (int c = LX_TID_X; c < KC; c += 32 * SK) {
 {W_CHUNK}
-    float p[{RR}][M], xs[M];
+    float p[{RR}][MM], xs[MM];
     for (int m = 0; m < M; ++m) {
       xs[m] = 0.0f;
       for (int r = 0; r < {RR}; ++r) p[r][m] = 0.0f;
@@ -312,7 +325,8 @@ def body(kind: str, residual: bool, glu: bool = False, fmt: str = "q4") -> str:
     out = _BODY
     for key, text in _W_FORMATS[fmt].items():
         out = out.replace("{" + key + "}", text)
-    return (out.replace("{LOAD_X}", _LOAD_X[kind]).replace("{LOAD_SHARED}", _LOAD_SHARED.get(kind, ""))
+    out = out.replace("for (int m = 0; m < M; ++m)", "for (int m = 0; m < MM; ++m) if (m < M)")
+    return (out.replace("{ROWS_M}", _ROWS_M.get(kind, _ROWS_M["none"])).replace("{LOAD_X}", _LOAD_X[kind]).replace("{LOAD_SHARED}", _LOAD_SHARED.get(kind, ""))
             .replace("{CHUNK_SCALE}", _CHUNK_SCALE.get(kind, "")).replace("{ROW_SCALE}", _ROW_SCALE.get(kind, ""))
             .replace("{GLU}", _GLU if glu else "").replace("{STORE}", _STORE[residual])
             .replace("{NO}", "N / 2" if glu else "N").replace("{RR}", "(2 * R)" if glu else "R"))
@@ -325,6 +339,25 @@ ROWS = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
 # warps cannot hide the loads' latency (the same page).
 MIN_WARPS = 1024
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+# The rows a variant holds (MM) for a call of M rows. Every variant is a build of its own on first use in a process:
+# on MLX's CUDA backend an NVRTC compile of 1.3-1.8 s that MLX does not keep on disk for custom kernels (Metal
+# builds a library per variant too), so a verify of K + 1 rows at each new depth K built ~11 variants of its own,
+# the bulk of a first speculative generation's cost on the H200. "shared": one variant holds 2..8 rows (decode
+# keeps its one-row variant); "pow2": 2, 4 or 8; "exact": one per M. A row's arithmetic is the same in every variant
+# (the loops over rows stop at M), so the choice changes no result (tests/metal/test_q4_matmul.py).
+CAPACITIES = ("shared", "pow2", "exact")
+CAPACITY = "shared"
+
+
+def capacity(M: int) -> int:
+    """MM for a call of M rows under CAPACITY."""
+    if M == 1 or CAPACITY == "exact":
+        return M
+    if CAPACITY == "pow2":
+        return 1 << (M - 1).bit_length()
+    return MAX_ROWS
 
 
 def launch_shape(M: int, N: int, K: int, rows: int | None = None) -> tuple[int, int]:
@@ -402,7 +435,7 @@ def _launch(fmt: str, x: mx.array, weights: list[mx.array], template: list, *, p
     if glu and rows is None:
         R = max(1, R // 2)
     NO = N // 2 if glu else N
-    inputs, template = [x, *weights], [("OT", x.dtype), ("M", M), ("R", R), ("SK", SK), *template]
+    inputs, template = [x, *weights], [("OT", x.dtype), ("MM", capacity(M)), ("R", R), ("SK", SK), *template]
     if kind in ("rms", "gated_rms"):
         inputs.append(pre.weight)
         template.append(("EPS", round(pre.eps * 1e9)))
