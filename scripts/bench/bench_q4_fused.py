@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--ms", default="1,2,4,8")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--set", choices=("q4", "dense"), default="q4")
-    p.add_argument("--only", default="", help="comma list of substrings: run the cases whose name holds one")
+    p.add_argument("--only", default="", help="comma list of case names: run these only")
     p.add_argument("--capacities", default=q4_module.CAPACITY,
                    help="comma list of q4_matmul.CAPACITIES: each case run under each (the rows a variant holds)")
     args = p.parse_args()
@@ -113,7 +113,7 @@ def main() -> None:
     for M, policy in [(M, c) for M in map(int, args.ms.split(",")) for c in policies]:
         q4_module.CAPACITY = policy
         for name, fn in (cases if args.set == "q4" else dense_cases)(M).items():
-            if args.only and not any(o in name for o in args.only.split(",")):
+            if args.only and name not in args.only.split(","):
                 continue
             name = f"{name} [{policy}]" if len(policies) > 1 else name
             for _ in range(3):
