@@ -313,8 +313,8 @@ def test_glu_kernel_rows_are_batch_invariant():
 
 
 def test_capacity_policies():
-    """The rows a variant holds: decode keeps a one-row variant; "shared" holds 2..8 rows in one, "pow2" in 2 / 4 / 8,
-    "exact" one per M."""
+    """The rows a variant holds: decode keeps a one-row variant; "quad" holds 2..4 rows in one and 5..8 in another,
+    "shared" 2..8 in one, "exact" one per M."""
     got = {}
     for policy in q4_module.CAPACITIES:
         q4_module.CAPACITY, before = policy, q4_module.CAPACITY
@@ -322,7 +322,7 @@ def test_capacity_policies():
             got[policy] = [q4_module.capacity(M) for M in range(1, 9)]
         finally:
             q4_module.CAPACITY = before
-    assert got == {"shared": [1, 8, 8, 8, 8, 8, 8, 8], "pow2": [1, 2, 4, 4, 8, 8, 8, 8],
+    assert got == {"shared": [1, 8, 8, 8, 8, 8, 8, 8], "quad": [1, 4, 4, 4, 8, 8, 8, 8],
                    "exact": [1, 2, 3, 4, 5, 6, 7, 8]}
 
 
@@ -347,10 +347,10 @@ def test_row_capacity_changes_no_result(kind, glu, monkeypatch):
         for policy in q4_module.CAPACITIES:
             monkeypatch.setattr(q4_module, "CAPACITY", policy)
             out[policy] = q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm, glu=glu, init_value=float("nan"))
-        monkeypatch.setattr(q4_module, "CAPACITY", "shared")
+        monkeypatch.setattr(q4_module, "CAPACITY", "quad")
         for policy, y in out.items():
             assert mx.array_equal(y, out["exact"]), (kind, M, policy)
         one = xm[:, :, :1] if kind == "gate" else xm[:, :1]
         p1 = Pre("gate", src=pm.src[:, :1]) if kind == "gate" else (
             Pre("gated_rms", pm.weight, pm.eps, src=pm.src[:, :1], offset=24) if kind == "gated_rms" else pm)
-        assert mx.array_equal(out["shared"][:, :1], q4_matmul_kernel(one, w, s, b, group_size=64, pre=p1, glu=glu))
+        assert mx.array_equal(out["quad"][:, :1], q4_matmul_kernel(one, w, s, b, group_size=64, pre=p1, glu=glu))

@@ -117,7 +117,7 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     or takes it shallower, never deeper (on the H200 it went K 1 -> 2 'hoping 1.25' at acceptance 0); the plain
     stretches grow 64 -> 256 tokens, so a 256-token generation probes at most twice after its first rounds; and a
     generation after one that ended in plain steps starts with a plain stretch."""
-    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF
+    from lattice_mlx.speculative.tuning import PIPELINED_CARRIED_OFF, PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH
 
     costs = {0: 1.6, 1: 2.0, 2: 2.3, 3: 2.6, 4: 2.9}  # ms per pass at the H200's 0.8B shape
     memory: dict = {}
@@ -133,8 +133,17 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
         assert not ks[:-1] or k <= max(ks[:-1]) or ks[-2] == 0  # deeper only when a stretch ends
     probes = sum(1 for a, b in zip(ks, ks[1:]) if a == 0 and b > 0)
     assert probes <= 2 and ks.count(0) > 220 and memory["off"]
+    # the next generation starts with the stretch the schedule had reached (up to PIPELINED_CARRIED_OFF): at
+    # acceptance 0 a 256-token generation after this one runs no round at all (on the H200, stretches restarting at
+    # 64 tokens in every generation held the default at 0.93x plain)
+    assert memory["off"] >= PIPELINED_CARRIED_OFF > PIPELINED_FIRST_OFF
     nxt = _Costs(4, memory)
-    assert nxt.run(costs, [0.0], PIPELINED_FIRST_OFF) == [0] * PIPELINED_FIRST_OFF
+    assert nxt.run(costs, [0.0], PIPELINED_CARRIED_OFF) == [0] * PIPELINED_CARRIED_OFF
+    assert nxt.off_tokens == PIPELINED_CARRIED_OFF * PIPELINED_OFF_GROWTH  # the schedule goes on from there
+    # a generation that speculates and pays resets it
+    good = {}
+    _Costs(4, good).run(costs, [0.95, 0.9, 0.85, 0.8], 40)
+    assert good.get("off") in (None, False)
     # the H200's case: at K=1 with K=2's cost known, hope favouring K=2 keeps K=1
     tuner = PipelinedTuner(4, {"cost": {0: 1.6, 1: 2.0, 2: 2.3}, "k": 1})
     tuner.left = 0

@@ -28,6 +28,14 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 # where the state changes hands), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
 # decoding (docs/results/code_measurements.md, 'pipelined tuner')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
+# A generation after one that ended in a plain stretch starts with a plain stretch of the length the schedule had
+# reached, up to this: at acceptance 0 on the H200 a schedule that began at 64 tokens in every generation probed once
+# or twice per 256 tokens and stayed at 0.93x plain (docs/results/code_measurements.md, 'pipelined tuner'). A text
+# that drafts well after a run of ones that did not waits at most this many tokens for its probe.
+PIPELINED_CARRIED_OFF = 256
+# A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
+# (4.9 ms for a 3.5 ms round) steer the depth for rounds after it (the same page)
+COST_WINDOW = 7
 # The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
 # refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to
 # plain decoding at low acceptance (docs/results/code_measurements.md, 'pipelined tuner').
@@ -98,7 +106,7 @@ def tuner_memory(model, greedy: bool) -> dict:
 class PipelinedTuner:
     """Adaptive depth for pipelined rounds. In the loop's steady state the host builds and dispatches round r while
     the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
-    cost(K) is the moving average of those passes (K = 0: a plain step), tokens(K) comes from the measured
+    cost(K) is the median of its last COST_WINDOW passes (K = 0: a plain step), tokens(K) comes from the measured
     per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
     with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
     of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
@@ -128,6 +136,7 @@ class PipelinedTuner:
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
         self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
+        self.window = {}  # per depth: its last COST_WINDOW timed passes (a remembered cost counts as one)
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
@@ -136,11 +145,12 @@ class PipelinedTuner:
             if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
                 self.k, self.left, self.off_tokens = 0, MAX_OFF_TOKENS, MAX_OFF_TOKENS
                 self.log.append(f"plain steps for {MAX_OFF_TOKENS} tokens first: no depth could pay before")
-            elif self.memory.get("off"):  # the last generation ended in a plain stretch: one here first too
-                self.k, self.left = 0, PIPELINED_FIRST_OFF
-                self.off_tokens = PIPELINED_FIRST_OFF * PIPELINED_OFF_GROWTH
-                self.log.append(f"plain steps for {PIPELINED_FIRST_OFF} tokens first: the last generation ended "
-                                "in plain steps")
+            elif self.memory.get("off"):  # the last generation ended in a plain stretch: one here first too,
+                # as long as the schedule had reached (memory["off"]: that length)
+                first = min(int(self.memory["off"]), PIPELINED_CARRIED_OFF)
+                self.k, self.left = 0, first
+                self.off_tokens = min(first * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
+                self.log.append(f"plain steps for {first} tokens first: the last generation ended in plain steps")
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -176,7 +186,8 @@ class PipelinedTuner:
         # fast pass later is averaged in, as any other)
         fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
-        self.cost[k] = seconds if fresh else 0.8 * old + 0.2 * seconds
+        window = self.window[k] = [seconds] if fresh else [*self.window.get(k, [old]), seconds][-COST_WINDOW:]
+        self.cost[k] = sorted(window)[(len(window) - 1) // 2]  # (the lower one of two: stalls only add time)
 
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
@@ -247,7 +258,7 @@ class PipelinedTuner:
         hopeless = 0 < ceiling < SPECULATE_MIN_GAIN
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
-        self.memory["hopeless"], self.memory["off"] = hopeless, True
+        self.memory["hopeless"] = hopeless
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
@@ -256,6 +267,7 @@ class PipelinedTuner:
         self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
         self.k, self.left = 0, self.off_tokens - 1
         self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
+        self.memory["off"] = self.off_tokens  # the next stretch's length: where a later generation starts
         return 0
 
 
