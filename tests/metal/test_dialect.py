@@ -170,3 +170,17 @@ def test_constants_are_exact_typed_literals():
         _dialect.literal(float("nan"))
     with pytest.raises(TypeError):
         _dialect.literal("5")
+
+
+def test_first_use_builds_are_counted_and_announced_once(monkeypatch, capsys):
+    """A process's first launches of kernel variants on a GPU build them (on MLX's CUDA backend ~1.5 s each, tens of
+    seconds for a first generation): they are counted for benchmarks, and once they pass ANNOUNCE_AFTER_S one line
+    says so on stderr, once."""
+    monkeypatch.setattr(_dialect, "_FIRST_USES", {"variants": 0, "seconds": 0.0})
+    _dialect._first_use(0.6)
+    assert capsys.readouterr().err == ""
+    _dialect._first_use(0.6)
+    _dialect._first_use(1.5)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compiling GPU kernels" in err
+    assert _dialect.first_uses() == {"variants": 3, "seconds": pytest.approx(2.7)}

@@ -382,8 +382,7 @@ class Kernel:
                     zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in inputs]
                     tic = time.perf_counter()
                     mx.eval(impl(inputs=zeros, **launch))
-                    _FIRST_USES["variants"] += 1
-                    _FIRST_USES["seconds"] += time.perf_counter() - tic
+                    _first_use(time.perf_counter() - tic)
                 self.launched.add(variant)
             return impl(inputs=inputs, **launch)
         except Exception as e:  # noqa: BLE001 (any failure of a build or launch: this kernel falls back for good)
@@ -403,9 +402,21 @@ class Kernel:
 _FIRST_USES = {"variants": 0, "seconds": 0.0}
 
 
+ANNOUNCE_AFTER_S = 1.0  # first-use builds past this many seconds in a process: one line on stderr, once
+
+
+def _first_use(seconds: float) -> None:
+    _FIRST_USES["variants"] += 1
+    _FIRST_USES["seconds"] += seconds
+    if _FIRST_USES["seconds"] > ANNOUNCE_AFTER_S and not _FIRST_USES.get("announced"):
+        _FIRST_USES["announced"] = True
+        print("lattice_mlx: compiling GPU kernels for this process (once per kernel shape; on MLX's CUDA backend "
+              "about 1.5 s each, so a first generation can take tens of seconds)", file=sys.stderr, flush=True)
+
+
 def first_uses() -> dict:
     """{"variants": n, "seconds": s}: the variants first launched in this process so far, and their build time."""
-    return dict(_FIRST_USES)
+    return {k: _FIRST_USES[k] for k in ("variants", "seconds")}
 
 
 def kernels() -> list[Kernel]:
