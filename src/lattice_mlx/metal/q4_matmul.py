@@ -341,14 +341,14 @@ MIN_WARPS = 1024
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-# The rows a variant holds (MM) for a call of M rows. Every variant is a build of its own on first use in a process:
-# on MLX's CUDA backend an NVRTC compile of 1.3-1.8 s that MLX does not keep on disk for custom kernels (Metal
-# builds a library per variant too), and a verify of K + 1 rows at each new depth K built ~11 variants of its own,
-# the bulk of a first speculative generation's cost on the H200. "quad": one variant holds 2..4 rows (verifies of
-# K = 1..3), one 5..8; "shared": one variant 2..8; "exact": one per M. Decode keeps its one-row variant. A row's
-# arithmetic is the same in every variant (the loops over rows stop at M), so the choice changes no result
-# (tests/metal/test_q4_matmul.py); registers held for 8 rows slowed calls of 2-4 rows by 10-70% on the H200, 4 rows
-# for 3 cost nothing measurable (docs/results/code_measurements.md, 'Rows a variant holds').
+# The rows a variant holds (MM) for a call of M rows. Every variant is a build of its own on first use in a process
+# (on MLX's CUDA backend an NVRTC compile that MLX does not keep on disk for custom kernels; Metal builds a library
+# per variant too), and a verify of K + 1 rows at each new depth K built a dozen variants of its own, the bulk of a
+# first speculative generation's cost. "quad": one variant holds 2..4 rows (verifies of K = 1..3), one 5..8;
+# "shared": one variant 2..8; "exact": one per M. Decode keeps its one-row variant. A row's arithmetic is the same
+# in every variant (the loops over rows stop at M), so the choice changes no result (tests/metal/test_q4_matmul.py);
+# registers held for 8 rows slowed calls of 2-4 rows, 4 rows held for 3 did not (docs/results/code_measurements.md,
+# 'Rows a variant holds').
 CAPACITIES = ("quad", "shared", "exact")
 CAPACITY = "quad"
 

@@ -127,7 +127,9 @@ def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *
 def qk_norm_rope(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads: tuple[int, int, int],
                  rope_dims: int, base: float) -> tuple[mx.array, mx.array, mx.array]:
     """The model's entry point: the kernel on a GPU where it applies, the reference otherwise."""
-    if use_kernels() and supported(src, q_norm, k_norm, heads=heads, rope_dims=rope_dims):
+    # one offset for every row; a batch of sequences at their own positions (batch.py) takes the reference
+    one_offset = not isinstance(offset, mx.array) or offset.size == 1
+    if use_kernels() and one_offset and supported(src, q_norm, k_norm, heads=heads, rope_dims=rope_dims):
         try:
             return qk_norm_rope_kernel(src, q_norm, k_norm, offset, heads=heads, rope_dims=rope_dims, base=base)
         except _dialect.KernelFailed:

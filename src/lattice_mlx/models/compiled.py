@@ -24,7 +24,7 @@ the very same arrays (retrace by deleting the owner's `_compiled`).
 from functools import partial
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
 from .. import settings
 from ..metal import use_kernels
@@ -104,8 +104,9 @@ class CompiledLayers:
                 attn_in, attn_out = fn
                 offset = c.offset if isinstance(c.offset, mx.array) else mx.array(c.offset, dtype=mx.int32)
                 q, k, v, gate_src = attn_in(h, offset, kernels)
-                # a rotating cache (max_kv_size) masks a sliding window once it has rotated
-                mask = c.make_mask(T) if isinstance(c, RotatingKVCache) else None
+                # a rotating cache (max_kv_size) masks a sliding window once it has rotated; a batch's cache its
+                # sequences' left padding
+                mask = c.make_mask(T) if isinstance(c, (RotatingKVCache, BatchKVCache)) else None
                 if mask is None and T > 1:
                     mask = "causal"
                 k, v = c.update_and_fetch(k, v)

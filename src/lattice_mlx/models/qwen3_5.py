@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import GDNCache, KVCache, NullCache
@@ -264,8 +264,9 @@ class Attention(nn.Module):
         q, k, v, gate_src = self.project(x, offset, tree, norm=norm)
         if tree is not None:
             mask = tree.attention_mask(offset)
-        elif mask is None and isinstance(cache, RotatingKVCache):
-            mask = cache.make_mask(T)  # a sliding window once the cache has rotated (None for one row)
+        elif mask is None and isinstance(cache, (RotatingKVCache, BatchKVCache)):
+            # a sliding window once the cache has rotated (None for one row); a batch's left padding (batch.py)
+            mask = cache.make_mask(T)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if mask is None and T > 1:

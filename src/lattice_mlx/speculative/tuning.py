@@ -29,12 +29,12 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 # decoding (docs/results/code_measurements.md, 'pipelined tuner')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # A generation after one that ended in a plain stretch starts with a plain stretch of the length the schedule had
-# reached, up to this: at acceptance 0 on the H200 a schedule that began at 64 tokens in every generation probed once
-# or twice per 256 tokens and stayed at 0.93x plain (docs/results/code_measurements.md, 'pipelined tuner'). A text
-# that drafts well after a run of ones that did not waits at most this many tokens for its probe.
+# reached, up to this: at acceptance 0 a schedule that began at 64 tokens in every generation probed once or twice
+# per 256 tokens and lost to plain decoding (docs/results/code_measurements.md, 'pipelined tuner'). A text that
+# drafts well after a run of ones that did not waits at most this many tokens for its probe.
 PIPELINED_CARRIED_OFF = 256
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
-# (4.9 ms for a 3.5 ms round) steer the depth for rounds after it (the same page)
+# steer the depth for rounds after it (the same page)
 COST_WINDOW = 7
 # The pipelined tuner's margins. Its costs leave out the passes just after a change of K (untraced rounds, a
 # refilling pipeline), so a depth near break-even costs more than it predicts, and a tuner without a margin lost to

@@ -1,0 +1,203 @@
+"""Continuous batching for plain decoding: many sequences, one forward per step.
+
+A sequence joins between steps: its prompt is prefilled alone (decode.prefill on caches of its own, the prefill a
+single generation runs), its first token sampled from that prefill's logits, and its caches are merged into the
+batch's: attention rows into left-padded batch caches (mlx-lm's BatchKVCache: per-sequence RoPE offsets and a padding
+mask), GDN conv windows and recurrent states stacked on the batch axis (the recurrence is per row: no padding ever
+enters a state). A step feeds every active sequence's last token, [B, 1], through the model once and samples each
+row with its own sampler. A sequence leaves between steps (its token budget, a stop token, a cancel) and its rows
+are dropped from the caches; the others' are untouched.
+
+Exactness: a sequence's prefill is its single generation's, and a step's rows do not mix (every op is per row but
+the matmuls, whose rows are independent sums); in fp32 a sequence's greedy tokens equal its single generation's
+(tests/test_batch.py). In bf16 a row's logits may depend on the batch size where the 4-bit matmul changes kernels
+(up to 8 rows: this project's kernel, each row bitwise a one-row call; more rows: MLX's quantized matmul).
+
+Shapes: B active sequences, one token each per step; the batch caches hold [B, Hkv, L, D] keys (left-padded to the
+longest) and [B, K-1, C] / [B, Hv, Dv, Dk] GDN arrays.
+"""
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from . import cache as caches
+from .decode import prefill
+from .metal.argmax import argmax
+from .sample import Sampler
+
+DEFAULT_MAX_BATCH = 16
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in a batch: its prompt, budget and sampler, and what it has produced so far."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "length", "stop" or "cancelled" once it has left
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def _take(self, token: int) -> None:
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+
+
+class BatchDecoder:
+    """The running batch of one model: `add` a sequence (prefilled at once, joining the next step), `step` to
+    advance every active sequence by one token, `cancel` to drop one. Not thread-safe: one caller drives it."""
+
+    def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.model, self.max_batch = model, max_batch
+        self.active: list[Sequence] = []  # row b of the batch caches is active[b]
+        self.cache: list | None = None
+        self._last: list[int] = []  # each active sequence's last token: the next step's input
+        self._uids = itertools.count()
+
+    @property
+    def full(self) -> bool:
+        return len(self.active) >= self.max_batch
+
+    def add(self, prompt: Iterable[int], *, max_tokens: int, sampler: Sampler | None = None,
+            stop_ids: Iterable[int] = ()) -> Sequence:
+        """Prefills `prompt` alone and samples its first token; the sequence joins the batch for the next step
+        unless that token already ended it. Returns the sequence (its `tokens` grow as steps run)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if self.full:
+            raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
+        seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
+        cache = self.model.make_cache(trimmable=False)
+        logits, _ = prefill(self.model, mx.array(prompt), cache)
+        seq._take(int(seq.sampler(logits).item()))
+        if not seq.done:
+            self._join(seq, cache)
+        return seq
+
+    def _join(self, seq: Sequence, cache: list) -> None:
+        rows = [_batch_layer(c) for c in cache]
+        if self.cache is None:
+            self.cache = rows
+        else:
+            for mine, new in zip(self.cache, rows):
+                _extend(mine, new)
+        self.active.append(seq)
+        self._last.append(seq.tokens[-1])
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One forward over every active sequence: (sequence, its new token) for each; the sequences that ended
+        with it leave the batch."""
+        if not self.active:
+            return []
+        x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
+        logits = self.model(x, self.cache)[:, -1]  # [B, V]
+        if all(s.sampler.greedy for s in self.active):
+            ys = argmax(logits)
+        else:
+            ys = mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
+        ys = ys.tolist()
+        out = []
+        for s, y in zip(self.active, ys):
+            s._take(int(y))
+            out.append((s, int(y)))
+        self._last = [int(y) for y in ys]
+        self._drop([b for b, s in enumerate(self.active) if s.done])
+        return out
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drops an active sequence from the batch (finish reason "cancelled"); the others go on untouched."""
+        if seq in self.active:
+            seq.finish_reason = "cancelled"
+            self._drop([self.active.index(seq)])
+
+    def _drop(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        keep = [b for b in range(len(self.active)) if b not in rows]
+        self.active = [self.active[b] for b in keep]
+        self._last = [self._last[b] for b in keep]
+        if not keep:
+            self.cache = None
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        for c in self.cache:
+            if isinstance(c, BatchKVCache):
+                c.filter(idx)
+            else:
+                c.conv, c.ssm = c.conv[idx], c.ssm[idx]
+
+
+def _batch_layer(c):
+    """A single sequence's prefilled cache of one layer as a batch cache of one row."""
+    if isinstance(c, caches.GDNCache):
+        out = caches.GDNCache()
+        out.conv, out.ssm = c.conv, c.ssm
+        return out
+    if type(c) is caches.KVCache:
+        return BatchKVCache.merge([c])
+    raise ValueError(f"batched decoding takes plain KV and GDN caches, not {type(c).__name__}")
+
+
+def _extend(mine, new) -> None:
+    if isinstance(mine, BatchKVCache):
+        mine.extend(new)
+    else:
+        mine.conv = mx.concatenate([mine.conv, new.conv.astype(mine.conv.dtype)])
+        mine.ssm = mx.concatenate([mine.ssm, new.ssm])
+
+
+@dataclass
+class BatchResult:
+    """One prompt's generation in `batch_generate`."""
+
+    text: str | None
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+
+def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[int] = 256,
+                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                   max_batch: int = DEFAULT_MAX_BATCH, speculation=None) -> list[BatchResult]:
+    """Generates for every prompt (text, or a list of token ids) with continuous batching: up to `max_batch`
+    sequences decode together, a new one joining as soon as another leaves. `max_tokens`: one budget for all, or
+    one per prompt. Results in the prompts' order; greedy (temp 0) gives each prompt its single generation's tokens
+    (fp32; see the module's docstring for bf16). `speculation`: None only (batched MTP rounds are not built yet)."""
+    if speculation is not None:
+        raise ValueError("batch_generate decodes plainly for now: pass speculation=None")
+    budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    ids = [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else frozenset()
+    engine = BatchDecoder(model, max_batch=max_batch)
+    seqs: list[Sequence | None] = [None] * len(prompts)
+    pending = iter(range(len(prompts)))
+    while True:
+        # fill the free rows (a prompt whose first token ends it never takes one)
+        while not engine.full and (i := next(pending, None)) is not None:
+            seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos)
+        if not engine.active:
+            break
+        engine.step()
+    return [BatchResult(tokenizer.decode(s.tokens) if tokenizer is not None else None, s.tokens, len(s.prompt),
+                        s.finish_reason) for s in seqs]

@@ -1,0 +1,106 @@
+"""Continuous batching (lattice_mlx/batch.py): every sequence in a batch gets its single generation's tokens, whoever
+its batch-mates are and whenever they join or leave; sampled rows keep the plain distribution."""
+
+import mlx.core as mx
+import pytest
+from conftest import two_token_pvalue
+
+from lattice_mlx import load
+from lattice_mlx.batch import BatchDecoder, batch_generate
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40)), [5] * 17, [9], list(range(60, 73))]
+
+
+@pytest.fixture(scope="module")
+def model32(checkpoint):
+    return load(checkpoint, dtype="float32")[0]
+
+
+def solo(model, prompt: list[int], n: int) -> list[int]:
+    out = []
+    for t in generate_step(model, mx.array(prompt), sampler=Sampler()):
+        out.append(int(t))
+        if len(out) == n:
+            return out
+
+
+def test_batch_generate_greedy_equals_each_single_generation(model32, compile_mode):
+    """Mixed prompt lengths (1 to 30 tokens), a budget per prompt, and fewer rows than prompts: sequences leave at
+    different steps and the waiting ones join a batch already running."""
+    budgets = [9, 3, 12, 6, 1, 10]
+    got = batch_generate(model32, None, PROMPTS, max_tokens=budgets, max_batch=3)
+    for prompt, n, r in zip(PROMPTS, budgets, got):
+        assert r.tokens == solo(model32, prompt, n), prompt
+        assert r.finish_reason == "length" and r.prompt_tokens == len(prompt)
+
+
+def test_arrivals_and_a_cancel_mid_generation_leave_the_others_untouched(model32):
+    engine = BatchDecoder(model32, max_batch=4)
+    a = engine.add(PROMPTS[2], max_tokens=14)
+    for _ in range(3):
+        engine.step()
+    b = engine.add(PROMPTS[0], max_tokens=10)  # joins a batch whose keys are 33 positions long
+    c = engine.add(PROMPTS[3], max_tokens=10)
+    engine.step()
+    engine.cancel(b)
+    assert b.finish_reason == "cancelled" and len(b.tokens) == 2 and engine.active == [a, c]
+    d = engine.add(PROMPTS[1], max_tokens=8)  # takes the freed row
+    while engine.active:
+        engine.step()
+    assert b.tokens == solo(model32, PROMPTS[0], 2)
+    for seq, prompt in ((a, PROMPTS[2]), (c, PROMPTS[3]), (d, PROMPTS[1])):
+        assert seq.tokens == solo(model32, prompt, seq.max_tokens) and seq.finish_reason == "length"
+
+
+def test_a_stop_token_ends_only_its_sequence(model32):
+    ref = solo(model32, PROMPTS[0], 8)
+    engine = BatchDecoder(model32)
+    s = engine.add(PROMPTS[0], max_tokens=8, stop_ids=[ref[3]])
+    t = engine.add(PROMPTS[5], max_tokens=8)
+    while engine.active:
+        engine.step()
+    assert s.tokens == ref[: ref.index(ref[3]) + 1] and s.finish_reason == "stop"
+    assert t.tokens == solo(model32, PROMPTS[5], 8)
+
+
+def test_sampled_rows_keep_the_plain_distribution(tiny_vocab_model):
+    """The first two tokens of a sequence decoded beside a batch-mate (row 1 of the step) follow plain sampling
+    (chi-square over the 64 outcomes; a row sampled from another row's logits fails it)."""
+    sampler, prompt = Sampler(temp=1.0), [1, 2, 3]
+
+    def batched():
+        engine = BatchDecoder(tiny_vocab_model)
+        engine.add([5, 6, 7, 0, 4], max_tokens=2, sampler=sampler)
+        seq = engine.add(prompt, max_tokens=2, sampler=sampler)
+        engine.step()
+        return seq.tokens
+
+    assert two_token_pvalue(tiny_vocab_model, prompt, sampler, batched, trials=300) > 1e-3
+
+
+def test_bad_requests_are_one_line_errors(model32):
+    engine = BatchDecoder(model32, max_batch=1)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([], max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add([1], max_tokens=0)
+    engine.add([1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match="full"):
+        engine.add([3], max_tokens=4)
+    with pytest.raises(ValueError, match="entries"):
+        batch_generate(model32, None, [[1], [2]], max_tokens=[3])
+    with pytest.raises(ValueError, match="speculation=None"):
+        batch_generate(model32, None, [[1]], speculation="auto")
+
+
+def test_a_4bit_model_batched_equals_its_single_generations():
+    """The 4-bit projections run B rows per step (this project's kernel up to 8 rows where kernels run, each row
+    bitwise a one-row call; MLX's quantized matmul otherwise)."""
+    from lattice_mlx.bench.synthetic import random_model
+
+    model = random_model(bits=4, group_size=32, dtype=mx.float32)
+    got = batch_generate(model, None, PROMPTS[:4], max_tokens=[6, 8, 5, 7], max_batch=3)
+    for prompt, r in zip(PROMPTS, got):
+        assert r.tokens == solo(model, prompt, len(r.tokens)), prompt
