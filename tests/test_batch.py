@@ -79,6 +79,16 @@ def test_sampled_rows_keep_the_plain_distribution(tiny_vocab_model):
 
     assert two_token_pvalue(tiny_vocab_model, prompt, sampler, batched, trials=300) > 1e-3
 
+    def mixed():  # batch-mates with samplers of their own: each row sampled by its sequence's
+        engine = BatchDecoder(tiny_vocab_model)
+        engine.add([5, 6, 7, 0, 4], max_tokens=2, sampler=Sampler(temp=0.5, top_k=3))
+        seq = engine.add(prompt, max_tokens=2, sampler=sampler)
+        engine.add([2, 2], max_tokens=2)  # greedy
+        engine.step()
+        return seq.tokens
+
+    assert two_token_pvalue(tiny_vocab_model, prompt, sampler, mixed, trials=300) > 1e-3
+
 
 def test_bad_requests_are_one_line_errors(model32):
     engine = BatchDecoder(model32, max_batch=1)
@@ -104,3 +114,22 @@ def test_a_4bit_model_batched_equals_its_single_generations():
     got = batch_generate(model, None, PROMPTS[:4], max_tokens=[6, 8, 5, 7], max_batch=3)
     for prompt, r in zip(PROMPTS, got):
         assert r.tokens == solo(model, prompt, len(r.tokens)), prompt
+
+
+@pytest.mark.parametrize("bits", [0, 4], ids=["fp32", "q4"])
+def test_batch_generate_equals_mlx_lms_batch_generate(bits):
+    """mlx-lm's own batch_generate (its BatchGenerator: batched prefill, left padding, its GDN masks) on mlx-lm's
+    qwen3_5 sharing our weight arrays gives the same greedy tokens per prompt."""
+    import types
+
+    import mlx_lm
+
+    from lattice_mlx.bench.run import load_target
+
+    target = load_target("tiny", bits=bits, group_size=32, dtype="float32", seed=0, stock=True)
+    assert target.stock is not None, target.stock_note
+    budgets = [9, 3, 12, 6, 1]
+    tok = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+    theirs = mlx_lm.batch_generate(target.stock, tok, PROMPTS[:5], max_tokens=budgets, return_token_ids=True)
+    ours = batch_generate(target.model, None, PROMPTS[:5], max_tokens=budgets, max_batch=3)
+    assert [r.tokens for r in ours] == [list(t) for t in theirs.token_ids]

@@ -27,6 +27,7 @@
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg
+#   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
 #   drafters       every draft source on the demo model (bench_drafters.py)
 #   distributed    kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES [4b 27b]) one
@@ -160,6 +161,12 @@ for mode in "$@"; do
       ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) \
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
+  batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
+          # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400]
+    step "${NAME:-batch_${SHAPE:-$BIG}}" "${LIMIT:-400}" python3 scripts/bench/batch_throughput.py --model "${SHAPE:-$BIG}" \
+      --streams "${STREAMS:-1,4,16,64}" --tokens "${TOKENS:-128}" --reps "${REPS:-10}" \
+      $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) --out "$RES/${NAME:-batch_${SHAPE:-$BIG}}.json"
+    cat "$RES/${NAME:-batch_${SHAPE:-$BIG}}.out" ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;

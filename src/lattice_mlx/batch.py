@@ -26,7 +26,6 @@ from mlx_lm.models.cache import BatchKVCache
 
 from . import cache as caches
 from .decode import prefill
-from .metal.argmax import argmax
 from .sample import Sampler
 
 DEFAULT_MAX_BATCH = 16
@@ -109,8 +108,9 @@ class BatchDecoder:
             return []
         x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
         logits = self.model(x, self.cache)[:, -1]  # [B, V]
-        if all(s.sampler.greedy for s in self.active):
-            ys = argmax(logits)
+        first = self.active[0].sampler
+        if all(s.sampler == first for s in self.active):  # one sampler for all: its ops run row by row on [B, V]
+            ys = first(logits)
         else:
             ys = mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
         ys = ys.tolist()

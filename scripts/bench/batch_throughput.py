@@ -1,0 +1,118 @@
+"""Aggregate decode throughput of continuous batching against mlx-lm's batch_generate on the same weights: B streams
+of random prompts, whole generations (prefill included), legs interleaved (ABBA) with an A/A leg, one process.
+
+Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,64] [--tokens 128] [--reps 10]
+         [--dtype bfloat16] [--bits 4] [--profile DIR] [--out FILE.json]
+Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `mlx-lm`
+(mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `solo` (B = 1 only: plain generate_step, the
+single-stream reference). Each leg runs once untimed per B first. With --profile (CUPTI, DIR/gpu_kernels.py): kernels,
+GPU kernel time and busy against span per decode step of `ours` at each B.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import types
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+
+from lattice_mlx.batch import BatchDecoder, batch_generate
+from lattice_mlx.bench import stats as bs
+from lattice_mlx.bench.report import device_name, provenance
+from lattice_mlx.bench.run import load_target
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+
+NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+
+
+def run_leg(target, leg: str, prompts: list[list[int]], n: int) -> float:
+    """Seconds for every prompt's n tokens."""
+    tic = time.perf_counter()
+    if leg in ("ours", "ours-aa"):
+        batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
+    elif leg == "mlx-lm":
+        mlx_lm.batch_generate(target.stock, NO_EOS, prompts, max_tokens=n, completion_batch_size=len(prompts),
+                              prefill_batch_size=min(len(prompts), 8))
+    else:
+        for i, _ in zip(range(n), generate_step(target.model, mx.array(prompts[0]), sampler=Sampler())):
+            pass
+    return time.perf_counter() - tic
+
+
+def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int) -> dict:
+    engine = BatchDecoder(target.model, max_batch=len(prompts))
+    for p in prompts:
+        engine.add(p, max_tokens=steps + 4)
+    engine.step()
+    with kernel_profile(steps=steps) as prof:
+        for _ in range(steps):
+            engine.step()
+    s = prof.summary(top=5)
+    return {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                        "span_us_per_step")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="0.8b")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--streams", default="1,4,16,64")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="DIR")
+    p.add_argument("--out", default="batch_throughput.json")
+    args = p.parse_args()
+    target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype or None,
+                         seed=args.seed, stock=True)
+    if target.stock is None:
+        print(f"mlx-lm's model could not be built: {target.stock_note}", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(args.seed)
+    vocab = target.model.args.vocab_size
+    result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+                       "argv": sys.argv, "model": target.label, "stock": target.stock_note}, "streams": {}}
+    kernel_profile = None
+    if args.profile:
+        spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(args.profile, "gpu_kernels.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        kernel_profile = module.kernel_profile
+    for B in map(int, args.streams.split(",")):
+        legs = ["ours", "ours-aa", "mlx-lm"] + (["solo"] if B == 1 else [])
+        reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
+        for leg in legs:  # untimed: first-use compiles
+            run_leg(target, leg, reps[0], args.tokens)
+        secs = {leg: [] for leg in legs}
+        for r, prompts in enumerate(reps):
+            for leg in bs.abba_order(legs, r):
+                secs[leg].append(run_leg(target, leg, prompts, args.tokens))
+            print(f"B={B} rep {r}: " + " ".join(f"{leg} {secs[leg][-1]:.3f}s" for leg in legs), file=sys.stderr,
+                  flush=True)
+        tps = {leg: [B * args.tokens / s for s in v] for leg, v in secs.items()}
+        out = {"tok_s": {leg: bs.summarize(v) for leg, v in tps.items()},
+               "ratios": {f"{leg}/mlx-lm": bs.summarize([a / b for a, b in zip(tps[leg], tps["mlx-lm"])])
+                          for leg in legs if leg != "mlx-lm"},
+               "seconds": secs}
+        if kernel_profile is not None:
+            out["profile_ours"] = profile_steps(kernel_profile, target, reps[0], 32)
+        result["streams"][B] = out
+        print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "
+              f"({out['ratios']['ours/mlx-lm']['median']:.2f}x; A/A {out['ratios']['ours-aa/mlx-lm']['median']:.2f}x)",
+              flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
