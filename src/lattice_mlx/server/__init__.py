@@ -28,7 +28,7 @@ from ..speculative import SpecOptions, SpecStats, speculate
 from ..speculative.options import ADAPTIVE_MAX_K
 from ..speculative.pipelined import warm_catch_up
 from ..startup import interrupts_to_main
-from .engine import Engine, Job
+from .engine import BatchEngine, Engine, Job
 from .http import Server, Site, is_loopback, make_handler
 from .protocol import BadRequest, HTTPError, Limits, StopScanner, parse_request
 
@@ -121,6 +121,8 @@ def setup_arg_parser() -> ArgumentParser:
                    help="accept a prompt plus max_tokens past the checkpoint's context length")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling a request leaves out takes the checkpoint's generation_config.json")
+    p.add_argument("--max-batch", type=int, default=1, help="requests decoded together (continuous batching, plain "
+                   "decoding: MTP rounds over a batch are not built yet); 1: one at a time, with MTP [1]")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
     p.add_argument("--draft-tokens", type=int, help=f"MTP draft depth K, the largest (adaptive) [{ADAPTIVE_MAX_K}]")
     p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
@@ -130,7 +132,7 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def _check_flags(args) -> None:
-    for name in ("max_tokens", "max_tokens_limit", "max_queue", "max_body_bytes"):
+    for name in ("max_tokens", "max_tokens_limit", "max_queue", "max_body_bytes", "max_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("request_timeout", "io_timeout"):
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         defaults = {}
         if args.generation_config == "auto":
             defaults = checkpoint_sampling(resolve_path(args.model) if args.model else DEMO_MODEL)
-        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
+        batched = args.max_batch > 1  # continuous batching decodes plainly (batch.py)
+        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp \
+            and not batched else None
         httpd = Server((args.host, args.port), None)
     except (LoadError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -172,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             httpd.server_close()
             return 1
     model_id = served_name(args.model, args.served_model_name)
-    engine = Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context)
+    engine = (BatchEngine(model, tokenizer, model_id, None, args.max_queue, args.allow_long_context,
+                          max_batch=args.max_batch) if batched else
+              Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context))
     host, port = httpd.server_address[:2]
     limits = Limits(default_max_tokens=args.max_tokens, max_tokens=args.max_tokens_limit,
                     context=model.args.max_position_embeddings, allow_long_context=args.allow_long_context,
@@ -185,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(str(host).strip("[]").lower()) and not args.allow_host:
         log.warning("bound to %s: clients on other machines must name this server by an --allow-host name", host)
     sampling = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "greedy"
-    log.info("serving %s on http://%s:%d/v1 (MTP %s; default sampling: %s; context %d tokens)", engine.model_id,
-             host, port, f"on, K up to {speculation.draft_tokens}, adaptive" if speculation else "off", sampling,
-             limits.context)
+    mtp = f"on, K up to {speculation.draft_tokens}, adaptive" if speculation else "off"
+    log.info("serving %s on http://%s:%d/v1 (MTP %s; %s; default sampling: %s; context %d tokens)", engine.model_id,
+             host, port, mtp, f"up to {args.max_batch} requests batched" if batched else "one request at a time",
+             sampling, limits.context)
     # HTTP on a thread of its own; generation on this one, where the model was loaded
     http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="http",
                                    daemon=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..batch import BatchDecoder
 from ..generate import stream_generate
 from ..prompt_cache import PromptCache
 from ..sample import Sampler
@@ -159,3 +160,128 @@ class Engine:
         log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s)",
                  len(job.ids), cached, n, time.perf_counter() - tic, finish)
         job.events.put(("done", {"finish_reason": finish, "usage": usage}))
+
+
+@dataclass(eq=False)
+class _Live:
+    """A job decoding in the batch: its sequence, the text streaming out and its limits."""
+
+    job: Job
+    seq: object  # batch.Sequence
+    scan: StopScanner
+    detok: object
+    deadline: float
+    tic: float
+    sent: int = 0  # tokens of seq.tokens already streamed
+
+
+class BatchEngine(Engine):
+    """Continuous batching (`--max-batch` > 1): up to `max_batch` jobs decode together, one forward per step
+    (batch.BatchDecoder), each joining as soon as a row is free and leaving at its own max_tokens, stop string,
+    end-of-sequence token, time limit, client leaving or shutdown, checked every step. Plain decoding: MTP rounds
+    over a batch are not built yet. A request's seed does not make it repeatable here (its batch-mates draw from the
+    same generator), and no prompt state is kept between requests."""
+
+    def __init__(self, *args, max_batch: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_batch = max_batch
+        self.live: list[_Live] = []
+        self.eos = frozenset(self.tokenizer.eos_token_ids)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopping.set()
+            for live in self.live:
+                live.job.cancel("shutdown")
+            self._drain()
+
+    def run(self) -> None:
+        decoder = BatchDecoder(self.model, max_batch=self.max_batch)
+        while not self.stopping.is_set() or self.live:
+            self._admit(decoder)
+            for live in list(self.live):
+                if live.job.cancelled.is_set():
+                    decoder.cancel(live.seq)
+                    self._end(live, None)
+            if not self.live:
+                continue
+            try:
+                decoder.step()
+            except Exception as e:  # noqa: BLE001 (the batch's failure is reported to each of its jobs)
+                log.exception("batched step failed")
+                for live in list(self.live):
+                    decoder.cancel(live.seq)
+                    self._end(live, f"generation failed: {e}")
+                continue
+            for live in list(self.live):
+                self._emit(decoder, live)
+        with self._lock:
+            self._drain()
+
+    def _admit(self, decoder) -> None:
+        """Takes waiting jobs into free rows: each is prefilled (its first token sampled) before the next step."""
+        while not decoder.full and not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0 if self.live else 0.1)
+            except queue.Empty:
+                return
+            if job.cancelled.is_set():
+                continue
+            try:
+                seq = decoder.add(job.ids, max_tokens=job.max_tokens, sampler=job.sampler, stop_ids=self.eos)
+            except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
+                log.exception("prefill failed")
+                job.events.put(("error", f"generation failed: {e}"))
+                continue
+            live = _Live(job, seq, StopScanner(job.stop), self.tokenizer.detokenizer,
+                         time.monotonic() + job.seconds, time.perf_counter())
+            with self._lock:
+                self.live.append(live)
+            self._emit(decoder, live)
+
+    def _emit(self, decoder, live: _Live) -> None:
+        """Streams the sequence's new tokens as text; ends the job where it ended or a limit says so."""
+        seq, finish, cut = live.seq, None, False
+        for token in seq.tokens[live.sent:]:
+            live.sent += 1
+            if token not in self.eos:
+                live.detok.add_token(token)
+            if live.sent == len(seq.tokens) and seq.done:
+                live.detok.finalize()
+            text, hit = live.scan.add(live.detok.last_segment)
+            if text:
+                live.job.events.put(("text", text))
+            if hit:
+                finish, cut = "stop", True
+                break
+        if finish is None and seq.done:
+            finish = seq.finish_reason
+        if finish is None and time.monotonic() > live.deadline:
+            finish = "time_limit"
+        if finish is None:
+            return
+        if not seq.done:
+            decoder.cancel(seq)
+        tail = "" if cut else live.scan.flush()
+        if tail:
+            live.job.events.put(("text", tail))
+        n = live.sent
+        usage = {"prompt_tokens": len(live.job.ids), "completion_tokens": n, "total_tokens": len(live.job.ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        log.info("request done: %d prompt tokens + %d generated in %.2f s (%s; batched)", len(live.job.ids), n,
+                 time.perf_counter() - live.tic, finish)
+        self._end(live, ("done", {"finish_reason": finish, "usage": usage}))
+
+    def _end(self, live: _Live, event) -> None:
+        """The job leaves: its last event (None: the cancellation's error) and its row."""
+        if event is None:
+            job = live.job
+            log.info("request cancelled %s after %d tokens", "by its client" if job.why == "client" else
+                     "at shutdown", live.sent)
+            event = ("error", "the server is shutting down" if job.why == "shutdown" else "cancelled")
+        elif isinstance(event, str):
+            event = ("error", event)
+        live.job.events.put(event)
+        with self._lock:
+            self.live.remove(live)
+

@@ -1,0 +1,81 @@
+"""The server with continuous batching (`--max-batch` > 1): concurrent requests decode together, each gets the text it
+would get alone (greedy, fp32), streaming and stop strings work per request, and a client leaving frees its row while
+the others go on."""
+
+import json
+import signal
+import socket
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+
+from test_server import MODEL, PROMPT, _start  # noqa: E402
+
+from lattice_mlx import generate, load  # noqa: E402
+
+PROMPTS = [PROMPT, "import os\n", "class Stack:\n    def", "# a comment\nx = "]
+
+
+@pytest.fixture(scope="module")
+def batch_server(tmp_path_factory):
+    proc, port, log = _start(tmp_path_factory.mktemp("bserver"), "--max-batch", "3", "--dtype", "float32",
+                             "--no-warmup")
+    yield port, log
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def bclient(batch_server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{batch_server[0]}/v1", api_key="none", max_retries=0)
+
+
+def test_concurrent_requests_each_get_their_single_generation(bclient, batch_server):
+    """Four requests at once into three rows (the fourth joins when one leaves), budgets of their own."""
+    model, tok = load(dtype="float32")
+    budgets = [20, 7, 14, 10]
+    want = [generate(model, tok, p, max_tokens=n, chat_template=False, speculation=None).text
+            for p, n in zip(PROMPTS, budgets)]
+    got = [None] * len(PROMPTS)
+
+    def ask(i):
+        got[i] = bclient.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=budgets[i], temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, r in enumerate(got):
+        assert r.choices[0].text == want[i], i
+        assert r.usage.completion_tokens == budgets[i] and r.choices[0].finish_reason == "length"
+    assert "up to 3 requests batched" in batch_server[1].read_text()
+
+
+def test_streaming_and_stop_strings_per_request(bclient):
+    full = bclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full[8:11]
+    chunks = list(bclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], stream=True,
+                                             temperature=0))
+    text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    assert text == full[: full.find(stop)] and finish == "stop"
+
+
+def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_server):
+    port, log = batch_server
+    sock = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n".encode()
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += sock.recv(4096)
+    other = bclient.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0)
+    sock.close()
+    assert other.usage.completion_tokens == 6
+    assert bclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                      temperature=0).usage.completion_tokens == 4
+    lines = [line for line in log.read_text().splitlines() if "cancelled by its client" in line]
+    assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
