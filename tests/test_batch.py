@@ -43,15 +43,36 @@ def test_arrivals_and_a_cancel_mid_generation_leave_the_others_untouched(model32
         engine.step()
     b = engine.add(PROMPTS[0], max_tokens=10)  # joins a batch whose keys are 33 positions long
     c = engine.add(PROMPTS[3], max_tokens=10)
+    assert b.tokens == [] and engine.waiting  # prefilled by the steps, one prompt's chunk per step
+    engine.step()
     engine.step()
     engine.cancel(b)
-    assert b.finish_reason == "cancelled" and len(b.tokens) == 2 and engine.active == [a, c]
+    assert b.finish_reason == "cancelled" and len(b.tokens) == 3 and engine.active == [a, c]
     d = engine.add(PROMPTS[1], max_tokens=8)  # takes the freed row
-    while engine.active:
+    while engine.busy:
         engine.step()
-    assert b.tokens == solo(model32, PROMPTS[0], 2)
+    assert b.tokens == solo(model32, PROMPTS[0], 3)
     for seq, prompt in ((a, PROMPTS[2]), (c, PROMPTS[3]), (d, PROMPTS[1])):
         assert seq.tokens == solo(model32, prompt, seq.max_tokens) and seq.finish_reason == "length"
+
+
+def test_a_long_prompt_joins_a_chunk_per_step_without_stalling_the_batch(model32):
+    """A 30-token prompt prefilled 8 tokens per step (4 chunks) while two sequences run: each step still gives them
+    a token, and the newcomer's first token comes with its last chunk; every sequence ends with its single
+    generation's tokens."""
+    engine = BatchDecoder(model32, max_batch=3, prefill_step=8)
+    a, b = engine.add(PROMPTS[0], max_tokens=12), engine.add(PROMPTS[1], max_tokens=12)
+    while len(engine.active) < 2:
+        engine.step()
+    long = engine.add(PROMPTS[2], max_tokens=5)
+    for chunk in range(4):
+        got = engine.step()
+        assert {s for s, _ in got} >= {a, b}, chunk
+        assert (long in {s for s, _ in got}) == (chunk == 3)
+    while engine.busy:
+        engine.step()
+    for seq, prompt in ((a, PROMPTS[0]), (b, PROMPTS[1]), (long, PROMPTS[2])):
+        assert seq.tokens == solo(model32, prompt, seq.max_tokens)
 
 
 def test_a_stop_token_ends_only_its_sequence(model32):
@@ -59,7 +80,7 @@ def test_a_stop_token_ends_only_its_sequence(model32):
     engine = BatchDecoder(model32)
     s = engine.add(PROMPTS[0], max_tokens=8, stop_ids=[ref[3]])
     t = engine.add(PROMPTS[5], max_tokens=8)
-    while engine.active:
+    while engine.busy:
         engine.step()
     assert s.tokens == ref[: ref.index(ref[3]) + 1] and s.finish_reason == "stop"
     assert t.tokens == solo(model32, PROMPTS[5], 8)
@@ -72,19 +93,21 @@ def test_sampled_rows_keep_the_plain_distribution(tiny_vocab_model):
 
     def batched():
         engine = BatchDecoder(tiny_vocab_model)
-        engine.add([5, 6, 7, 0, 4], max_tokens=2, sampler=sampler)
+        engine.add([5, 6, 7, 0, 4], max_tokens=10, sampler=sampler)
         seq = engine.add(prompt, max_tokens=2, sampler=sampler)
-        engine.step()
+        while not seq.done:
+            engine.step()
         return seq.tokens
 
     assert two_token_pvalue(tiny_vocab_model, prompt, sampler, batched, trials=300) > 1e-3
 
     def mixed():  # batch-mates with samplers of their own: each row sampled by its sequence's
         engine = BatchDecoder(tiny_vocab_model)
-        engine.add([5, 6, 7, 0, 4], max_tokens=2, sampler=Sampler(temp=0.5, top_k=3))
+        engine.add([5, 6, 7, 0, 4], max_tokens=10, sampler=Sampler(temp=0.5, top_k=3))
+        engine.add([2, 2], max_tokens=10)  # greedy
         seq = engine.add(prompt, max_tokens=2, sampler=sampler)
-        engine.add([2, 2], max_tokens=2)  # greedy
-        engine.step()
+        while not seq.done:
+            engine.step()
         return seq.tokens
 
     assert two_token_pvalue(tiny_vocab_model, prompt, sampler, mixed, trials=300) > 1e-3

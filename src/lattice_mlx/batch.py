@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from . import cache as caches
-from .decode import prefill
+from .decode import PREFILL_STEP, prefill_chunks
 from .sample import Sampler
 
 DEFAULT_MAX_BATCH = 16
@@ -56,26 +56,35 @@ class Sequence:
 
 
 class BatchDecoder:
-    """The running batch of one model: `add` a sequence (prefilled at once, joining the next step), `step` to
-    advance every active sequence by one token, `cancel` to drop one. Not thread-safe: one caller drives it."""
+    """The running batch of one model: `add` a sequence (it waits to be prefilled), `step` to advance, `cancel` to
+    drop one. A step prefills one chunk (`prefill_step` tokens, a single generation's chunk) of the first waiting prompt, so a long prompt
+    joining delays the running sequences by a chunk per step, never by its whole prefill; a prompt whose last chunk
+    ran samples its first token and joins; then one forward advances every running sequence by a token. Rows
+    (running plus waiting) are at most `max_batch`. Not thread-safe: one caller drives it."""
 
-    def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = PREFILL_STEP):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        self.model, self.max_batch = model, max_batch
+        self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
         self.active: list[Sequence] = []  # row b of the batch caches is active[b]
+        self.waiting: list[tuple[Sequence, list, object]] = []  # (sequence, its own caches, its prefill's chunks)
         self.cache: list | None = None
         self._last: list[int] = []  # each active sequence's last token: the next step's input
         self._uids = itertools.count()
 
     @property
     def full(self) -> bool:
-        return len(self.active) >= self.max_batch
+        return len(self.active) + len(self.waiting) >= self.max_batch
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step has work: running sequences or prompts still to prefill."""
+        return bool(self.active or self.waiting)
 
     def add(self, prompt: Iterable[int], *, max_tokens: int, sampler: Sampler | None = None,
             stop_ids: Iterable[int] = ()) -> Sequence:
-        """Prefills `prompt` alone and samples its first token; the sequence joins the batch for the next step
-        unless that token already ended it. Returns the sequence (its `tokens` grow as steps run)."""
+        """Queues `prompt` for its prefill; returns its sequence, whose `tokens` grow as steps run (the first once
+        its prefill's last chunk has run)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -85,11 +94,20 @@ class BatchDecoder:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
         seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
         cache = self.model.make_cache(trimmable=False)
-        logits, _ = prefill(self.model, mx.array(prompt), cache)
-        seq._take(int(seq.sampler(logits).item()))
+        self.waiting.append((seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step)))
+        return seq
+
+    def _prefill_chunk(self) -> list[tuple[Sequence, int]]:
+        """One chunk of the first waiting prompt; at its last, the first token, and the sequence joins."""
+        seq, cache, chunks = self.waiting[0]
+        out = next(chunks)
+        if out is None:
+            return []
+        self.waiting.pop(0)
+        seq._take(int(seq.sampler(out[0]).item()))
         if not seq.done:
             self._join(seq, cache)
-        return seq
+        return [(seq, seq.tokens[-1])]
 
     def _join(self, seq: Sequence, cache: list) -> None:
         rows = [_batch_layer(c) for c in cache]
@@ -102,10 +120,11 @@ class BatchDecoder:
         self._last.append(seq.tokens[-1])
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """One forward over every active sequence: (sequence, its new token) for each; the sequences that ended
-        with it leave the batch."""
+        """A prefill chunk if a prompt waits, then one forward over every running sequence: (sequence, new token)
+        for each token produced; the sequences that ended leave the batch."""
+        out = self._prefill_chunk() if self.waiting else []
         if not self.active:
-            return []
+            return out
         x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
         logits = self.model(x, self.cache)[:, -1]  # [B, V]
         first = self.active[0].sampler
@@ -113,20 +132,22 @@ class BatchDecoder:
             ys = first(logits)
         else:
             ys = mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
-        ys = ys.tolist()
-        out = []
+        ys = [int(y) for y in ys.tolist()]
         for s, y in zip(self.active, ys):
-            s._take(int(y))
-            out.append((s, int(y)))
-        self._last = [int(y) for y in ys]
+            s._take(y)
+            out.append((s, y))
+        self._last = ys
         self._drop([b for b, s in enumerate(self.active) if s.done])
         return out
 
     def cancel(self, seq: Sequence) -> None:
-        """Drops an active sequence from the batch (finish reason "cancelled"); the others go on untouched."""
+        """Drops a running or waiting sequence (finish reason "cancelled"); the others go on untouched."""
+        if seq.done:
+            return
+        seq.finish_reason = "cancelled"
         if seq in self.active:
-            seq.finish_reason = "cancelled"
             self._drop([self.active.index(seq)])
+        self.waiting = [w for w in self.waiting if w[0] is not seq]
 
     def _drop(self, rows: list[int]) -> None:
         if not rows:
@@ -196,7 +217,7 @@ def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[in
         # fill the free rows (a prompt whose first token ends it never takes one)
         while not engine.full and (i := next(pending, None)) is not None:
             seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos)
-        if not engine.active:
+        if not engine.busy:
             break
         engine.step()
     return [BatchResult(tokenizer.decode(s.tokens) if tokenizer is not None else None, s.tokens, len(s.prompt),

@@ -33,14 +33,24 @@ def tracing(on: bool | None):
 def prefill(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, return_hidden: bool = False):
     """Runs the prompt [T] through the model in chunks; returns the last position's logits [V] and, with
     `return_hidden`, the hidden the MTP head reads at every prompt position [T, H] (else None)."""
+    for out in prefill_chunks(model, ids, cache, step=step, return_hidden=return_hidden):
+        pass
+    return out
+
+
+def prefill_chunks(model, ids: mx.array, cache: list, *, step: int = PREFILL_STEP, return_hidden: bool = False):
+    """`prefill` one chunk per `next()` (continuous batching interleaves them with decode steps): None after each
+    chunk but the last, then what `prefill` returns."""
     hs = []
     for start in range(0, ids.size, step):
         h = model.model(ids[None, start : start + step], cache)
         mx.eval(h, [c.state for c in cache])  # h too: a pipeline stage's send is in h's graph, not in its cache's
         if return_hidden:
             hs.append(model.head_input(h))
+        if start + step < ids.size:
+            yield None
     logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[0, -1]  # as a decode step computes them
-    return logits, (mx.concatenate(hs, axis=1)[0] if return_hidden else None)
+    yield logits, (mx.concatenate(hs, axis=1)[0] if return_hidden else None)
 
 
 def resume(model, ids: mx.array, prompt_cache, *, return_hidden: bool = False):

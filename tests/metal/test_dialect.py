@@ -90,6 +90,8 @@ def cuda_translation_unit(body, inputs, outputs, template, consts=()):
             args.append(f"const __grid_constant__ Shape {name}_shape")
         if f"{name}_strides" in body:
             args.append(f"const __grid_constant__ Strides {name}_strides")
+        if f"{name}_ndim" in body:
+            args.append(f"const __grid_constant__ int {name}_ndim")
     args += [f"{ctype}* {name}" for name, ctype in outputs]
     consts_ = consts
     consts = "".join(
@@ -148,7 +150,7 @@ def test_cuda_render_compiles(op, tmp_path):
         weights = [("w", "uint32_t"), ("scales", bf), ("biases", bf)] if fmt == "q4" else [("w", bf)]
         ins = [("x", bf), *weights] + [(n, bf) for n in extra]
         ins += [("res", bf)] * res
-        consts = [("OT", bf), ("M", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
+        consts = [("OT", bf), ("MM", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
                   ("ZSTR", 8224), ("ZOFF", 6144)]
         unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
     assert_nvcc_compiles(unit, tmp_path, op)
