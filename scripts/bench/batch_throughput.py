@@ -21,7 +21,8 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-from lattice_mlx.batch import BatchDecoder, batch_generate
+from lattice_mlx import batch_generate
+from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_target

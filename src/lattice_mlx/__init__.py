@@ -8,8 +8,8 @@ from . import startup  # noqa: F401  (first: Ctrl-C while a command's imports ru
 # that is intended, so runpy's warning about it is noise.
 warnings.filterwarnings("ignore", message=r".*found in sys.modules after import of package 'lattice_mlx'")
 
-from .batch import BatchDecoder, batch_generate  # noqa: E402
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate  # noqa: E402
+from .batch import BatchDecoder  # noqa: E402
+from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .load import LoadError, load  # noqa: E402
 from .sample import Sampler  # noqa: E402
 from .speculative import SpecOptions, SpecStats, make_draft_model, speculate  # noqa: E402

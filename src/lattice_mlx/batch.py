@@ -62,6 +62,8 @@ class BatchDecoder:
     ran samples its first token and joins; then one forward advances every running sequence by a token. Rows
     (running plus waiting) are at most `max_batch`. Not thread-safe: one caller drives it."""
 
+    PROMPT_HIDDEN = False  # whether _join needs the prompt's hiddens (the MTP head's rows: speculative/batched.py)
+
     def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = PREFILL_STEP):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -94,7 +96,8 @@ class BatchDecoder:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
         seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
         cache = self.model.make_cache(trimmable=False)
-        self.waiting.append((seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step)))
+        self.waiting.append((seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step,
+                                                        return_hidden=self.PROMPT_HIDDEN)))
         return seq
 
     def _prefill_chunk(self) -> list[tuple[Sequence, int]]:
@@ -106,16 +109,18 @@ class BatchDecoder:
         self.waiting.pop(0)
         seq._take(int(seq.sampler(out[0]).item()))
         if not seq.done:
-            self._join(seq, cache)
+            self._join(seq, cache, out[1])
         return [(seq, seq.tokens[-1])]
 
-    def _join(self, seq: Sequence, cache: list) -> None:
-        rows = [_batch_layer(c) for c in cache]
+    def _join(self, seq: Sequence, cache: list, hidden: mx.array | None) -> None:
+        """The prefilled sequence's caches become its row of the batch's (`hidden`: its prompt's hiddens [T, H],
+        with PROMPT_HIDDEN)."""
+        rows = [batch_layer(c) for c in cache]
         if self.cache is None:
             self.cache = rows
         else:
             for mine, new in zip(self.cache, rows):
-                _extend(mine, new)
+                extend(mine, new)
         self.active.append(seq)
         self._last.append(seq.tokens[-1])
 
@@ -123,8 +128,14 @@ class BatchDecoder:
         """A prefill chunk if a prompt waits, then one forward over every running sequence: (sequence, new token)
         for each token produced; the sequences that ended leave the batch."""
         out = self._prefill_chunk() if self.waiting else []
-        if not self.active:
-            return out
+        if self.active:
+            out += self._advance()
+            self._drop([b for b, s in enumerate(self.active) if s.done])
+        return out
+
+    def _advance(self) -> list[tuple[Sequence, int]]:
+        """One plain step of every running sequence."""
+        out = []
         x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
         logits = self.model(x, self.cache)[:, -1]  # [B, V]
         first = self.active[0].sampler
@@ -137,7 +148,6 @@ class BatchDecoder:
             s._take(y)
             out.append((s, y))
         self._last = ys
-        self._drop([b for b, s in enumerate(self.active) if s.done])
         return out
 
     def cancel(self, seq: Sequence) -> None:
@@ -149,24 +159,31 @@ class BatchDecoder:
             self._drop([self.active.index(seq)])
         self.waiting = [w for w in self.waiting if w[0] is not seq]
 
-    def _drop(self, rows: list[int]) -> None:
+    def _drop(self, rows: list[int]) -> list[int] | None:
+        """Drops rows of the batch; returns the rows kept (None: nothing dropped)."""
         if not rows:
-            return
+            return None
         keep = [b for b in range(len(self.active)) if b not in rows]
         self.active = [self.active[b] for b in keep]
         self._last = [self._last[b] for b in keep]
         if not keep:
             self.cache = None
-            return
-        idx = mx.array(keep, dtype=mx.int32)
-        for c in self.cache:
-            if isinstance(c, BatchKVCache):
-                c.filter(idx)
-            else:
-                c.conv, c.ssm = c.conv[idx], c.ssm[idx]
+            return keep
+        filter_rows(self.cache, keep)
+        return keep
 
 
-def _batch_layer(c):
+def filter_rows(cache: list, keep: list[int]) -> None:
+    """Keeps rows `keep` of batch caches (attention: BatchKVCache.filter; GDN: its arrays indexed)."""
+    idx = mx.array(keep, dtype=mx.int32)
+    for c in cache:
+        if isinstance(c, BatchKVCache):
+            c.filter(idx)
+        else:
+            c.conv, c.ssm = c.conv[idx], c.ssm[idx]
+
+
+def batch_layer(c):
     """A single sequence's prefilled cache of one layer as a batch cache of one row."""
     if isinstance(c, caches.GDNCache):
         out = caches.GDNCache()
@@ -177,48 +194,9 @@ def _batch_layer(c):
     raise ValueError(f"batched decoding takes plain KV and GDN caches, not {type(c).__name__}")
 
 
-def _extend(mine, new) -> None:
+def extend(mine, new) -> None:
     if isinstance(mine, BatchKVCache):
         mine.extend(new)
     else:
         mine.conv = mx.concatenate([mine.conv, new.conv.astype(mine.conv.dtype)])
         mine.ssm = mx.concatenate([mine.ssm, new.ssm])
-
-
-@dataclass
-class BatchResult:
-    """One prompt's generation in `batch_generate`."""
-
-    text: str | None
-    tokens: list[int]
-    prompt_tokens: int
-    finish_reason: str
-
-
-def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[int] = 256,
-                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                   max_batch: int = DEFAULT_MAX_BATCH, speculation=None) -> list[BatchResult]:
-    """Generates for every prompt (text, or a list of token ids) with continuous batching: up to `max_batch`
-    sequences decode together, a new one joining as soon as another leaves. `max_tokens`: one budget for all, or
-    one per prompt. Results in the prompts' order; greedy (temp 0) gives each prompt its single generation's tokens
-    (fp32; see the module's docstring for bf16). `speculation`: None only (batched MTP rounds are not built yet)."""
-    if speculation is not None:
-        raise ValueError("batch_generate decodes plainly for now: pass speculation=None")
-    budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
-    if len(budgets) != len(prompts):
-        raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
-    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    ids = [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-    eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else frozenset()
-    engine = BatchDecoder(model, max_batch=max_batch)
-    seqs: list[Sequence | None] = [None] * len(prompts)
-    pending = iter(range(len(prompts)))
-    while True:
-        # fill the free rows (a prompt whose first token ends it never takes one)
-        while not engine.full and (i := next(pending, None)) is not None:
-            seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos)
-        if not engine.busy:
-            break
-        engine.step()
-    return [BatchResult(tokenizer.decode(s.tokens) if tokenizer is not None else None, s.tokens, len(s.prompt),
-                        s.finish_reason) for s in seqs]

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .batch import DEFAULT_MAX_BATCH, BatchDecoder, Sequence
 from .cli import ArgumentParser, add_speculation_args, command_name, resolve_speculation, speculation_from_args
 from .decode import generate_step
 from .load import DEMO_MODEL, LoadError, load, resolve_path
 from .sample import Sampler
 from .speculative import SpecOptions, SpecStats, auto_applies, speculate
+from .speculative.batched import BatchRounds
 from .startup import interrupts_to_main
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -249,6 +251,49 @@ def _bool(v: str) -> bool:
     if v.lower() in ("false", "f", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+@dataclass
+class BatchResult:
+    """One prompt's generation in `batch_generate`."""
+
+    text: str | None
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+
+def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[int] = 256,
+                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                   max_batch: int = DEFAULT_MAX_BATCH, speculation: SpecOptions | None = None) -> list[BatchResult]:
+    """Generates for every prompt (text, or a list of token ids) with continuous batching (lattice_mlx.batch): up to
+    `max_batch` sequences decode together, a new one joining as soon as another leaves. `max_tokens`: one budget
+    for all, or one per prompt. Results in the prompts' order; greedy (temp 0) gives each prompt its single
+    generation's tokens (fp32; batch.py's docstring for bf16). `speculation`: None, plain decoding; a fixed-depth
+    MTP `SpecOptions(draft_tokens=K, adaptive=False)`, MTP rounds over the batch (speculative/batched.py)."""
+    if speculation is not None and (not isinstance(speculation, SpecOptions) or speculation.adaptive
+                                    or speculation.draft != "mtp" or speculation.tree):
+        raise ValueError("batch_generate speculates with MTP chains of a fixed depth: "
+                         "SpecOptions(draft_tokens=K, adaptive=False), or None")
+    budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+    sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    ids = [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else frozenset()
+    engine = BatchDecoder(model, max_batch=max_batch) if speculation is None else \
+        BatchRounds(model, k=speculation.draft_tokens, max_batch=max_batch)
+    seqs: list[Sequence | None] = [None] * len(prompts)
+    pending = iter(range(len(prompts)))
+    while True:
+        # fill the free rows (a prompt whose first token ends it never takes one)
+        while not engine.full and (i := next(pending, None)) is not None:
+            seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos)
+        if not engine.busy:
+            break
+        engine.step()
+    return [BatchResult(tokenizer.decode(s.tokens) if tokenizer is not None else None, s.tokens, len(s.prompt),
+                        s.finish_reason) for s in seqs]
 
 
 def setup_arg_parser() -> ArgumentParser:

@@ -1,0 +1,116 @@
+"""MTP rounds over a continuous batch (speculative/batched.py): each sequence keeps its own accepted count, bonus token
+and rollback, and gets its plain greedy decoding's tokens (fp32), whoever its batch-mates are and whenever they join
+or leave; sampled sequences keep the plain distribution."""
+
+import mlx.core as mx
+import pytest
+
+from lattice_mlx import SpecOptions, batch_generate, load
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative.batched import BatchRounds
+
+TEXTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "# a comment\nx = ", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def demo32():
+    return load(dtype="float32")  # the demo's trained head: its drafts are mostly accepted, so rounds keep 0..K
+
+
+def solo(model, prompt: list[int], n: int) -> list[int]:
+    out = []
+    for t in generate_step(model, mx.array(prompt), sampler=Sampler()):
+        out.append(int(t))
+        if len(out) == n:
+            return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_rounds_equal_each_plain_generation(demo32, k):
+    """Five prompts into three rows with budgets of their own: sequences leave mid-round (their budget cuts a
+    round's tokens) and the waiting ones join a running batch; every sequence's tokens are its plain greedy ones."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS]
+    budgets = [20, 9, 15, 12, 7]
+    engine = BatchRounds(model, k=k, max_batch=3)
+    seqs, pending = [], list(zip(prompts, budgets))
+    while pending or engine.busy:
+        while pending and not engine.full:
+            p, n = pending.pop(0)
+            seqs.append(engine.add(p, max_tokens=n))
+        engine.step()
+    for s, p in zip(seqs, prompts):
+        assert s.tokens == solo(model, p, s.max_tokens) and s.finish_reason == "length"
+    assert engine.drafted and 0.5 < engine.accepted / engine.drafted <= 1  # rounds kept drafts, and not all of them
+    assert engine.accepted < engine.drafted or k == 1
+
+
+def test_a_rejected_round_and_a_cancel_leave_the_others_exact(checkpoint):
+    """A random head (its drafts are rejected: every round rolls back K) beside a cancel mid-generation."""
+    model = load(checkpoint, dtype="float32")[0]
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40))]
+    engine = BatchRounds(model, k=2)
+    seqs = [engine.add(p, max_tokens=10) for p in prompts]
+    for _ in range(5):
+        engine.step()
+    engine.cancel(seqs[1])
+    while engine.busy:
+        engine.step()
+    assert seqs[1].finish_reason == "cancelled"
+    for i in (0, 2):
+        assert seqs[i].tokens == solo(model, prompts[i], 10)
+
+
+def test_batch_generate_speculates_when_asked(demo32):
+    model, tok = demo32
+    plain = batch_generate(model, tok, TEXTS[:3], max_tokens=16, max_batch=2)
+    mtp = batch_generate(model, tok, TEXTS[:3], max_tokens=16, max_batch=2,
+                         speculation=SpecOptions(draft_tokens=2, adaptive=False))
+    assert [r.tokens for r in mtp] == [r.tokens for r in plain]
+    assert [r.text for r in mtp] == [r.text for r in plain]
+
+
+def _second_token_distribution(model, prompt: list[int], sampler) -> "np.ndarray":
+    """The exact distribution of plain sampling's second token (summed over the first), [V]."""
+    import numpy as np
+
+    from lattice_mlx.decode import prefill
+
+    def probs(ids):
+        logits, _ = prefill(model, mx.array(ids), model.make_cache(trimmable=False))
+        return np.array(sampler.probs(logits), dtype=np.float64)
+
+    p1 = probs(prompt)
+    return sum(p1[t] * probs([*prompt, t]) for t in range(len(p1)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sampled_rounds_keep_the_plain_distribution(tiny_vocab_model, k):
+    """A sampled sequence's second token comes from its first round (a draft kept, the residual resample or the
+    bonus) beside a batch-mate: its frequencies over 800 seeded rounds fit plain sampling's exact distribution
+    (chi-square). Drafts picked by argmax while q is reported as the sampled distribution fail it."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    # a high temperature: the random head's q is far from one-hot there, so drafting by argmax would show
+    sampler, prompt = Sampler(temp=3.0), [1, 2, 3]
+    expected = _second_token_distribution(tiny_vocab_model, prompt, sampler)
+    counts = np.zeros(len(expected))
+    for i in range(800):
+        mx.random.seed(1000 + i)
+        engine = BatchRounds(tiny_vocab_model, k=k)
+        engine.add([5, 6, 7, 0, 4], max_tokens=10, sampler=Sampler(temp=0.7))
+        seq = engine.add(prompt, max_tokens=2, sampler=sampler)
+        while not seq.done:
+            engine.step()
+        counts[seq.tokens[1]] += 1
+    keep = expected > 0
+    assert chisquare(counts[keep], expected[keep] / expected[keep].sum() * counts.sum()).pvalue > 1e-3
+
+
+def test_bad_options_are_one_line_errors(no_mtp_checkpoint, demo32):
+    with pytest.raises(ValueError, match="MTP head"):
+        BatchRounds(load(no_mtp_checkpoint)[0], k=2)
+    with pytest.raises(ValueError, match="k must be"):
+        BatchRounds(demo32[0], k=0)
