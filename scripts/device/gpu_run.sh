@@ -37,7 +37,6 @@
 #   demo-train     the demo retrained on the package-split corpus (MTP_TARGET labels|distill|both), converted and
 #                  measured (train_demo.py, distill_demo_head.py)
 #   demo-head      the MTP head retrained alone on the shipped trunk, labels vs self-distillation (distill_demo_head.py)
-#   diag-g64       MLX's quantized ops at K = 64 with group 64, GPU vs CPU stream (gpu_diag_g64.py)
 # SAVE_PTX=1 after any modes: MLX's compiled-kernel cache back under $OUT (carry it next time as .device-ptx/).
 # Each step is bounded by its own limit and by DEADLINE seconds for the whole call (default 540). The CUPTI modes
 # need ../shared/device/gpu_kernels.py copied into .device-tools/ and carried. Scripts live beside this file's
@@ -253,7 +252,6 @@ for mode in "$@"; do
       step "head_$t" "${HEAD_LIMIT:-280}" python3 scripts/demo/distill_demo_head.py --target "$t" "${hm[@]}" "${hc[@]}" \
         --seconds "${HEAD_SECONDS:-150}" --batch 32 --depth-weights "${DEPTH_WEIGHTS:-1}" --out "$RES/head_$t"
     done ;;
-  diag-g64) step diag_g64 150 python3 scripts/device/gpu_diag_g64.py --out "$RES/diag_g64.json" ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done
