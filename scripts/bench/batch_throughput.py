@@ -3,7 +3,8 @@ of random prompts, whole generations (prefill included), legs interleaved (ABBA)
 
 Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,64] [--tokens 128] [--reps 10]
          [--dtype bfloat16] [--bits 4] [--profile DIR] [--out FILE.json]
-Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `mlx-lm`
+Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `ours-mtp`
+(MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py), `mlx-lm`
 (mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `solo` (B = 1 only: plain generate_step, the
 single-stream reference). Each leg runs once untimed per B first. With --profile (CUPTI, DIR/gpu_kernels.py): kernels,
 GPU kernel time and busy against span per decode step of `ours` at each B.
@@ -24,6 +25,7 @@ import numpy as np
 from lattice_mlx import batch_generate
 from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
+from lattice_mlx.bench.oracles import OracleBatchRounds
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_target
 from lattice_mlx.decode import generate_step
@@ -32,11 +34,25 @@ from lattice_mlx.sample import Sampler
 NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 
-def run_leg(target, leg: str, prompts: list[list[int]], n: int) -> float:
+def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], k: int, p: float) -> list[list[int]]:
+    """MTP rounds over the batch with SYNTHETIC drafts at acceptance p (bench/oracles.OracleBatchRounds)."""
+    engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p,
+                               max_batch=len(prompts))
+    seqs = [engine.add(ids, max_tokens=n) for ids in prompts]
+    while engine.busy:
+        engine.step()
+    return [s.tokens for s in seqs]
+
+
+def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
     if leg in ("ours", "ours-aa"):
         batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
+    elif leg == "ours-mtp":
+        got = run_rounds(target, prompts, n, refs, args.mtp_k, args.oracle_p)
+        if got != [r[:n] for r in refs]:
+            print("ours-mtp: greedy tokens differ from plain's", file=sys.stderr)
     elif leg == "mlx-lm":
         mlx_lm.batch_generate(target.stock, NO_EOS, prompts, max_tokens=n, completion_batch_size=len(prompts),
                               prefill_batch_size=min(len(prompts), 8))
@@ -70,6 +86,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
+    p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--out", default="batch_throughput.json")
     args = p.parse_args()
@@ -89,14 +107,17 @@ def main() -> int:
         spec.loader.exec_module(module)
         kernel_profile = module.kernel_profile
     for B in map(int, args.streams.split(",")):
-        legs = ["ours", "ours-aa", "mlx-lm"] + (["solo"] if B == 1 else [])
+        legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else [])
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
+        # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
+        refs = [[r.tokens for r in batch_generate(target.model, None, prompts, max_tokens=args.tokens + 8,
+                                                  max_batch=B)] if args.mtp_k else None for prompts in reps]
         for leg in legs:  # untimed: first-use compiles
-            run_leg(target, leg, reps[0], args.tokens)
+            run_leg(target, leg, reps[0], args.tokens, refs[0], args)
         secs = {leg: [] for leg in legs}
         for r, prompts in enumerate(reps):
             for leg in bs.abba_order(legs, r):
-                secs[leg].append(run_leg(target, leg, prompts, args.tokens))
+                secs[leg].append(run_leg(target, leg, prompts, args.tokens, refs[r], args))
             print(f"B={B} rep {r}: " + " ".join(f"{leg} {secs[leg][-1]:.3f}s" for leg in legs), file=sys.stderr,
                   flush=True)
         tps = {leg: [B * args.tokens / s for s in v] for leg, v in secs.items()}
@@ -107,6 +128,8 @@ def main() -> int:
         if kernel_profile is not None:
             out["profile_ours"] = profile_steps(kernel_profile, target, reps[0], 32)
         result["streams"][B] = out
+        if args.mtp_k:
+            out["ratios"]["ours-mtp/ours"] = bs.summarize([a / b for a, b in zip(tps["ours-mtp"], tps["ours"])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "
               f"({out['ratios']['ours/mlx-lm']['median']:.2f}x; A/A {out['ratios']['ours-aa/mlx-lm']['median']:.2f}x)",
               flush=True)

@@ -114,3 +114,20 @@ def test_bad_options_are_one_line_errors(no_mtp_checkpoint, demo32):
         BatchRounds(load(no_mtp_checkpoint)[0], k=2)
     with pytest.raises(ValueError, match="k must be"):
         BatchRounds(demo32[0], k=0)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.0])
+def test_an_oracle_batch_is_accepted_all_or_nothing_with_the_same_tokens(checkpoint, p):
+    """SYNTHETIC drafts (bench/oracles.OracleBatchRounds): the recorded greedy continuation is accepted whole, a
+    surely wrong draft never, and the tokens are plain greedy's either way."""
+    from lattice_mlx.bench.oracles import OracleBatchRounds
+
+    model = load(checkpoint, dtype="float32")[0]
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40))]
+    refs = {i: solo(model, pr, 16) for i, pr in enumerate(prompts)}
+    engine = OracleBatchRounds(model, k=3, references=refs, p_correct=p)
+    seqs = [engine.add(pr, max_tokens=12) for pr in prompts]
+    while engine.busy:
+        engine.step()
+    assert [s.tokens for s in seqs] == [refs[i][:12] for i in range(3)]
+    assert engine.accepted == (engine.drafted if p == 1.0 else 0) and engine.drafted

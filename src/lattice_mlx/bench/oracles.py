@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..sample import Sampler
+from ..speculative.batched import BatchRounds
 from ..speculative.draft_model import MTPDraftModel
 from ..speculative.drafters import MTPDrafter
 from ..speculative.pipelined import PipelinedRounds
@@ -140,3 +141,28 @@ class DeviceOracle:
         right, ref = extras
         k = drafts.shape[0]  # <= the K it was built for (its reference is padded for that many)
         return self._pick(right, ref[self._index(k)(rounds.gen)], drafts.astype(mx.int32)), None
+
+
+class OracleBatchRounds(BatchRounds):
+    """SYNTHETIC batched MTP rounds for benchmarks and tests (greedy only): the head drafts as in BatchRounds (its
+    work stays in the verify's graph: `+ 0 * drafts`), then each sequence's draft at each position is its recorded
+    greedy continuation (`references[uid]`, generated tokens) with probability `p_correct`, else a surely wrong
+    token."""
+
+    def __init__(self, model, *, k: int, references: dict[int, list[int]], p_correct: float, seed: int = 0,
+                 **kwargs):
+        super().__init__(model, k=k, **kwargs)
+        self.references, self.p_correct = references, p_correct
+        self.rng = np.random.default_rng(seed)
+
+    def _draft(self):
+        drafts, q = super()._draft()
+        K, V = self.k, self.model.args.vocab_size
+        truth = []
+        for s in self.active:
+            ref, pos = self.references[s.uid], len(s.tokens)
+            truth.append([ref[i] if i < len(ref) else 0 for i in range(pos, pos + K)])
+        truth = np.array(truth, dtype=np.int32)
+        keep = self.rng.random(truth.shape) < self.p_correct
+        oracle = mx.array(np.where(keep, truth, (truth + 1) % V).astype(np.int32))
+        return oracle + 0 * drafts, q
