@@ -125,7 +125,7 @@ def test_bad_requests_are_one_line_errors(model32):
         engine.add([3], max_tokens=4)
     with pytest.raises(ValueError, match="entries"):
         batch_generate(model32, None, [[1], [2]], max_tokens=[3])
-    with pytest.raises(ValueError, match="fixed depth"):
+    with pytest.raises(ValueError, match="MTP chains"):
         batch_generate(model32, None, [[1]], speculation="auto")
 
 

@@ -135,15 +135,18 @@ class BatchDecoder:
 
     def _advance(self) -> list[tuple[Sequence, int]]:
         """One plain step of every running sequence."""
-        out = []
         x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
-        logits = self.model(x, self.cache)[:, -1]  # [B, V]
+        return self._sample(self.model(x, self.cache)[:, -1])
+
+    def _sample(self, logits: mx.array) -> list[tuple[Sequence, int]]:
+        """Each running sequence's next token from its row of logits [B, V], taken (and the next step's input)."""
         first = self.active[0].sampler
         if all(s.sampler == first for s in self.active):  # one sampler for all: its ops run row by row on [B, V]
             ys = first(logits)
         else:
             ys = mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
         ys = [int(y) for y in ys.tolist()]
+        out = []
         for s, y in zip(self.active, ys):
             s._take(y)
             out.append((s, y))

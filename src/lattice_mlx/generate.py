@@ -269,12 +269,13 @@ def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[in
     """Generates for every prompt (text, or a list of token ids) with continuous batching (lattice_mlx.batch): up to
     `max_batch` sequences decode together, a new one joining as soon as another leaves. `max_tokens`: one budget
     for all, or one per prompt. Results in the prompts' order; greedy (temp 0) gives each prompt its single
-    generation's tokens (fp32; batch.py's docstring for bf16). `speculation`: None, plain decoding; a fixed-depth
-    MTP `SpecOptions(draft_tokens=K, adaptive=False)`, MTP rounds over the batch (speculative/batched.py)."""
-    if speculation is not None and (not isinstance(speculation, SpecOptions) or speculation.adaptive
-                                    or speculation.draft != "mtp" or speculation.tree):
-        raise ValueError("batch_generate speculates with MTP chains of a fixed depth: "
-                         "SpecOptions(draft_tokens=K, adaptive=False), or None")
+    generation's tokens (fp32; batch.py's docstring for bf16). `speculation`: None, plain decoding; an MTP
+    `SpecOptions` (chains; `adaptive`: the depth, or plain steps, picked for the batch as a whole), MTP rounds over
+    the batch (speculative/batched.py)."""
+    if speculation is not None and (not isinstance(speculation, SpecOptions) or speculation.draft != "mtp"
+                                    or speculation.tree):
+        raise ValueError("batch_generate speculates with MTP chains: SpecOptions(draft_tokens=K[, adaptive=...]), "
+                         "or None")
     budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
     if len(budgets) != len(prompts):
         raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
@@ -282,7 +283,7 @@ def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[in
     ids = [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else frozenset()
     engine = BatchDecoder(model, max_batch=max_batch) if speculation is None else \
-        BatchRounds(model, k=speculation.draft_tokens, max_batch=max_batch)
+        BatchRounds(model, k=speculation.draft_tokens, adaptive=speculation.adaptive, max_batch=max_batch)
     seqs: list[Sequence | None] = [None] * len(prompts)
     pending = iter(range(len(prompts)))
     while True:

@@ -131,3 +131,51 @@ def test_an_oracle_batch_is_accepted_all_or_nothing_with_the_same_tokens(checkpo
         engine.step()
     assert [s.tokens for s in seqs] == [refs[i][:12] for i in range(3)]
     assert engine.accepted == (engine.drafted if p == 1.0 else 0) and engine.drafted
+
+
+def test_plain_steps_between_rounds_keep_the_heads_slots(demo32):
+    """Plain steps between rounds (the adaptive engine's off state): each sequence's head slots wait and go in with
+    the next round's head forward, so drafts after a stretch are as good as before it (a slot lost or misplaced
+    would show as acceptance falling), and every sequence's tokens are still its plain greedy ones."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
+    schedule = iter([2, 2, 0, 0, 0, 0, 0, 3, 3, 0, 1, 0, 0] + [2] * 100)
+
+    class Scripted(BatchRounds):
+        def _choose_k(self):
+            return next(schedule)
+
+    engine = Scripted(model, k=3, adaptive=True)
+    seqs = [engine.add(p, max_tokens=40) for p in prompts]
+    while engine.busy:
+        engine.step()
+        # every verified position but the newest pairs with its successor in a head slot: in the head's cache,
+        # or waiting for the next round
+        if engine.active:
+            written = engine.head_cache[0].offset.tolist()
+            for b, s in enumerate(engine.active):
+                assert written[b] + len(engine._pending[b][0]) == len(s.prompt) + len(s.tokens) - 1
+    for s, p in zip(seqs, prompts):
+        assert s.tokens == solo(model, p, 40)
+    assert engine.accepted / engine.drafted > 0.6
+
+
+def test_the_adaptive_engine_keeps_costs_per_batch_size(demo32):
+    """The tuner's costs are kept per batch-size bucket: a batch of three and then one sequence alone are tuned
+    apart; greedy tokens are plain greedy's whatever it picks."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
+    engine = BatchRounds(model, k=3, adaptive=True)
+    seqs = [engine.add(p, max_tokens=n) for p, n in zip(prompts, [60, 12, 12])]
+    while engine.busy:
+        engine.step()
+    for s, p in zip(seqs, prompts):
+        assert s.tokens == solo(model, p, s.max_tokens)
+    assert {4, 1} <= set(engine.memories) and 0 in engine.memories[4]["cost"] and 0 in engine.memories[1]["cost"]
+
+
+def test_batch_generate_adaptive_equals_plain(demo32):
+    model, tok = demo32
+    plain = batch_generate(model, tok, TEXTS, max_tokens=24, max_batch=3)
+    adaptive = batch_generate(model, tok, TEXTS, max_tokens=24, max_batch=3, speculation=SpecOptions())
+    assert [r.tokens for r in adaptive] == [r.tokens for r in plain]

@@ -121,8 +121,8 @@ def setup_arg_parser() -> ArgumentParser:
                    help="accept a prompt plus max_tokens past the checkpoint's context length")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling a request leaves out takes the checkpoint's generation_config.json")
-    p.add_argument("--max-batch", type=int, default=1, help="requests decoded together (continuous batching, plain "
-                   "decoding: MTP rounds over a batch are not built yet); 1: one at a time, with MTP [1]")
+    p.add_argument("--max-batch", type=int, default=1, help="requests decoded together (continuous batching; MTP "
+                   "rounds over the batch with a head, the depth tuned for the batch); 1: one at a time [1]")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
     p.add_argument("--draft-tokens", type=int, help=f"MTP draft depth K, the largest (adaptive) [{ADAPTIVE_MAX_K}]")
     p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
@@ -154,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         defaults = {}
         if args.generation_config == "auto":
             defaults = checkpoint_sampling(resolve_path(args.model) if args.model else DEMO_MODEL)
-        batched = args.max_batch > 1  # continuous batching decodes plainly (batch.py)
-        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp \
-            and not batched else None
+        batched = args.max_batch > 1  # continuous batching (batch.py; MTP rounds: speculative/batched.py)
+        speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
         httpd = Server((args.host, args.port), None)
     except (LoadError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not args.no_warmup:
         try:
-            warm_up(model, speculation)
+            warm_up(model, None if batched else speculation)  # (a batch's rounds are not the pipelined ones)
         except KeyboardInterrupt:
             print("error: interrupted while warming up", file=sys.stderr)
             httpd.server_close()
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             httpd.server_close()
             return 1
     model_id = served_name(args.model, args.served_model_name)
-    engine = (BatchEngine(model, tokenizer, model_id, None, args.max_queue, args.allow_long_context,
+    engine = (BatchEngine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context,
                           max_batch=args.max_batch) if batched else
               Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context))
     host, port = httpd.server_address[:2]

@@ -15,6 +15,7 @@ from ..generate import stream_generate
 from ..prompt_cache import PromptCache
 from ..sample import Sampler
 from ..speculative import SpecOptions
+from ..speculative.batched import BatchRounds
 from .protocol import HTTPError, StopScanner
 
 log = logging.getLogger("lattice_mlx.server")
@@ -177,10 +178,10 @@ class _Live:
 
 class BatchEngine(Engine):
     """Continuous batching (`--max-batch` > 1): up to `max_batch` jobs decode together, one forward per step
-    (batch.BatchDecoder), each joining as soon as a row is free and leaving at its own max_tokens, stop string,
-    end-of-sequence token, time limit, client leaving or shutdown, checked every step. Plain decoding: MTP rounds
-    over a batch are not built yet. A request's seed does not make it repeatable here (its batch-mates draw from the
-    same generator), and no prompt state is kept between requests."""
+    (batch.BatchDecoder; with a head and MTP on, speculative/batched.BatchRounds, its depth or plain steps tuned for
+    the batch), each joining as soon as a row is free and leaving at its own max_tokens, stop string, end-of-sequence
+    token, time limit, client leaving or shutdown, checked every step. A request's seed does not make it repeatable
+    here (its batch-mates draw from the same generator), and no prompt state is kept between requests."""
 
     def __init__(self, *args, max_batch: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -196,7 +197,9 @@ class BatchEngine(Engine):
             self._drain()
 
     def run(self) -> None:
-        decoder = BatchDecoder(self.model, max_batch=self.max_batch)
+        spec = self.speculation
+        decoder = BatchDecoder(self.model, max_batch=self.max_batch) if spec is None else \
+            BatchRounds(self.model, k=spec.draft_tokens, adaptive=spec.adaptive, max_batch=self.max_batch)
         while not self.stopping.is_set() or self.live:
             self._admit(decoder)
             for live in list(self.live):

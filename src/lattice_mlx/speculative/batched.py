@@ -13,8 +13,13 @@ A round, for B sequences at depth K (shapes: B rows, P pending head slots at mos
   state and conv window of step n_b picked row by row, the head's K - 1 draft rows trimmed (the same count in every
   row).
 Greedy output equals each sequence's plain greedy decoding (fp32; tests/speculative/test_batched.py); sampled output
-keeps the plain distribution per sequence. Fixed K for now: no tuner sees the batch yet.
+keeps the plain distribution per sequence. With `adaptive`, the pipelined tuner (tuning.PipelinedTuner: costs per
+pass measured in this engine, paired against plain steps) picks K or plain steps for the batch as a whole, with its
+costs kept per batch size (a power-of-two bucket); in plain steps each sequence's head slots wait and go in with
+the next round's head forward.
 """
+
+import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
@@ -23,6 +28,8 @@ from .. import cache as caches
 from ..batch import BatchDecoder, Sequence, batch_layer, extend, filter_rows
 from ..sample import accept_sampled_arrays
 from .drafters import feed_head
+from .options import SpecStats
+from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
 
 
 class BatchRounds(BatchDecoder):
@@ -31,7 +38,7 @@ class BatchRounds(BatchDecoder):
 
     PROMPT_HIDDEN = True
 
-    def __init__(self, model, *, k: int, **kwargs):
+    def __init__(self, model, *, k: int, adaptive: bool = False, **kwargs):
         if not getattr(model, "has_mtp", False):
             raise ValueError("batched MTP rounds need a checkpoint with an MTP head")
         if model.mtp.draft_vocab is not None:
@@ -39,7 +46,13 @@ class BatchRounds(BatchDecoder):
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         super().__init__(model, **kwargs)
-        self.k = k
+        self.k = self.k_max = k
+        self.adaptive = adaptive
+        # adaptive: one tuner's costs per batch size bucket (a round's extra rows cost more in a larger batch);
+        # acceptance is the batch's, over every round since the engine started
+        self.memories: dict[int, dict] = {}
+        self.tuner, self.bucket = None, 0
+        self.stats = SpecStats(draft_tokens=k)
         self.head_cache: list | None = None
         self._pending: list[tuple[list[int], mx.array]] = []  # per row: head slots to feed (tokens, hiddens [p, H])
         self.rounds = self.drafted = self.accepted = 0
@@ -103,8 +116,37 @@ class BatchRounds(BatchDecoder):
         return mx.stack(drafts, axis=1), (mx.stack(qs, axis=1) if qs else None)
 
     def _advance(self) -> list[tuple[Sequence, int]]:
-        """One round for every running sequence."""
-        model, K, B = self.model, self.k, len(self.active)
+        """A round for every running sequence at the depth chosen (0: a plain step, the head's slots kept)."""
+        k = self._choose_k() if self.adaptive else self.k_max
+        tic = time.perf_counter()
+        out = self._round(k) if k else self._plain()
+        if self.tuner is not None:
+            self.tuner.observe(k, time.perf_counter() - tic)  # (both read their tokens back: the pass is over)
+        return out
+
+    def _choose_k(self) -> int:
+        """The depth of the next pass from the tuner of this batch size's bucket (a power of two)."""
+        bucket = 1 << (len(self.active) - 1).bit_length()
+        if bucket != self.bucket:
+            self.bucket = bucket
+            self.tuner = PipelinedTuner(self.k_max, self.memories.setdefault(bucket, {}))
+        return self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                                 lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+
+    def _plain(self) -> list[tuple[Sequence, int]]:
+        """One plain step of every running sequence; its token and hidden join the sequence's pending head slots."""
+        x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
+        logits, hidden = self.model(x, self.cache, return_hidden=True)
+        out = self._sample(logits[:, -1])
+        for b, (s, y) in enumerate(out):
+            tokens, h = self._pending[b]
+            self._pending[b] = (tokens + [y], mx.concatenate([h, hidden[b]]))
+        return out
+
+    def _round(self, K: int) -> list[tuple[Sequence, int]]:
+        """One round of depth K for every running sequence."""
+        self.k = K
+        model, B = self.model, len(self.active)
         drafts, q = self._draft()
         gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
         for c in gdn:
@@ -141,6 +183,8 @@ class BatchRounds(BatchDecoder):
         self.rounds += 1
         self.drafted += B * K
         self.accepted += sum(ns)
+        for m in ns:
+            self.stats.record(K, m)
         return out
 
     def _accept(self, logits: mx.array, drafts: mx.array, q: mx.array | None) -> tuple[list[int], list[list[int]]]:
