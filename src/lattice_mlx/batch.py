@@ -1,19 +1,21 @@
-"""Continuous batching for plain decoding: many sequences, one forward per step.
+"""Continuous batching: many sequences, one forward per step (docs/adr/0009-batch-cache-layout.md).
 
-A sequence joins between steps: its prompt is prefilled alone (decode.prefill on caches of its own, the prefill a
-single generation runs), its first token sampled from that prefill's logits, and its caches are merged into the
-batch's: attention rows into left-padded batch caches (mlx-lm's BatchKVCache: per-sequence RoPE offsets and a padding
-mask), GDN conv windows and recurrent states stacked on the batch axis (the recurrence is per row: no padding ever
-enters a state). A step feeds every active sequence's last token, [B, 1], through the model once and samples each
-row with its own sampler. A sequence leaves between steps (its token budget, a stop token, a cancel) and its rows
-are dropped from the caches; the others' are untouched.
+A sequence's prompt is prefilled on caches of its own, one chunk per step (decode.prefill_chunks: the chunks a single
+generation's prefill runs), between the running batch's steps; after its last chunk its first token is sampled from
+those logits and its caches are merged into the batch's: attention rows into left-padded batch caches (mlx-lm's
+BatchKVCache: per-sequence RoPE offsets and a padding mask), GDN conv windows and recurrent states stacked on the
+batch axis (the recurrence is per row: no padding ever enters a state). A plain step feeds every running sequence's
+last token, [B, 1], through the model once and samples each row with its own sampler (speculative/batched.py runs
+MTP rounds instead). A sequence leaves between steps (its token budget, a stop token, a cancel) and its rows are
+dropped from the caches; the others' are untouched.
 
 Exactness: a sequence's prefill is its single generation's, and a step's rows do not mix (every op is per row but
 the matmuls, whose rows are independent sums); in fp32 a sequence's greedy tokens equal its single generation's
-(tests/test_batch.py). In bf16 a row's logits may depend on the batch size where the 4-bit matmul changes kernels
-(up to 8 rows: this project's kernel, each row bitwise a one-row call; more rows: MLX's quantized matmul).
+(tests/test_batch.py). On a GPU in bf16 a row's logits may depend on its batch-mates: a batch's attention runs MLX's
+masked SDPA where a single generation runs this project's kernel, and the 4-bit matmul changes kernels past 8 rows
+(up to 8: this project's kernel, each row bitwise a one-row call; more: MLX's quantized matmul).
 
-Shapes: B active sequences, one token each per step; the batch caches hold [B, Hkv, L, D] keys (left-padded to the
+Shapes: B running sequences, one token each per step; the batch caches hold [B, Hkv, L, D] keys (left-padded to the
 longest) and [B, K-1, C] / [B, Hv, Dv, Dk] GDN arrays.
 """
 
