@@ -44,7 +44,7 @@ def test_arrivals_and_a_cancel_mid_generation_leave_the_others_untouched(model32
         engine.step()
     b = engine.add(PROMPTS[0], max_tokens=10)  # joins a batch whose keys are 33 positions long
     c = engine.add(PROMPTS[3], max_tokens=10)
-    assert b.tokens == [] and engine.waiting  # prefilled by the steps, one prompt's chunk per step
+    assert b.tokens == [] and engine.waiting  # prefilled by the steps (both fit one step's 512 prompt tokens)
     engine.step()
     engine.step()
     engine.cancel(b)
@@ -74,6 +74,14 @@ def test_a_long_prompt_joins_a_chunk_per_step_without_stalling_the_batch(model32
         engine.step()
     for seq, prompt in ((a, PROMPTS[0]), (b, PROMPTS[1]), (long, PROMPTS[2])):
         assert seq.tokens == solo(model32, prompt, seq.max_tokens)
+    # short prompts join several in one step, up to prefill_step prompt tokens: 3 + 2 + 3 fit, then 5 would not
+    engine = BatchDecoder(model32, max_batch=4, prefill_step=8)
+    short = [engine.add(p, max_tokens=4) for p in ([1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11, 12, 13])]
+    engine.step()
+    assert engine.active == short[:3] and [w[0] for w in engine.waiting] == short[3:]
+    while engine.busy:
+        engine.step()
+    assert [s.tokens for s in short] == [solo(model32, s.prompt, 4) for s in short]
 
 
 def test_a_stop_token_ends_only_its_sequence(model32):

@@ -59,10 +59,11 @@ class Sequence:
 
 class BatchDecoder:
     """The running batch of one model: `add` a sequence (it waits to be prefilled), `step` to advance, `cancel` to
-    drop one. A step prefills one chunk (`prefill_step` tokens, a single generation's chunk) of the first waiting prompt, so a long prompt
-    joining delays the running sequences by a chunk per step, never by its whole prefill; a prompt whose last chunk
-    ran samples its first token and joins; then one forward advances every running sequence by a token. Rows
-    (running plus waiting) are at most `max_batch`. Not thread-safe: one caller drives it."""
+    drop one. A step first prefills chunks of the waiting prompts in order (each a single generation's chunk of
+    `prefill_step` tokens), `prefill_step` tokens in all at most (one chunk at least), so a long prompt joining
+    delays the running sequences by a chunk per step, never by its whole prefill, and short prompts join several at
+    a time; a prompt whose last chunk ran samples its first token and joins; then one forward advances every running
+    sequence. Rows (running plus waiting) are at most `max_batch`. Not thread-safe: one caller drives it."""
 
     PROMPT_HIDDEN = False  # whether _join needs the prompt's hiddens (the MTP head's rows: speculative/batched.py)
 
@@ -71,7 +72,8 @@ class BatchDecoder:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
         self.active: list[Sequence] = []  # row b of the batch caches is active[b]
-        self.waiting: list[tuple[Sequence, list, object]] = []  # (sequence, its own caches, its prefill's chunks)
+        # [sequence, its own caches, its prefill's chunks, prompt tokens prefilled so far]
+        self.waiting: list[list] = []
         self.cache: list | None = None
         self._last: list[int] = []  # each active sequence's last token: the next step's input
         self._uids = itertools.count()
@@ -98,21 +100,30 @@ class BatchDecoder:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
         seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
         cache = self.model.make_cache(trimmable=False)
-        self.waiting.append((seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step,
-                                                        return_hidden=self.PROMPT_HIDDEN)))
+        self.waiting.append([seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step,
+                                                        return_hidden=self.PROMPT_HIDDEN), 0])
         return seq
 
-    def _prefill_chunk(self) -> list[tuple[Sequence, int]]:
-        """One chunk of the first waiting prompt; at its last, the first token, and the sequence joins."""
-        seq, cache, chunks = self.waiting[0]
-        out = next(chunks)
-        if out is None:
-            return []
-        self.waiting.pop(0)
-        seq._take(int(seq.sampler(out[0]).item()))
-        if not seq.done:
-            self._join(seq, cache, out[1])
-        return [(seq, seq.tokens[-1])]
+    def _prefill(self) -> list[tuple[Sequence, int]]:
+        """Prefill chunks of the waiting prompts, in order, up to `prefill_step` tokens in all (at least one chunk):
+        a prompt whose last chunk ran samples its first token and joins."""
+        out, budget, ran = [], self.prefill_step, False
+        while self.waiting:
+            entry = self.waiting[0]
+            seq, cache, chunks, done = entry
+            cost = min(self.prefill_step, len(seq.prompt) - done)
+            if ran and cost > budget:
+                break
+            budget, ran, entry[3] = budget - cost, True, done + cost
+            got = next(chunks)
+            if got is None:
+                continue
+            self.waiting.pop(0)
+            seq._take(int(seq.sampler(got[0]).item()))
+            if not seq.done:
+                self._join(seq, cache, got[1])
+            out.append((seq, seq.tokens[-1]))
+        return out
 
     def _join(self, seq: Sequence, cache: list, hidden: mx.array | None) -> None:
         """The prefilled sequence's caches become its row of the batch's (`hidden`: its prompt's hiddens [T, H],
@@ -129,7 +140,7 @@ class BatchDecoder:
     def step(self) -> list[tuple[Sequence, int]]:
         """A prefill chunk if a prompt waits, then one forward over every running sequence: (sequence, new token)
         for each token produced; the sequences that ended leave the batch."""
-        out = self._prefill_chunk() if self.waiting else []
+        out = self._prefill() if self.waiting else []
         if self.active:
             out += self._advance()
             self._drop([b for b, s in enumerate(self.active) if s.done])
