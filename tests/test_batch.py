@@ -48,11 +48,12 @@ def test_arrivals_and_a_cancel_mid_generation_leave_the_others_untouched(model32
     engine.step()
     engine.step()
     engine.cancel(b)
-    assert b.finish_reason == "cancelled" and len(b.tokens) == 3 and engine.active == [a, c]
+    # (a cancel first reads the step queued behind the last one: b has that step's token too)
+    assert b.finish_reason == "cancelled" and len(b.tokens) == 4 and engine.active == [a, c]
     d = engine.add(PROMPTS[1], max_tokens=8)  # takes the freed row
     while engine.busy:
         engine.step()
-    assert b.tokens == solo(model32, PROMPTS[0], 3)
+    assert b.tokens == solo(model32, PROMPTS[0], 4)
     for seq, prompt in ((a, PROMPTS[2]), (c, PROMPTS[3]), (d, PROMPTS[1])):
         assert seq.tokens == solo(model32, prompt, seq.max_tokens) and seq.finish_reason == "length"
 
@@ -179,3 +180,18 @@ def test_bf16_tokens_do_not_depend_on_batch_mates_on_the_cpu():
     prompts = [list(tok.encode(t)) for t in ["def add(a, b):", "import os\n", "class Stack:\n    def"]]
     got = batch_generate(model, None, prompts, max_tokens=24, max_batch=3)
     assert [r.tokens for r in got] == [solo(model, p, 24) for p in prompts]
+
+
+def test_plain_steps_are_queued_one_ahead(model32):
+    """A plain step is built on the previous step's tokens before they are read (the host builds step t + 1 while
+    the device runs step t), except where a budget ends; the tokens are the single generations' all the same."""
+    engine = BatchDecoder(model32)
+    seqs = [engine.add(p, max_tokens=8) for p in PROMPTS[:2]]
+    engine.step()
+    queued = []
+    while engine.busy:
+        engine.step()
+        queued.append(engine._ahead is not None)
+    assert queued[:3] == [True] * 3 and not queued[-1]
+    for s, p in zip(seqs, PROMPTS):
+        assert s.tokens == solo(model32, p, 8)

@@ -76,6 +76,8 @@ class BatchDecoder:
         self.waiting: list[list] = []
         self.cache: list | None = None
         self._last: list[int] = []  # each active sequence's last token: the next step's input
+        self._ahead: mx.array | None = None  # a queued plain step's tokens [B], not read yet
+        self._flushed: list[tuple[Sequence, int]] = []  # tokens read early (_flush), reported by the next step
         self._uids = itertools.count()
 
     @property
@@ -128,6 +130,7 @@ class BatchDecoder:
     def _join(self, seq: Sequence, cache: list, hidden: mx.array | None) -> None:
         """The prefilled sequence's caches become its row of the batch's (`hidden`: its prompt's hiddens [T, H],
         with PROMPT_HIDDEN)."""
+        self._flush()
         rows = [batch_layer(c) for c in cache]
         if self.cache is None:
             self.cache = rows
@@ -138,41 +141,70 @@ class BatchDecoder:
         self._last.append(seq.tokens[-1])
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """A prefill chunk if a prompt waits, then one forward over every running sequence: (sequence, new token)
-        for each token produced; the sequences that ended leave the batch."""
+        """Prefill chunks if prompts wait, then one forward over every running sequence: (sequence, new token) for
+        each token produced; the sequences that ended leave the batch."""
         out = self._prefill() if self.waiting else []
         if self.active:
             out += self._advance()
-            self._drop([b for b, s in enumerate(self.active) if s.done])
+        out, self._flushed = self._flushed + out, []
+        self._drop([b for b, s in enumerate(self.active) if s.done])
         return out
 
     def _advance(self) -> list[tuple[Sequence, int]]:
-        """One plain step of every running sequence."""
-        x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
-        return self._sample(self.model(x, self.cache)[:, -1])
+        """One plain step of every running sequence, pipelined: the step after it is built and queued on its
+        tokens before they are read (the host builds step t + 1 while the device runs step t), unless a sequence's
+        budget ends with this token. A sequence a stop token ends is dropped from the queued step afterwards."""
+        if self._ahead is None:
+            self._ahead = self._dispatch(mx.array(self._last, dtype=mx.int32))
+        ys = self._ahead
+        ending = any(len(s.tokens) + 1 >= s.max_tokens for s in self.active)
+        self._ahead = None if ending else self._dispatch(ys)
+        return self._take([int(y) for y in ys.tolist()])
 
-    def _sample(self, logits: mx.array) -> list[tuple[Sequence, int]]:
-        """Each running sequence's next token from its row of logits [B, V], taken (and the next step's input)."""
+    def _dispatch(self, y: mx.array) -> mx.array:
+        """Queues one plain step on tokens y [B] (a device array): the next tokens [B], not read."""
+        ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
+        mx.async_eval(ys)
+        return ys
+
+    def _flush(self) -> None:
+        """Reads a queued step before the batch changes (a sequence joins or is cancelled)."""
+        if self._ahead is not None:
+            ys, self._ahead = self._ahead, None
+            self._flushed += self._take([int(y) for y in ys.tolist()])
+
+    def _pick(self, logits: mx.array) -> mx.array:
+        """Each running sequence's next token from its row of logits [B, V] (device)."""
         first = self.active[0].sampler
         if all(s.sampler == first for s in self.active):  # one sampler for all: its ops run row by row on [B, V]
-            ys = first(logits)
-        else:
-            ys = mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
-        ys = [int(y) for y in ys.tolist()]
+            return first(logits)
+        return mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
+
+    def _take(self, ys: list[int]) -> list[tuple[Sequence, int]]:
         out = []
         for s, y in zip(self.active, ys):
-            s._take(y)
-            out.append((s, y))
+            if not s.done:  # (a sequence a stop token ended still has a row in a queued step)
+                s._take(y)
+                out.append((s, y))
         self._last = ys
         return out
+
+    def _sample(self, logits: mx.array) -> list[tuple[Sequence, int]]:
+        """Each running sequence's next token from its row of logits [B, V], read and taken."""
+        return self._take([int(y) for y in self._pick(logits).tolist()])
 
     def cancel(self, seq: Sequence) -> None:
         """Drops a running or waiting sequence (finish reason "cancelled"); the others go on untouched."""
         if seq.done:
             return
-        seq.finish_reason = "cancelled"
         if seq in self.active:
+            self._flush()
+            if seq.done:
+                return
+            seq.finish_reason = "cancelled"
             self._drop([self.active.index(seq)])
+            return
+        seq.finish_reason = "cancelled"
         self.waiting = [w for w in self.waiting if w[0] is not seq]
 
     def _drop(self, rows: list[int]) -> list[int] | None:
@@ -183,9 +215,11 @@ class BatchDecoder:
         self.active = [self.active[b] for b in keep]
         self._last = [self._last[b] for b in keep]
         if not keep:
-            self.cache = None
+            self.cache, self._ahead = None, None
             return keep
         filter_rows(self.cache, keep)
+        if self._ahead is not None:  # the queued step's rows too
+            self._ahead = self._ahead[mx.array(keep, dtype=mx.int32)]
         return keep
 
 
