@@ -179,3 +179,17 @@ def test_batch_generate_adaptive_equals_plain(demo32):
     plain = batch_generate(model, tok, TEXTS, max_tokens=24, max_batch=3)
     adaptive = batch_generate(model, tok, TEXTS, max_tokens=24, max_batch=3, speculation=SpecOptions())
     assert [r.tokens for r in adaptive] == [r.tokens for r in plain]
+
+
+def test_greedy_sequences_beside_a_sampled_one_stay_exact(demo32):
+    """A batch mixing samplers: the greedy sequences' drafts are checked against the argmax, the sampled one's by
+    the sampling rule, each row on its own; the greedy ones get their plain greedy tokens."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
+    engine = BatchRounds(model, k=2)
+    greedy = engine.add(prompts[0], max_tokens=16)
+    engine.add(prompts[1], max_tokens=16, sampler=Sampler(temp=0.8, top_p=0.9))
+    other = engine.add(prompts[2], max_tokens=16)
+    while engine.busy:
+        engine.step()
+    assert greedy.tokens == solo(model, prompts[0], 16) and other.tokens == solo(model, prompts[2], 16)

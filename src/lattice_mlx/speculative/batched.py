@@ -106,7 +106,9 @@ class BatchRounds(BatchDecoder):
             logits = model.lm_logits(head.to_target(post))[:, -1]  # [B, V]
             h = post if head.input_hidden == "post" else x
             if sampled:
-                q = mx.stack([s.sampler.probs(logits[b]) for b, s in enumerate(self.active)])  # [B, V]
+                # q [B, V]: a greedy sequence's row is never read (its drafts are checked against the argmax)
+                q = mx.stack([s.sampler.probs(logits[b]) if not s.sampler.greedy else logits[b]
+                              for b, s in enumerate(self.active)])
                 d = mx.stack([s.sampler(logits[b]) if not s.sampler.greedy else mx.argmax(logits[b])
                               for b, s in enumerate(self.active)])
                 qs.append(q)
@@ -138,7 +140,7 @@ class BatchRounds(BatchDecoder):
         x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
         logits, hidden = self.model(x, self.cache, return_hidden=True)
         out = self._sample(logits[:, -1])
-        for b, (s, y) in enumerate(out):
+        for b, y in enumerate(self._last):  # (row b of the batch, whatever its sequence took)
             tokens, h = self._pending[b]
             self._pending[b] = (tokens + [y], mx.concatenate([h, hidden[b]]))
         return out
@@ -202,13 +204,12 @@ class BatchRounds(BatchDecoder):
             return ns, [dr[:m] + [t[m]] for dr, t, m in zip(d, target, ns)]
         outs = []
         for b, s in enumerate(self.active):
-            p = s.sampler.probs(logits[b])  # [K + 1, V]
-            if s.sampler.greedy:  # a greedy sequence beside sampled ones: one-hot q and p
+            if s.sampler.greedy:  # a greedy sequence beside sampled ones: its drafts against the argmax
                 target = mx.argmax(logits[b], axis=-1)
                 m = mx.cumprod((drafts[b] == target[:K]).astype(mx.int32)).sum()
                 outs.append((m, target[m], mx.concatenate([drafts[b], target[-1:]])))
                 continue
-            m, token, toks = accept_sampled_arrays(p, q[b], drafts[b])
+            m, token, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b])  # p [K + 1, V]
             outs.append((m, token, toks))
         mx.eval([o for triple in outs for o in triple])
         ns, tokens = [], []
