@@ -161,11 +161,17 @@ for mode in "$@"; do
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
   batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
-          # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400]
+          # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400];
+          # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo)
     step "${NAME:-batch_${SHAPE:-$BIG}}" "${LIMIT:-400}" python3 scripts/bench/batch_throughput.py --model "${SHAPE:-$BIG}" \
       --streams "${STREAMS:-1,4,16,64}" --tokens "${TOKENS:-128}" --reps "${REPS:-10}" \
       $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) --out "$RES/${NAME:-batch_${SHAPE:-$BIG}}.json"
-    cat "$RES/${NAME:-batch_${SHAPE:-$BIG}}.out" ;;
+    cat "$RES/${NAME:-batch_${SHAPE:-$BIG}}.out"
+    if [[ ${LOAD:-0} == 1 ]]; then  # TTFT under Poisson arrivals through the server, --max-batch 1 vs MAX_BATCH
+      step server_load "${LOAD_LIMIT:-200}" python3 scripts/bench/server_load.py --rate "${RATE:-8}" --seconds 30 \
+        --tokens 64 --max-batch "1,${MAX_BATCH:-16}" --server-args "--dtype bfloat16" --out "$RES/server_load.json"
+      cat "$RES/server_load.out"
+    fi ;;
   trees)
     step trees_0.8b 180 python3 scripts/bench/bench_tree.py --out "$RES/trees_0.8b" --model "$BIG" --oracle-p 0.8 --prompts 3
     step trees_demo 90 python3 scripts/bench/bench_tree.py --out "$RES/trees_demo" --prompts 6 --tokens 48 ;;
