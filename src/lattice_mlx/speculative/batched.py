@@ -26,7 +26,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from .. import cache as caches
 from ..batch import BatchDecoder, Sequence, batch_layer, extend, filter_rows
-from ..sample import accept_sampled_arrays
+from ..sample import accept_greedy, accept_sampled_arrays
 from .drafters import feed_head
 from .options import SpecStats
 from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
@@ -195,12 +195,7 @@ class BatchRounds(BatchDecoder):
         if q is None:  # every sequence greedy
             target = mx.argmax(logits, axis=-1)  # [B, K + 1]
             target, d = target.tolist(), drafts.tolist()
-            ns = []
-            for t, dr in zip(target, d):
-                m = 0
-                while m < K and dr[m] == t[m]:
-                    m += 1
-                ns.append(m)
+            ns = [accept_greedy(t, dr) for t, dr in zip(target, d)]
             return ns, [dr[:m] + [t[m]] for dr, t, m in zip(d, target, ns)]
         outs = []
         for b, s in enumerate(self.active):
