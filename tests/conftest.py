@@ -61,6 +61,20 @@ def no_mtp_checkpoint(tmp_path_factory):
     return random_checkpoint(tmp_path_factory.mktemp("ckpt") / "nomtp", seed=3, mtp=False)
 
 
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """The first n tokens of plain greedy decoding (decode.generate_step) after `prompt`."""
+    import mlx.core as mx
+
+    from lattice_mlx.decode import generate_step
+    from lattice_mlx.sample import Sampler
+
+    out = []
+    for t in generate_step(model, mx.array(prompt), sampler=Sampler()):
+        out.append(int(t))
+        if len(out) == n:
+            return out
+
+
 def two_token_pvalue(model, prompt: list[int], sampler, speculative, *, trials: int = 300, vocab: int = 8) -> float:
     """Chi-square p-value that the first two tokens of `speculative(seed) -> tokens` follow plain sampling.
     Each trial seeds both runs, from disjoint seed ranges."""

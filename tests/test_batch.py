@@ -3,12 +3,10 @@ its batch-mates are and whenever they join or leave; sampled rows keep the plain
 
 import mlx.core as mx
 import pytest
-from conftest import two_token_pvalue
+from conftest import greedy_tokens, two_token_pvalue
 
-from lattice_mlx import load
-from lattice_mlx import batch_generate
+from lattice_mlx import batch_generate, load
 from lattice_mlx.batch import BatchDecoder
-from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40)), [5] * 17, [9], list(range(60, 73))]
@@ -19,12 +17,7 @@ def model32(checkpoint):
     return load(checkpoint, dtype="float32")[0]
 
 
-def solo(model, prompt: list[int], n: int) -> list[int]:
-    out = []
-    for t in generate_step(model, mx.array(prompt), sampler=Sampler()):
-        out.append(int(t))
-        if len(out) == n:
-            return out
+solo = greedy_tokens
 
 
 def test_batch_generate_greedy_equals_each_single_generation(model32, compile_mode):

@@ -181,7 +181,6 @@ def run_group(args) -> dict:
            "capacity": args.capacity, "gpu_profile": profiles or None, "kernel_builds_warming": builds0,
            "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
            else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
-    plain = records["plain"]["wall_s"]
     out["ratios"] = {}  # tok/s of the leg / plain's = plain's seconds / the leg's, paired by repetition
     for leg in legs:
         for what in ("wall_s", "decode_s"):

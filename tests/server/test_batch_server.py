@@ -2,16 +2,14 @@
 would get alone (greedy, fp32), streaming and stop strings work per request, and a client leaving frees its row while
 the others go on."""
 
-import json
 import signal
-import socket
 import threading
 
 import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 
-from test_server import MODEL, PROMPT, _start  # noqa: E402
+from test_server import MODEL, PROMPT, _start, _streaming  # noqa: E402
 
 from lattice_mlx import generate, load  # noqa: E402
 
@@ -65,13 +63,7 @@ def test_streaming_and_stop_strings_per_request(bclient):
 
 def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_server):
     port, log = batch_server
-    sock = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n".encode()
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while got.count(b"data: ") < 3:
-        got += sock.recv(4096)
+    sock = _streaming(port)
     other = bclient.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0)
     sock.close()
     assert other.usage.completion_tokens == 6

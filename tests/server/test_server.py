@@ -146,16 +146,21 @@ def test_bad_requests_are_http_400_with_a_message(client, server):
     assert status == 404 and "no such endpoint" in obj["error"]["message"]
 
 
-def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
-    port, log = server
+def _streaming(port: int, max_tokens: int = 2000) -> socket.socket:
+    """A raw streaming request, read until its third event: the socket (close it to leave)."""
     sock = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "stream": True}).encode()
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n".encode()
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     got = b""
     while got.count(b"data: ") < 3:
         got += sock.recv(4096)
-    sock.close()
+    return sock
+
+
+def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
+    port, log = server
+    _streaming(port).close()
     # served after the cancelled job: the worker has moved on
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                      temperature=0).usage.completion_tokens == 4

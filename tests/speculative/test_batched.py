@@ -4,9 +4,9 @@ or leave; sampled sequences keep the plain distribution."""
 
 import mlx.core as mx
 import pytest
+from conftest import greedy_tokens
 
 from lattice_mlx import SpecOptions, batch_generate, load
-from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative.batched import BatchRounds
 
@@ -18,12 +18,7 @@ def demo32():
     return load(dtype="float32")  # the demo's trained head: its drafts are mostly accepted, so rounds keep 0..K
 
 
-def solo(model, prompt: list[int], n: int) -> list[int]:
-    out = []
-    for t in generate_step(model, mx.array(prompt), sampler=Sampler()):
-        out.append(int(t))
-        if len(out) == n:
-            return out
+solo = greedy_tokens
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -71,7 +66,7 @@ def test_batch_generate_speculates_when_asked(demo32):
     assert [r.text for r in mtp] == [r.text for r in plain]
 
 
-def _second_token_distribution(model, prompt: list[int], sampler) -> "np.ndarray":
+def _second_token_distribution(model, prompt: list[int], sampler):
     """The exact distribution of plain sampling's second token (summed over the first), [V]."""
     import numpy as np
 

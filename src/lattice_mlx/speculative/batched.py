@@ -98,9 +98,9 @@ class BatchRounds(BatchDecoder):
                 c.finalize()
         x = x[mx.arange(B), mx.array(counts) - 1][:, None]  # each row's last real slot [B, 1, H]
         sampled = any(not s.sampler.greedy for s in self.active)
-        drafts, qs = [], []
+        drafts, qs, h = [], [], None
         for step in range(K):
-            if step:
+            if step:  # the next slot: the last draft with the head's own hidden
                 x = head(model.model.embed_tokens(drafts[-1][:, None]), h, self.head_cache)
             post = head.norm(x)
             logits = model.lm_logits(head.to_target(post))[:, -1]  # [B, V]
