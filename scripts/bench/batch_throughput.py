@@ -11,9 +11,7 @@ GPU kernel time and busy against span per decode step of `ours` at each B.
 """
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 import time
 import types
@@ -27,7 +25,7 @@ from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.oracles import OracleBatchRounds
 from lattice_mlx.bench.report import device_name, provenance
-from lattice_mlx.bench.run import load_target
+from lattice_mlx.bench.run import load_profiler, load_target
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 
@@ -100,12 +98,7 @@ def main() -> int:
     vocab = target.model.args.vocab_size
     result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                        "argv": sys.argv, "model": target.label, "stock": target.stock_note}, "streams": {}}
-    kernel_profile = None
-    if args.profile:
-        spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(args.profile, "gpu_kernels.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernel_profile = module.kernel_profile
+    kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else [])
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]

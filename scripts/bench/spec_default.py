@@ -31,7 +31,7 @@ from lattice_mlx import SpecOptions, SpecStats, speculate
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.oracles import DeviceOracle
 from lattice_mlx.bench.report import device_name, provenance
-from lattice_mlx.bench.run import load_target, text_prompts, workload_prompts
+from lattice_mlx.bench.run import load_profiler, load_target, profile_stream, text_prompts, workload_prompts
 from lattice_mlx.decode import generate_step
 from lattice_mlx.metal import _dialect, q4_matmul
 from lattice_mlx.sample import Sampler
@@ -85,34 +85,13 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
 
 def profile_leg(kernel_profile, model, leg: str, ids: list[int], n: int, temp: float, drafts: str,
                 reference: list[int] | None, seed: int) -> dict:
-    """GPU kernels per generated token over n tokens after the first (one untimed generation of its own, CUPTI):
-    kernels, kernel microseconds, GPU busy and span per token, and per round where the leg speculates."""
+    """GPU kernels per generated token over n tokens after the first (one untimed generation of its own, CUPTI:
+    bench.run.profile_stream), and the acceptance where the leg speculates."""
     stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
-    try:
-        next(stream)  # prefill and the first token stay outside the profile
-        rounds0 = stats.rounds if stats is not None else 0
-        with kernel_profile(steps=n) as prof:
-            for _ in zip(range(n), stream):
-                pass
-    finally:
-        stream.close()
-    s = prof.summary(top=5)
-    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
-                                        "span_us_per_step")}
-    out["steps_are"] = "generated tokens"
+    out = profile_stream(kernel_profile, stream, stats, n)
     if stats is not None:
-        out["rounds"] = stats.rounds - rounds0
         out["acceptance"] = stats.to_dict()["acceptance_rate"]
     return out
-
-
-def load_profiler(folder: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(folder, "gpu_kernels.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.kernel_profile
 
 
 def prompts_for(target, args) -> list[list[int]]:

@@ -131,12 +131,7 @@ class BatchDecoder:
         """The prefilled sequence's caches become its row of the batch's (`hidden`: its prompt's hiddens [T, H],
         with PROMPT_HIDDEN)."""
         self._flush()
-        rows = [batch_layer(c) for c in cache]
-        if self.cache is None:
-            self.cache = rows
-        else:
-            for mine, new in zip(self.cache, rows):
-                extend(mine, new)
+        self.cache = join_rows(self.cache, cache)
         self.active.append(seq)
         self._last.append(seq.tokens[-1])
 
@@ -231,6 +226,16 @@ def filter_rows(cache: list, keep: list[int]) -> None:
             c.filter(idx)
         else:
             c.conv, c.ssm = c.conv[idx], c.ssm[idx]
+
+
+def join_rows(batch: list | None, cache: list) -> list:
+    """One sequence's caches (a layer each) added as the last row of the batch caches `batch` (None: the first)."""
+    rows = [batch_layer(c) for c in cache]
+    if batch is None:
+        return rows
+    for mine, new in zip(batch, rows):
+        extend(mine, new)
+    return batch
 
 
 def batch_layer(c):

@@ -464,13 +464,19 @@ def profile_leg(profiler, target: Target, leg: Leg, ids: list[int], temp: float,
     """GPU kernels per generated token (and per round for MTP) over n tokens after the first, from `profiler` (the
     CUPTI context manager of ../shared/device/gpu_kernels.py); one untimed run of its own."""
     stream, stats = token_stream(target, leg, ids, temp, n_max=n + 8, reference=reference, seed=seed)
+    with compiled.forced(leg.compiled):
+        return profile_stream(profiler, stream, stats, n)
+
+
+def profile_stream(profiler, stream, stats: SpecStats | None, n: int) -> dict:
+    """`profile_leg`'s figures for a token stream (closed here) and its SpecStats (None: plain decoding): n tokens
+    after the first under `profiler`."""
     try:
-        with compiled.forced(leg.compiled):
-            next(stream)  # prefill and the first token stay outside the profile
-            rounds0 = stats.rounds if stats is not None else 0
-            with profiler(steps=n) as prof:
-                for _ in zip(range(n), stream):
-                    pass
+        next(stream)  # prefill and the first token stay outside the profile
+        rounds0 = stats.rounds if stats is not None else 0
+        with profiler(steps=n) as prof:
+            for _ in zip(range(n), stream):
+                pass
     finally:
         stream.close()
     s = prof.summary(top=5)

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from .. import cache as caches
-from ..batch import BatchDecoder, Sequence, batch_layer, extend, filter_rows
+from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
 from ..sample import accept_greedy, accept_sampled_arrays
 from .drafters import feed_head
 from .options import SpecStats
@@ -64,12 +64,7 @@ class BatchRounds(BatchDecoder):
         tokens = [*seq.prompt[1:], seq.tokens[-1]]
         if len(tokens) > 1:
             feed_head(self.model, tokens[:-1], hidden[:-1], head)
-        rows = [batch_layer(c) for c in head]
-        if self.head_cache is None:
-            self.head_cache = rows
-        else:
-            for mine, new in zip(self.head_cache, rows):
-                extend(mine, new)
+        self.head_cache = join_rows(self.head_cache, head)
         self._pending.append((tokens[-1:], hidden[-1:]))
 
     def _drop(self, rows: list[int]) -> list[int] | None:
