@@ -2,6 +2,7 @@
 
 import glob
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,7 +170,8 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         except ValueError as e:
             raise LoadError(str(e)) from None
         weights = {k: v for k, v in weights.items() if k not in dropped}
-    weights = cast_floats(weights, DTYPES[dtype] if dtype else checkpoint_dtype(weights))
+    act_dtype = DTYPES[dtype] if dtype else checkpoint_dtype(weights)
+    weights = cast_floats(weights, act_dtype)
     if fuse and mx.default_device() == mx.cpu:  # CPU gather_mm is fp32-only: unquantized MoE experts stay fp32 there
         weights = {k: v.astype(mx.float32) if ".switch_mlp." in k and k.endswith(".weight") and
                    f"{k[: -len('weight')]}scales" not in weights else v for k, v in weights.items()}
@@ -187,7 +189,27 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         mx.eval(part.parameters())
     if model.has_mtp and draft_vocab:
         model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
+    if group is None or group.size() == 1:
+        keep_kernel_builds(config, act_dtype)
     return model, config
+
+
+def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
+    """On MLX's CUDA backend with LATTICE_KERNEL_CACHE=1, the model's kernel variants built into MLX's PTX cache
+    now, in parallel, where a previous process has not (metal/cuda_cache.py); else nothing. A failure leaves the
+    builds to MLX, as without it."""
+    from .metal import _dialect, cuda_cache, use_kernels
+
+    if not (cuda_cache.enabled() and use_kernels() and _dialect.backend() == "cuda"):
+        return
+    from .variants import prebuild
+
+    text = dict(config.get("text_config") or config)
+    quant = config.get("quantization") or {}
+    try:
+        prebuild(text, dtype=dtype, bits=quant.get("bits"), group_size=quant.get("group_size", 64))
+    except Exception as e:  # noqa: BLE001 (NVRTC missing or failing: MLX builds each kernel as it first runs)
+        print(f"lattice_mlx: kernels not prebuilt ({type(e).__name__}: {str(e).strip()[:200]})", file=sys.stderr)
 
 
 def read_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:

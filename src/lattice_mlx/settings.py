@@ -43,6 +43,18 @@ SETTINGS = {
     "git_rev": Setting("LATTICE_GIT_REV", "", None, ""),
     "cxx": Setting("CXX", "", None, ""),  # the CPU render's compiler
     "cache_home": Setting("XDG_CACHE_HOME", "", None, ""),  # where the CPU render keeps its builds
+    # CUDA kernel builds kept on disk (metal/cuda_cache.py): off until run on a GPU
+    "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "0", SWITCH,
+                            "use 1 (CUDA kernel builds written to MLX's PTX cache, once per machine) or 0 (off)"),
+    "nvrtc": Setting("LATTICE_NVRTC", "", None, ""),  # libnvrtc's path, where the process has not loaded one
+    # where MLX reads and writes its PTX cache, and the folders it is found from
+    "ptx_cache_dir": Setting("MLX_PTX_CACHE_DIR", "", None, ""),
+    "tmpdir": Setting("TMPDIR", "", None, ""),
+    "tmp": Setting("TMP", "", None, ""),
+    "temp": Setting("TEMP", "", None, ""),
+    "tempdir": Setting("TEMPDIR", "", None, ""),
+    "cuda_home": Setting("CUDA_HOME", "", None, ""),
+    "cuda_path": Setting("CUDA_PATH", "", None, ""),
 }
 _overrides: dict[str, object] = {}
 

@@ -6,6 +6,8 @@ collected with its template, inputs and launch geometry, and nothing is computed
 a list of variants kept by hand.
 """
 
+import sys
+import time
 from collections.abc import Iterable
 
 import mlx.core as mx
@@ -128,3 +130,21 @@ def distinct(calls: Iterable[_dialect.Call]) -> dict[tuple, _dialect.Call]:
         out.setdefault(call.variant(), call)
     return out
 
+
+
+PREBUILD_WIDTHS = tuple(range(1, 9))  # decode, verifies of up to 7 drafts, batches of up to 8 rows, short chunks
+
+
+def prebuild(args: dict, *, dtype: mx.Dtype, bits: int | None, group_size: int) -> int:
+    """The CUDA modules of the variants a model of text config `args` asks for (widths up to 8), built in parallel
+    into MLX's PTX cache where it lacks them (metal/cuda_cache.py: once per machine); one line on stderr says what
+    that cost. Variants not listed here are kept as they are first launched. Returns how many were built."""
+    from .metal import cuda_cache
+
+    calls = model_calls(args, dtype=dtype, bits=bits, group_size=group_size, widths=PREBUILD_WIDTHS)
+    tic = time.perf_counter()
+    built = cuda_cache.prebuild(calls)
+    if built:
+        print(f"lattice_mlx: built {built} GPU kernels for this machine in {time.perf_counter() - tic:.1f} s (once: "
+              f"kept in {cuda_cache.cache_dir()})", file=sys.stderr, flush=True)
+    return built

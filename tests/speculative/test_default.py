@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
 
 from lattice_mlx import SpecStats, generate, load, settings

@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 
 from lattice_mlx import cache as caches
-from lattice_mlx import decode
-from lattice_mlx import load, sample
+from lattice_mlx import decode, load, sample
 from lattice_mlx.bench import oracles
-
 from lattice_mlx.bench.oracles import OracleDrafter
 from lattice_mlx.decode import generate_step, prefill
 from lattice_mlx.metal.gated_delta import picked
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import tuning
-from lattice_mlx.speculative import SpecOptions, SpecStats, check_split_model, speculate
+from lattice_mlx.speculative import SpecOptions, SpecStats, check_split_model, speculate, tuning
 from lattice_mlx.speculative import pipelined as rounds
 
 PROMPT = [3, 3, 3, 3, 17, 17, 2, 8, 64, 128, 256, 12, 13]

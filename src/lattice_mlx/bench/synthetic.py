@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..load import quantize
+from ..load import keep_kernel_builds, quantize
 from ..models.fuse import fuse_projections
 from ..models.mtp import MTPHead
 from ..models.qwen3_5 import Model, ModelArgs
@@ -249,6 +249,10 @@ def random_model(*, mtp: bool = True, bits: int | None = None, group_size: int =
         mx.eval(part.parameters())
     if fuse:
         fuse_projections(model)
+    if place is None:
+        keep_kernel_builds({"text_config": hub_config(mtp=mtp, **text)["text_config"],
+                            "quantization": {"bits": bits, "group_size": group_size} if bits else None},
+                           dtype or mx.float32)
     return model
 
 

@@ -381,6 +381,8 @@ class Kernel:
                 if dialect != "cpu":
                     zeros = [mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape) for a in inputs]
                     tic = time.perf_counter()
+                    if dialect == "cuda":
+                        _keep_build(self, inputs, template, output_dtypes)
                     mx.eval(impl(inputs=zeros, **launch))
                     _first_use(time.perf_counter() - tic)
                 self.launched.add(variant)
@@ -412,6 +414,25 @@ def _first_use(seconds: float) -> None:
         _FIRST_USES["announced"] = True
         print("lattice_mlx: compiling GPU kernels for this process (once per kernel shape; on MLX's CUDA backend "
               "about 1.5 s each, so a first generation can take tens of seconds)", file=sys.stderr, flush=True)
+
+
+_KEEP_FAILED: list[str] = []
+
+
+def _keep_build(kernel: "Kernel", inputs: list, template: list, output_dtypes: list) -> None:
+    """With LATTICE_KERNEL_CACHE=1, the variant's module goes into MLX's PTX cache before MLX first launches it
+    (cuda_cache.py: built here once per machine, read by every later process). A failure says so once and leaves
+    the build to MLX, as before."""
+    from lattice_mlx.metal import cuda_cache
+
+    if _KEEP_FAILED or not cuda_cache.enabled():
+        return
+    try:
+        cuda_cache.ensure(kernel, inputs, template, output_dtypes)
+    except Exception as e:  # noqa: BLE001 (NVRTC missing or failing, a cache folder not writable: MLX builds it)
+        _KEEP_FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        print(f"lattice_mlx: kernel builds are not kept on disk in this process ({_KEEP_FAILED[0][:300]})",
+              file=sys.stderr)
 
 
 def first_uses() -> dict:
