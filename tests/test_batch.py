@@ -188,3 +188,44 @@ def test_plain_steps_are_queued_one_ahead(model32):
     assert queued[:3] == [True] * 3 and not queued[-1]
     for s, p in zip(seqs, PROMPTS):
         assert s.tokens == solo(model32, p, 8)
+
+
+def _run(model, prompts, budgets, *, max_batch: int, sampler=None, cancel_at: int | None = None):
+    """Every prompt through one BatchDecoder (a cancel of the first sequence at step `cancel_at`): the tokens."""
+    engine = BatchDecoder(model, max_batch=max_batch)
+    pending = list(zip(prompts, budgets))
+    seqs, steps = [], 0
+    while pending or engine.busy:
+        while pending and not engine.full:
+            p, n = pending.pop(0)
+            seqs.append(engine.add(p, max_tokens=n, sampler=sampler))
+        engine.step()
+        steps += 1
+        if steps == cancel_at:
+            engine.cancel(seqs[0])
+    return [s.tokens for s in seqs]
+
+
+@pytest.mark.parametrize("grow", [256, 8])
+def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, grow):
+    """With tracing on, plain steps replay one trace per batch size (BatchSteps: the write column on the device, the
+    rows' masks over the whole buffer): greedy and sampled tokens equal the steps built op by op, through arrivals,
+    departures, a cancel and buffer growth (every 8 columns when grow is 8)."""
+    from lattice_mlx import cache as caches
+    from lattice_mlx import settings
+    from lattice_mlx.batch import BatchSteps
+    from lattice_mlx.runtime import runtime_of
+
+    monkeypatch.setattr(caches.BatchFixedKVCache, "GROW", grow)
+    replays = []
+    step = BatchSteps.step
+    monkeypatch.setattr(BatchSteps, "step", lambda self, cache, y: replays.append(y.shape[0]) or step(self, cache, y))
+    budgets = [9, 30, 12, 6, 1, 10]
+    for sampler in (None, Sampler(temp=1.0)):
+        got = {}
+        for traced in (True, False):
+            mx.random.seed(3)
+            with settings.override(trace_steps=traced):
+                got[traced] = _run(model32, PROMPTS, budgets, max_batch=3, sampler=sampler, cancel_at=5)
+        assert got[True] == got[False]
+    assert len(set(replays)) >= 2 and "batch_steps" in runtime_of(model32).traces

@@ -5,8 +5,9 @@ Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,6
          [--dtype bfloat16] [--bits 4] [--profile DIR] [--out FILE.json]
 Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `ours-mtp`
 (MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py), `mlx-lm`
-(mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `solo` (B = 1 only: plain generate_step, the
-single-stream reference). Each leg runs once untimed per B first. With --profile (CUPTI, DIR/gpu_kernels.py): kernels,
+(mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `ours-untraced` (--untraced 1: plain steps
+built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps), `solo` (B = 1 only: plain generate_step,
+the single-stream reference). Each leg runs once untimed per B first. With --profile (CUPTI, DIR/gpu_kernels.py): kernels,
 GPU kernel time and busy against span per decode step of `ours` at each B.
 """
 
@@ -20,7 +21,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 
-from lattice_mlx import batch_generate
+from lattice_mlx import batch_generate, settings
 from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.oracles import OracleBatchRounds
@@ -45,8 +46,9 @@ def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], 
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
-    if leg in ("ours", "ours-aa"):
-        batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
+    if leg in ("ours", "ours-aa", "ours-untraced"):
+        with settings.override(trace_steps=False if leg == "ours-untraced" else None):
+            batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
     elif leg == "ours-mtp":
         got = run_rounds(target, prompts, n, refs, args.mtp_k, args.oracle_p)
         if got != [r[:n] for r in refs]:
@@ -60,14 +62,15 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     return time.perf_counter() - tic
 
 
-def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int) -> dict:
-    engine = BatchDecoder(target.model, max_batch=len(prompts))
-    for p in prompts:
-        engine.add(p, max_tokens=steps + 4)
-    engine.step()
-    with kernel_profile(steps=steps) as prof:
-        for _ in range(steps):
-            engine.step()
+def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None) -> dict:
+    with settings.override(trace_steps=traced):
+        engine = BatchDecoder(target.model, max_batch=len(prompts))
+        for p in prompts:
+            engine.add(p, max_tokens=steps + 4)
+        engine.step()
+        with kernel_profile(steps=steps) as prof:
+            for _ in range(steps):
+                engine.step()
     s = prof.summary(top=5)
     return {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
                                         "span_us_per_step")}
@@ -86,6 +89,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
     p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
+    p.add_argument("--untraced", type=int, default=1,
+                   help="1: also a leg with plain steps built op by op (LATTICE_TRACE_STEPS=0), against the traced")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--out", default="batch_throughput.json")
     args = p.parse_args()
@@ -100,7 +105,8 @@ def main() -> int:
                        "argv": sys.argv, "model": target.label, "stock": target.stock_note}, "streams": {}}
     kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
-        legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else [])
+        legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
+            (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else [])
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
         refs = [[r.tokens for r in batch_generate(target.model, None, prompts, max_tokens=args.tokens + 8,
@@ -120,7 +126,12 @@ def main() -> int:
                "seconds": secs}
         if kernel_profile is not None:
             out["profile_ours"] = profile_steps(kernel_profile, target, reps[0], 32)
+            if args.untraced:
+                out["profile_ours_untraced"] = profile_steps(kernel_profile, target, reps[0], 32, traced=False)
         result["streams"][B] = out
+        if args.untraced:
+            out["ratios"]["ours/ours-untraced"] = bs.summarize([a / b for a, b in zip(tps["ours"],
+                                                                                   tps["ours-untraced"])])
         if args.mtp_k:
             out["ratios"]["ours-mtp/ours"] = bs.summarize([a / b for a, b in zip(tps["ours-mtp"], tps["ours"])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "

@@ -27,7 +27,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from . import cache as caches
-from .decode import PREFILL_STEP, prefill_chunks
+from . import traces
+from .decode import PREFILL_STEP, prefill_chunks, tracing_enabled
+from .metal import use_kernels
+from .models import compiled
+from .runtime import runtime_of
 from .sample import Sampler
 
 DEFAULT_MAX_BATCH = 16
@@ -78,6 +82,7 @@ class BatchDecoder:
         self._last: list[int] = []  # each active sequence's last token: the next step's input
         self._ahead: mx.array | None = None  # a queued plain step's tokens [B], not read yet
         self._flushed: list[tuple[Sequence, int]] = []  # tokens read early (_flush), reported by the next step
+        self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler
         self._uids = itertools.count()
 
     @property
@@ -157,8 +162,16 @@ class BatchDecoder:
         return self._take([int(y) for y in ys.tolist()])
 
     def _dispatch(self, y: mx.array) -> mx.array:
-        """Queues one plain step on tokens y [B] (a device array): the next tokens [B], not read."""
-        ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
+        """Queues one plain step on tokens y [B] (a device array): the next tokens [B], not read. Replayed from a
+        trace where one applies (BatchSteps), else built op by op."""
+        sampler = self.active[0].sampler
+        if BatchSteps.applies(self.model, self.cache) and type(sampler) is Sampler and \
+                all(s.sampler == sampler for s in self.active):
+            if self._steps is None or self._steps.sampler != sampler:
+                self._steps = BatchSteps(self.model, sampler)
+            ys = self._steps.step(self.cache, y)
+        else:
+            ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
         mx.async_eval(ys)
         return ys
 
@@ -255,3 +268,90 @@ def extend(mine, new) -> None:
     else:
         mine.conv = mx.concatenate([mine.conv, new.conv.astype(mine.conv.dtype)])
         mine.ssm = mx.concatenate([mine.ssm, new.ssm])
+
+
+class BatchSteps:
+    """A plain step of the whole batch as one mx.compile trace, replayed every step (decode.TracedSteps for a
+    batch): the attention caches become BatchFixedKVCache (the write column on the device, read whole through the
+    rows' masks), so a step's shapes change only when the batch does (a sequence joins or leaves: a trace per batch
+    size and buffer capacity, kept) or a buffer grows. The sampler's numbers are an input: one trace per sampler
+    structure. Off where tracing is (LATTICE_TRACE_STEPS: on a GPU by default)."""
+
+    def __init__(self, model, sampler: Sampler):
+        self.model, self.sampler, self.values = model, sampler, sampler.values()
+        self.key = ("batch", sampler.structure(), use_kernels())
+        self.kv: list[caches.BatchFixedKVCache] = []
+        self.gdn: list[caches.GDNCache] = []
+
+    @staticmethod
+    def applies(model, cache: list) -> bool:
+        """Tracing on, one process (no tensor parallel), no hidden tap, batch KV and GDN caches with no verify pick
+        pending."""
+        return (tracing_enabled() and getattr(model, "sharding_group", None) is None
+                and runtime_of(model).hidden_tap is None
+                and all(isinstance(c, BatchKVCache) and c.keys is not None or
+                        type(c) is caches.GDNCache and c.window_pick is None for c in cache))
+
+    def _bind(self, cache: list) -> None:
+        """The batch's caches as this step reads them: attention layers as BatchFixedKVCache sharing layer 0's
+        position, lengths and padding arrays (equal in every layer: they join and leave together)."""
+        for i, c in enumerate(cache):
+            if type(c) is BatchKVCache:
+                cache[i] = caches.BatchFixedKVCache.of(c)
+        self.cache = cache
+        self.kv = [c for c in cache if isinstance(c, caches.BatchFixedKVCache)]
+        self.gdn = [c for c in cache if isinstance(c, caches.GDNCache)]
+        for c in self.kv[1:]:
+            c.pos, c.offset, c.left_padding = self.kv[0].pos, self.kv[0].offset, self.kv[0].left_padding
+
+    def _state(self) -> list[mx.array]:
+        head = self.kv[0]
+        out = [head.pos, head.offset, head.left_padding] if self.kv else []
+        out += [a for c in self.kv for a in (c.keys, c.values)]
+        return out + [a for c in self.gdn for a in (c.conv, c.ssm)]
+
+    def _set_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        if self.kv:
+            pos, offset, left = next(it), next(it), next(it)
+            for c in self.kv:
+                c.pos, c.offset, c.left_padding = pos, offset, left
+        for c in self.kv:
+            c.keys, c.values = next(it), next(it)
+        for c in self.gdn:
+            c.conv, c.ssm = next(it), next(it)
+
+    def _body(self, state: list, extras: list):
+        y, values = extras
+        self._set_state(state)
+        logits = self.model(y[:, None], self.cache)[:, -1]
+        for c in self.kv[1:]:  # (each layer advanced its own copies: one set goes out)
+            c.pos, c.offset = self.kv[0].pos, self.kv[0].offset
+        return self._state(), self.sampler(logits, values)
+
+    def _traced(self):
+        def body(steps: "BatchSteps", state: list, extras: list):
+            with compiled.forced(False):  # the per-layer traces would add nothing inside this one
+                return steps._body(state, extras)
+
+        def fallback(state: list, extras: list):
+            return list(state), mx.zeros_like(extras[0])
+
+        return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
+
+    def step(self, cache: list, y: mx.array) -> mx.array:
+        """The next tokens [B] after y [B] (a device array) from one replay; the caches advance one column."""
+        self._bind(cache)
+        for c in self.kv:
+            c.reserve(1)
+        if y.dtype != mx.uint32:  # one input dtype for every call (the samplers' uint32): another is a new trace
+            y = y.astype(mx.uint32)
+        idx = [c._idx for c in self.kv]
+        offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
+        cached, _ = traces.cached(self.model, "batch_steps", self.key, self._traced)
+        (ys,) = traces.call(cached, self.key, self, [], [y, self.values])
+        for c, i in zip(self.kv, idx):
+            c._idx = i + 1
+        for c, offset in zip(self.gdn, offsets):
+            c.offset = offset + 1
+        return ys

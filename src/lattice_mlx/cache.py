@@ -5,6 +5,7 @@ import functools
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
 
@@ -144,6 +145,58 @@ class FixedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+
+
+class BatchFixedKVCache(BatchKVCache):
+    """mlx-lm's left-padded batch cache (continuous batching, batch.py) with its write column on the device, for
+    traced batched steps (batch.BatchSteps): a forward writes its T rows of every sequence at column `pos` (an int32
+    scalar array, the same for all rows: the rows are left-padded to it) with one scatter per buffer, and attention
+    reads the whole buffer through a mask of each row's columns (its left padding .. pos + t), so a step's shapes do
+    not change from step to step. `_idx` is pos on the host; the buffers grow in GROW-column blocks, before a forward
+    (`reserve`). Joins and leaves are mlx-lm's (extend, filter), pos following."""
+
+    GROW = 256
+
+    @classmethod
+    def of(cls, c: BatchKVCache) -> "BatchFixedKVCache":
+        out = cls.__new__(cls)
+        out.keys, out.values, out.offset, out.left_padding, out._idx = c.keys, c.values, c.offset, c.left_padding, c._idx
+        out._right_padding = None
+        out.pos = mx.array(out._idx, dtype=mx.int32)
+        return out
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more columns past _idx (a multiple of GROW columns in all)."""
+        have = self.keys.shape[2]
+        if self._idx + rows <= have:
+            return
+        cap = -(-(self._idx + rows) // self.GROW) * self.GROW
+        grow = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], cap - have, a.shape[3]), a.dtype)], 2)  # noqa: E731
+        self.keys, self.values = grow(self.keys), grow(self.values)
+
+    def make_mask(self, N: int, **kwargs) -> mx.array:
+        """[B, 1, N, capacity] bool: row t of sequence b sees its columns left_padding[b] .. pos + t."""
+        self.reserve(N)
+        cols = mx.arange(self.keys.shape[2], dtype=mx.int32)
+        causal = cols[None, :] <= (self.pos + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
+        return causal[None, None] & (cols[None, :] >= self.left_padding[:, None])[:, None, None, :]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        T = k.shape[2]
+        self.reserve(T)
+        rows = (self.pos + mx.arange(T, dtype=mx.int32)).reshape(1, 1, T, 1)
+        self.keys = mx.put_along_axis(self.keys, rows, k, axis=2)
+        self.values = mx.put_along_axis(self.values, rows, v, axis=2)
+        self.offset, self.pos, self._idx = self.offset + T, self.pos + T, self._idx + T
+        return self.keys, self.values
+
+    def filter(self, batch_indices) -> None:
+        super().filter(batch_indices)
+        self.pos = mx.array(self._idx, dtype=mx.int32)
+
+    def extend(self, other) -> None:
+        super().extend(other)
+        self.pos = mx.array(self._idx, dtype=mx.int32)
 
 
 # mlx-lm's speculative loop trims after verify forwards of K+1 tokens and after its draft model's one-token steps;
