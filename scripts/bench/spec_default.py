@@ -33,7 +33,7 @@ from lattice_mlx.bench.oracles import DeviceOracle
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_profiler, load_target, profile_stream, text_prompts, workload_prompts
 from lattice_mlx.decode import generate_step
-from lattice_mlx.metal import _dialect, q4_matmul
+from lattice_mlx.metal import _dialect, cuda_cache, q4_matmul
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import auto_applies
 
@@ -158,6 +158,7 @@ def run_group(args) -> dict:
                 log(f"{args.group}: profile {leg}: {profiles[leg]}")
     out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
            "capacity": args.capacity, "gpu_profile": profiles or None, "kernel_builds_warming": builds0,
+           "kernel_cache": {"on": cuda_cache.enabled(), **cuda_cache.built()},
            "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
            else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
     out["ratios"] = {}  # tok/s of the leg / plain's = plain's seconds / the leg's, paired by repetition
