@@ -210,16 +210,23 @@ def _run(model, prompts, budgets, *, max_batch: int, sampler=None, cancel_at: in
 def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, grow):
     """With tracing on, plain steps replay one trace per batch size (BatchSteps: the write column on the device, the
     rows' masks over the whole buffer): greedy and sampled tokens equal the steps built op by op, through arrivals,
-    departures, a cancel and buffer growth (every 8 columns when grow is 8)."""
+    departures, a cancel and buffer growth (every 8 columns when grow is 8), the buffers whole GROW blocks."""
     from lattice_mlx import cache as caches
     from lattice_mlx import settings
     from lattice_mlx.batch import BatchSteps
     from lattice_mlx.runtime import runtime_of
 
     monkeypatch.setattr(caches.BatchFixedKVCache, "GROW", grow)
-    replays = []
+    replays, widths = [], set()
     step = BatchSteps.step
-    monkeypatch.setattr(BatchSteps, "step", lambda self, cache, y: replays.append(y.shape[0]) or step(self, cache, y))
+
+    def spy(self, cache, y):
+        ys = step(self, cache, y)
+        replays.append(y.shape[0])
+        widths.update(c.keys.shape[2] for c in cache if isinstance(c, caches.BatchFixedKVCache))
+        return ys
+
+    monkeypatch.setattr(BatchSteps, "step", spy)
     budgets = [9, 30, 12, 6, 1, 10]
     for sampler in (None, Sampler(temp=1.0)):
         got = {}
@@ -229,3 +236,5 @@ def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, gro
                 got[traced] = _run(model32, PROMPTS, budgets, max_batch=3, sampler=sampler, cancel_at=5)
         assert got[True] == got[False]
     assert len(set(replays)) >= 2 and "batch_steps" in runtime_of(model32).traces
+    # buffers stay whole GROW blocks through joins and leaves (each other width would be another trace, kept)
+    assert widths and all(w % grow == 0 for w in widths), widths

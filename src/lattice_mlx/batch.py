@@ -305,8 +305,7 @@ class BatchSteps:
             c.pos, c.offset, c.left_padding = self.kv[0].pos, self.kv[0].offset, self.kv[0].left_padding
 
     def _state(self) -> list[mx.array]:
-        head = self.kv[0]
-        out = [head.pos, head.offset, head.left_padding] if self.kv else []
+        out = [self.kv[0].pos, self.kv[0].offset, self.kv[0].left_padding] if self.kv else []
         out += [a for c in self.kv for a in (c.keys, c.values)]
         return out + [a for c in self.gdn for a in (c.conv, c.ssm)]
 
@@ -349,9 +348,16 @@ class BatchSteps:
         idx = [c._idx for c in self.kv]
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         cached, _ = traces.cached(self.model, "batch_steps", self.key, self._traced)
-        (ys,) = traces.call(cached, self.key, self, [], [y, self.values])
-        for c, i in zip(self.kv, idx):
-            c._idx = i + 1
-        for c, offset in zip(self.gdn, offsets):
-            c.offset = offset + 1
+        try:
+            (ys,) = traces.call(cached, self.key, self, [], [y, self.values])
+            advance = 1
+        except BaseException:  # (a failed trace: its arrays are as before the call, the host counts too)
+            advance = 0
+            raise
+        finally:
+            for c, i in zip(self.kv, idx):
+                c._idx = i + advance
+            for c, offset in zip(self.gdn, offsets):
+                c.offset = offset + advance
+            self.cache, self.kv, self.gdn = [], [], []  # (bound again every step: no buffer held past it)
         return ys

@@ -160,7 +160,8 @@ class BatchFixedKVCache(BatchKVCache):
     @classmethod
     def of(cls, c: BatchKVCache) -> "BatchFixedKVCache":
         out = cls.__new__(cls)
-        out.keys, out.values, out.offset, out.left_padding, out._idx = c.keys, c.values, c.offset, c.left_padding, c._idx
+        out.keys, out.values, out.offset, out.left_padding = c.keys, c.values, c.offset, c.left_padding
+        out._idx = c._idx
         out._right_padding = None
         out.pos = mx.array(out._idx, dtype=mx.int32)
         return out
@@ -190,13 +191,26 @@ class BatchFixedKVCache(BatchKVCache):
         self.offset, self.pos, self._idx = self.offset + T, self.pos + T, self._idx + T
         return self.keys, self.values
 
+    def _settle(self) -> None:
+        """After a join or a leave: pos from _idx, the capacity back to a multiple of GROW (mlx-lm's extend and
+        filter leave any width, and each new width is a new trace of the step, kept for good)."""
+        self.pos = mx.array(self._idx, dtype=mx.int32)
+        if self.keys is not None and self.keys.shape[2] % self.GROW:
+            self.reserve(-(-self.keys.shape[2] // self.GROW) * self.GROW - self._idx)
+
     def filter(self, batch_indices) -> None:
         super().filter(batch_indices)
-        self.pos = mx.array(self._idx, dtype=mx.int32)
+        self._settle()
 
     def extend(self, other) -> None:
         super().extend(other)
-        self.pos = mx.array(self._idx, dtype=mx.int32)
+        self._settle()
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("BatchFixedKVCache is plain batched steps' (batch.BatchSteps): MTP rounds run "
+                                  "mlx-lm's BatchKVCache")
+
+    trim = prepare = finalize = _unsupported
 
 
 # mlx-lm's speculative loop trims after verify forwards of K+1 tokens and after its draft model's one-token steps;

@@ -171,12 +171,17 @@ def test_prebuild_writes_what_mlx_reads(monkeypatch, tmp_path):
 
 
 @needs_nvrtc
-def test_ensure_builds_once(monkeypatch, tmp_path):
+def test_ensure_builds_once_per_build_setup(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     c = small_calls((1,))[0]
     args = (c.kernel, list(c.inputs), list(c.template), list(c.output_dtypes))
     assert cuda_cache.ensure(*args, target="sm_90a") is True
     assert cuda_cache.ensure(*args, target="sm_90a") is False
+    # a module another build left (another GPU, NVRTC or device header: its stamp differs) is built again
+    stamp = next(tmp_path.rglob("*.lattice"))
+    stamp.write_text("built elsewhere")
+    assert cuda_cache.ensure(*args, target="sm_90a") is True
+    assert cuda_cache.ensure(*args, target="sm_80") is True and cuda_cache.ensure(*args, target="sm_80") is False
 
 
 def test_a_failing_keep_is_said_once_and_left_to_mlx(monkeypatch, capsys):

@@ -2,8 +2,9 @@
 per process.
 
 MLX compiles every `mx.fast.cuda_kernel` variant with NVRTC when a process first launches it and writes none to disk
-(a first generation's cost: docs/results/code_measurements.md, 'Kernel builds kept on disk'), but it reads its PTX cache (`MLX_PTX_CACHE_DIR`,
-else <temp>/mlx/<version>/ptx) before compiling any module. This module writes that cache for our kernels: it
+(a first generation's cost: docs/results/code_measurements.md, 'Kernel builds kept on disk'), but it reads its PTX
+cache (`MLX_PTX_CACHE_DIR`, else <temp>/mlx/<version>/ptx) before compiling any module. This module writes that cache
+for our kernels: it
 rebuilds the source MLX generates for a variant (its `build_kernel`: header, signature, template constants, body),
 names the module as MLX does (`<kernel>_<std::hash of the source, hex>`; `std_hash` is libstdc++'s), compiles it
 with NVRTC under MLX's options, and writes the cubin and its kernel's lowered name where MLX looks. A module whose
@@ -18,6 +19,8 @@ Off unless LATTICE_KERNEL_CACHE=1 (not yet run on a GPU: docs/kernels.md). Mirro
 (`mlx/backend/cuda/custom_kernel.cpp`, `jit_module.cpp`).
 """
 
+import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -112,7 +115,8 @@ def mlx_source(kernel, inputs: list[mx.array], template: list, output_dtypes: li
 
     body = kernel.source("cuda")
     name = "custom_kernel_" + kernel.build_name + _template_suffix(template)
-    src = DEFAULT_HEADER + _dialect.header("cuda") + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src = DEFAULT_HEADER + _dialect.header("cuda")
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
     src += f"__global__ void {name}(\n"
     for n, a in zip(kernel.inputs, inputs):
         src += f"    const {_CUDA_TYPES[a.dtype]}* {n},\n"
@@ -154,13 +158,13 @@ def module_path(name: str) -> Path:
     return path / (rest + ".ptx")
 
 
-def cuda_include() -> str | None:
-    """The CUDA headers' folder, found as MLX finds it: the nvidia/cu13 (or cuda_runtime) package beside mlx,
-    CUDA_HOME, CUDA_PATH, /usr/local/cuda."""
-    site = Path(mx.__file__).parent.parent.parent
-    for sub in ("cu13", "cuda_runtime"):
-        if (site / "nvidia" / sub / "include").is_dir():
-            return str(site / "nvidia" / sub / "include")
+def cuda_include(nvrtc_major: int = 13) -> str | None:
+    """The CUDA headers' folder, found as MLX finds it (jit_module.cpp's include_path_args): the nvidia/cu13 package
+    (cuda_runtime before CUDA 13) beside the mlx package, else CUDA_HOME, CUDA_PATH, /usr/local/cuda."""
+    sub = "cu13" if nvrtc_major >= 13 else "cuda_runtime"
+    path = Path(mx.__file__).parent.parent / "nvidia" / sub / "include"  # (mx.__file__: <site>/mlx/core*.so)
+    if path.is_dir():
+        return str(path)
     home = settings.raw("cuda_home") or settings.raw("cuda_path") or "/usr/local/cuda"
     return str(Path(home) / "include") if (Path(home) / "include").is_dir() else None
 
@@ -172,18 +176,18 @@ def arch() -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
-def options(target: str) -> list[str]:
-    """MLX's NVRTC options (jit_module.cpp's compile), our include folders in place of its bundled headers."""
+def options(target: str, nvrtc_major: int = 13) -> list[str]:
+    """MLX's NVRTC options (jit_module.cpp's compile) and include folders: the mlx package's include/ and
+    include/cccl, then the CUDA headers."""
     opts = ["--device-as-default-execution-space", f"--gpu-architecture={target}"]
-    include = Path(mx.__file__).parent.parent / "include"
+    include = Path(mx.__file__).parent / "include"
     for path in (include, include / "cccl"):
         if path.is_dir():
             opts.append(f"--include-path={path}")
-    cuda = cuda_include()
-    for path in (cuda, cuda and f"{cuda}/cccl"):
-        if path and Path(path).is_dir():
-            opts.append(f"--include-path={path}")
-    return opts
+    cuda = cuda_include(nvrtc_major)
+    if cuda is None:
+        raise nvrtc.NvrtcError("no CUDA headers found (set CUDA_HOME)")
+    return opts + [f"--include-path={cuda}"]
 
 
 _nvrtc: nvrtc.Nvrtc | None = None
@@ -200,15 +204,30 @@ def _compiler() -> nvrtc.Nvrtc:
 
 def job(kernel, inputs: list[mx.array], template: list, output_dtypes: list, target: str) -> dict:
     """What building this variant's module takes (nvrtc.Nvrtc.build): MLX's source, the kernel's qualified name,
-    MLX's options, our device header and where MLX will look for it."""
+    MLX's options, our device header, where MLX will look for it, and the stamp its build leaves beside it."""
     kernel_name, source = mlx_source(kernel, inputs, template, output_dtypes)
-    return dict(source=source, name=f"mlx::core::cu::{kernel_name}", options=options(target), header=DEVICE_HEADER,
-                path=str(module_path(module_name(kernel_name, source))))
+    opts, stamp = _build_config(target)
+    return dict(source=source, name=f"mlx::core::cu::{kernel_name}", options=list(opts), header=DEVICE_HEADER,
+                path=str(module_path(module_name(kernel_name, source))), stamp=stamp)
+
+
+@functools.cache
+def _build_config(target: str) -> tuple[tuple[str, ...], str]:
+    """(NVRTC options, the stamp of a build: header, options and NVRTC version) for `target`, once per process."""
+    version = _compiler().version()
+    opts = tuple(options(target, version[0]))
+    stamp = hashlib.sha1("\x00".join([DEVICE_HEADER, nvrtc.COOPERATIVE_GROUPS, *opts, str(version)]).encode())
+    return opts, stamp.hexdigest()
 
 
 def _present(job: dict) -> bool:
+    """Whether MLX's cache holds this job's module as this build would write it: its name covers MLX's source
+    alone, so a module built for another GPU, by another NVRTC or against another device header is built again."""
     path = Path(job["path"])
-    return path.exists() and path.with_suffix(".txt").exists()
+    try:
+        return path.with_suffix(".txt").exists() and path.with_suffix(".lattice").read_text() == job["stamp"]
+    except OSError:
+        return False
 
 
 # Modules this process built (at load, and at a variant's first launch) and the seconds that took: benchmarks
@@ -233,24 +252,37 @@ def ensure(kernel, inputs: list[mx.array], template: list, output_dtypes: list, 
 
 
 def prebuild(calls: Iterable, *, workers: int | None = None, target: str | None = None) -> int:
-    """Builds the modules of recorded calls (_dialect.Call) that MLX's cache lacks, in `workers` worker processes
-    (default: one per core); returns how many were built. A module that fails to build is left to MLX (which fails
-    it, or builds it, as it would have)."""
+    """Builds the modules of recorded calls (_dialect.Call) that MLX's cache lacks: the first here (a failure to build
+    at all, no CUDA headers say, raises), the rest in `workers` worker processes (default: one per core). Returns
+    how many were built. A module that fails to build is left to MLX (which fails it, or builds it, as it would
+    have)."""
     target = target or arch()
-    todo = {}
+    variants = {}
     for call in calls:
+        variants.setdefault(call.variant(), call)
+    todo = {}
+    for call in variants.values():
         j = job(call.kernel, list(call.inputs), list(call.template), list(call.output_dtypes), target)
         if not _present(j):
             todo.setdefault(j["path"], (call.kernel.name, j))
     if not todo:
         return 0
     jobs = list(todo.values())
+    tic = time.perf_counter()
+    name, first = jobs.pop(0)
+    try:
+        _compiler().build(first)
+        done = 1
+    except nvrtc.NvrtcError as e:
+        if "open source file" in str(e):  # the build itself cannot work here (headers): no worker tries
+            raise
+        print(f"lattice_mlx: kernel {name} not prebuilt ({str(e).splitlines()[0]})", file=sys.stderr)
+        done = 0
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     lib = _compiler().path
-    done, tic = 0, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for w in range(workers):
+        for w in range(workers if jobs else 0):
             mine = jobs[w::workers]
             path = Path(tmp) / f"jobs{w}.json"
             path.write_text(json.dumps([j for _, j in mine]))
@@ -258,7 +290,12 @@ def prebuild(calls: Iterable, *, workers: int | None = None, target: str | None 
                                            text=True), mine))
         for proc, mine in procs:
             out, _ = proc.communicate()
-            results = [json.loads(line) for line in out.splitlines()]
+            results = []
+            for line in out.splitlines():
+                try:
+                    results.append(json.loads(line))
+                except ValueError:
+                    results.append(f"unreadable worker output: {line[:80]}")
             for (name, _), err in zip(mine, results):
                 if err:
                     print(f"lattice_mlx: kernel {name} not prebuilt ({err})", file=sys.stderr)

@@ -96,15 +96,17 @@ class Nvrtc:
         """One job (source, name: the kernel's qualified name, options, header, path: the module's .ptx file):
         compiled and written."""
         cubin, mangled = self.compile(job["source"], job["name"], job["options"], job["header"])
-        write_module(Path(job["path"]), job["name"], cubin, mangled)
+        write_module(Path(job["path"]), job["name"], cubin, mangled, job["stamp"])
 
 
-def write_module(path: Path, kernel_name: str, image: bytes, mangled: str) -> None:
+def write_module(path: Path, kernel_name: str, image: bytes, mangled: str, stamp: str) -> None:
     """A module's two files as MLX reads them (<name>.ptx: the image; <name>.txt: `name<TAB>lowered name` lines),
-    each written whole under a temporary name and renamed: a reader never sees half a file."""
+    then the stamp of how it was built (<name>.lattice: read by cuda_cache, never by MLX), each written whole under
+    a temporary name and renamed: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = f".{os.getpid()}.{threading.get_ident()}.tmp"
-    for target, data in ((path.with_suffix(".txt"), f"{kernel_name}\t{mangled}\n".encode()), (path, image)):
+    for target, data in ((path.with_suffix(".txt"), f"{kernel_name}\t{mangled}\n".encode()), (path, image),
+                         (path.with_suffix(".lattice"), stamp.encode())):
         tmp = target.with_name(target.name + tag)
         tmp.write_bytes(data)
         os.replace(tmp, target)
