@@ -6,7 +6,9 @@
 #   suite          the whole test suite on the GPU: HALF=metal (tests/metal), rest (tests/ less tests/metal) or all (both side
 #                  by side) [all]; each half fills a call (SUITE_WORKERS [14], SUITE_LIMIT s [540])
 #   tests          TESTS (files or node ids) [tests], TEST_LIMIT s [480]; EACH=1: one pytest process per entry
-#   doctor         python -m lattice_mlx.doctor on the demo and on config-only checkpoints of DOCTOR_SHAPES [0.8b 35b-a3b]
+#   doctor         python -m lattice_mlx.doctor on the demo and on config-only checkpoints of DOCTOR_SHAPES [0.8b 35b-a3b];
+#                  KERNEL_CACHE_AB=1 instead: MLX's CUDA builds against LATTICE_KERNEL_CACHE's, bitwise, in 3 processes
+#                  (kernel_cache_ab.py)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (gpu_model_checks.py)
 #   invariance     whether verify rows are bitwise decode steps: 40 positions, whole oracle generations, a long
 #                  (key-split) context (batch_invariance.py)
@@ -110,6 +112,17 @@ for mode in "$@"; do
     fi ;;
   doctor)  # python -m lattice_mlx.doctor on the demo, and on config-only checkpoints of the family's shapes
            # (DOCTOR_SHAPES, bf16 4-bit g64: the doctor reads config.json alone)
+    if [[ ${KERNEL_CACHE_AB:-0} == 1 ]]; then  # MLX's own CUDA builds against the kept ones, 3 fresh processes
+      rm -rf /tmp/ptx_ab0 /tmp/ptx_ab1
+      step kc_ab0 200 env LATTICE_KERNEL_CACHE=0 MLX_PTX_CACHE_DIR=/tmp/ptx_ab0 \
+        python3 scripts/device/kernel_cache_ab.py --save /tmp/kc0.npz
+      for n in 1 2; do  # built here, then read from disk
+        step "kc_ab$n" 120 env LATTICE_KERNEL_CACHE=1 MLX_PTX_CACHE_DIR=/tmp/ptx_ab1 \
+          python3 scripts/device/kernel_cache_ab.py --save "/tmp/kc$n.npz"
+      done
+      step kc_ab 60 python3 scripts/device/kernel_cache_ab.py --compare /tmp/kc0.npz /tmp/kc1.npz /tmp/kc2.npz
+      tail -n 8 "$RES/kc_ab.out"; continue
+    fi
     step doctor_demo 120 python3 -m lattice_mlx.doctor --json "$RES/doctor_demo.json"
     for shape in ${DOCTOR_SHAPES:-0.8b 35b-a3b}; do
       python3 -c "import json, os, sys; from lattice_mlx.bench.synthetic import FAMILY; d = sys.argv[2]; os.makedirs(d,

@@ -172,7 +172,13 @@ def cuda_include(nvrtc_major: int = 13) -> str | None:
 def arch() -> str:
     """The device's NVRTC target as MLX chooses it: sm_<major><minor>, with an `a` from compute capability 9 on."""
     info = mx.device_info()
-    major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    if "compute_capability_major" in info:
+        major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    elif str(info.get("architecture", "")).startswith("sm_") and len(str(info["architecture"])) > 4:
+        cc = str(info["architecture"])[3:]
+        major, minor = int(cc[:-1]), int(cc[-1])
+    else:
+        raise nvrtc.NvrtcError("MLX does not say this GPU's compute capability")
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
