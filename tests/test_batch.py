@@ -115,6 +115,17 @@ def test_sampled_rows_keep_the_plain_distribution(tiny_vocab_model):
 
     assert two_token_pvalue(tiny_vocab_model, prompt, sampler, mixed, trials=300) > 1e-3
 
+    def numbers():  # batch-mates of the same structure at other temperatures: one traced step, a row's own numbers
+        engine = BatchDecoder(tiny_vocab_model)
+        engine.add([5, 6, 7, 0, 4], max_tokens=10, sampler=Sampler(temp=3.0))
+        engine.add([2, 2], max_tokens=10, sampler=Sampler(temp=0.3))
+        seq = engine.add(prompt, max_tokens=2, sampler=sampler)
+        while not seq.done:
+            engine.step()
+        return seq.tokens
+
+    assert two_token_pvalue(tiny_vocab_model, prompt, sampler, numbers, trials=300) > 1e-3
+
 
 def test_bad_requests_are_one_line_errors(model32):
     engine = BatchDecoder(model32, max_batch=1)
@@ -220,8 +231,8 @@ def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, gro
     replays, widths = [], set()
     step = BatchSteps.step
 
-    def spy(self, cache, y):
-        ys = step(self, cache, y)
+    def spy(self, cache, y, samplers):
+        ys = step(self, cache, y, samplers)
         replays.append(y.shape[0])
         widths.update(c.keys.shape[2] for c in cache if isinstance(c, caches.BatchFixedKVCache))
         return ys

@@ -164,12 +164,13 @@ class BatchDecoder:
     def _dispatch(self, y: mx.array) -> mx.array:
         """Queues one plain step on tokens y [B] (a device array): the next tokens [B], not read. Replayed from a
         trace where one applies (BatchSteps), else built op by op."""
-        sampler = self.active[0].sampler
-        if BatchSteps.applies(self.model, self.cache) and type(sampler) is Sampler and \
-                all(s.sampler == sampler for s in self.active):
-            if self._steps is None or self._steps.sampler != sampler:
-                self._steps = BatchSteps(self.model, sampler)
-            ys = self._steps.step(self.cache, y)
+        samplers = tuple(s.sampler for s in self.active)
+        shape = samplers[0].structure() if type(samplers[0]) is Sampler else None
+        if shape is not None and BatchSteps.applies(self.model, self.cache) and \
+                all(type(s) is Sampler and s.structure() == shape for s in samplers):
+            if self._steps is None or self._steps.sampler.structure() != shape:
+                self._steps = BatchSteps(self.model, samplers[0])
+            ys = self._steps.step(self.cache, y, samplers)
         else:
             ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
         mx.async_eval(ys)
@@ -274,12 +275,14 @@ class BatchSteps:
     """A plain step of the whole batch as one mx.compile trace, replayed every step (decode.TracedSteps for a
     batch): the attention caches become BatchFixedKVCache (the write column on the device, read whole through the
     rows' masks), so a step's shapes change only when the batch does (a sequence joins or leaves: a trace per batch
-    size and buffer capacity, kept) or a buffer grows. The sampler's numbers are an input: one trace per sampler
-    structure. Off where tracing is (LATTICE_TRACE_STEPS: on a GPU by default)."""
+    size and buffer capacity, kept) or a buffer grows. The samplers' numbers are an input, a row each: one trace
+    serves every batch of samplers of one structure (`Sampler.structure`: sequences at other temperatures, top-p
+    and min-p share it). Off where tracing is (LATTICE_TRACE_STEPS: on a GPU by default)."""
 
     def __init__(self, model, sampler: Sampler):
-        self.model, self.sampler, self.values = model, sampler, sampler.values()
+        self.model, self.sampler = model, sampler  # (its structure; the numbers come per row)
         self.key = ("batch", sampler.structure(), use_kernels())
+        self._values: tuple[tuple, mx.array] | None = None  # (the samplers, their numbers [3, B, 1])
         self.kv: list[caches.BatchFixedKVCache] = []
         self.gdn: list[caches.GDNCache] = []
 
@@ -338,8 +341,17 @@ class BatchSteps:
 
         return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
 
-    def step(self, cache: list, y: mx.array) -> mx.array:
-        """The next tokens [B] after y [B] (a device array) from one replay; the caches advance one column."""
+    def _numbers(self, samplers: tuple[Sampler, ...]) -> mx.array:
+        """[temp, top_p, min_p] of every row, [3, B, 1] (Sampler.probs broadcasts them over [B, V]); made again
+        only when the batch's samplers change."""
+        if self._values is None or self._values[0] != samplers:
+            self._values = (samplers, mx.stack([s.values() for s in samplers], axis=1)[..., None])
+        return self._values[1]
+
+    def step(self, cache: list, y: mx.array, samplers: tuple[Sampler, ...]) -> mx.array:
+        """The next tokens [B] after y [B] (a device array) from one replay, row b sampled by samplers[b] (all of
+        this step's structure); the caches advance one column."""
+        values = self._numbers(samplers)
         self._bind(cache)
         for c in self.kv:
             c.reserve(1)
@@ -349,7 +361,7 @@ class BatchSteps:
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         cached, _ = traces.cached(self.model, "batch_steps", self.key, self._traced)
         try:
-            (ys,) = traces.call(cached, self.key, self, [], [y, self.values])
+            (ys,) = traces.call(cached, self.key, self, [], [y, values])
             advance = 1
         except BaseException:  # (a failed trace: its arrays are as before the call, the host counts too)
             advance = 0
