@@ -82,7 +82,7 @@ class BatchDecoder:
         self._last: list[int] = []  # each active sequence's last token: the next step's input
         self._ahead: mx.array | None = None  # a queued plain step's tokens [B], not read yet
         self._flushed: list[tuple[Sequence, int]] = []  # tokens read early (_flush), reported by the next step
-        self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler
+        self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler structure
         self._uids = itertools.count()
 
     @property
@@ -283,6 +283,7 @@ class BatchSteps:
         self.model, self.sampler = model, sampler  # (its structure; the numbers come per row)
         self.key = ("batch", sampler.structure(), use_kernels())
         self._values: tuple[tuple, mx.array] | None = None  # (the samplers, their numbers [3, B, 1])
+        self.cache: list = []  # the batch's caches while a step runs (_bind)
         self.kv: list[caches.BatchFixedKVCache] = []
         self.gdn: list[caches.GDNCache] = []
 
