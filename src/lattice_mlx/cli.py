@@ -49,9 +49,11 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[SpecOptions, str]:
     from . import decode
     from .speculative import pipelined as rounds
 
-    rounds.tracing_enabled()  # LATTICE_TRACE_ROUNDS, LATTICE_TRACE_STEPS and LATTICE_MTP checked up front
+    # LATTICE_TRACE_ROUNDS, LATTICE_TRACE_STEPS, LATTICE_MTP and LATTICE_KERNEL_CACHE checked up front
+    rounds.tracing_enabled()
     decode.tracing_enabled()
     settings.on("mtp")
+    settings.on("kernel_cache")
     if args.mtp and args.draft not in (None, "mtp"):
         raise ValueError(f"--mtp and --draft {args.draft} name two draft sources: pass one")
     asked = args.mtp or args.draft is not None or args.tree is not None
