@@ -205,7 +205,7 @@ def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
     from .variants import prebuild
 
     text = dict(config.get("text_config") or config)
-    quant = config.get("quantization") or {}
+    quant = config.get("quantization") or config.get("quantization_config") or {}
     try:
         prebuild(text, dtype=dtype, bits=quant.get("bits"), group_size=quant.get("group_size", 64))
     except Exception as e:  # noqa: BLE001 (NVRTC missing or failing: MLX builds each kernel as it first runs)
