@@ -220,7 +220,7 @@ def test_a_failing_warm_up_is_one_line(monkeypatch, capsys):
     released, no traceback."""
     from lattice_mlx import server as srv
 
-    def boom(model, speculation):
+    def boom(model, speculation, max_batch):
         raise RuntimeError("[malloc] out of memory")
 
     monkeypatch.setattr(srv, "warm_up", boom)
@@ -249,6 +249,33 @@ def test_warm_up_traces_greedy_and_sampled_steps_and_rounds(checkpoints):
     for _ in zip(range(6), generate_step(model, mx.array([1, 2, 3]), sampler=Sampler(temp=0.6))):
         pass
     assert set(steps) == before
+
+
+def test_batched_warm_up_traces_every_batch_size(checkpoints, monkeypatch):
+    """With --max-batch N, warm-up runs a traced batch step at every size 1..N, greedy and sampled; a batch at
+    another temperature then adds no trace."""
+    from lattice_mlx import server as srv
+    from lattice_mlx.batch import BatchDecoder, BatchSteps
+    from lattice_mlx.sample import Sampler
+
+    sizes = set()
+    step = BatchSteps.step
+
+    def spy(self, cache, y, samplers):
+        sizes.add((samplers[0].greedy, y.shape[0]))
+        return step(self, cache, y, samplers)
+
+    monkeypatch.setattr(BatchSteps, "step", spy)
+    model, _ = load(checkpoints["pattern"])
+    srv.warm_up(model, None, max_batch=3)
+    assert sizes == {(g, b) for g in (True, False) for b in (1, 2, 3)}
+    before = set(model.runtime.traces["batch_steps"])
+    engine = BatchDecoder(model)
+    for temp in (0.6, 1.3):
+        engine.add([1, 2, 3], max_tokens=3, sampler=Sampler(temp=temp))
+    while engine.busy:
+        engine.step()
+    assert set(model.runtime.traces["batch_steps"]) == before
 
 
 def test_sampling_left_out_takes_the_checkpoints_generation_config(client, server):

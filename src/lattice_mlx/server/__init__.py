@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..batch import BatchDecoder
 from ..cli import ArgumentParser
 from ..decode import generate_step
 from ..generate import checkpoint_sampling
@@ -50,13 +51,15 @@ def served_name(model: str | None, given: str | None = None) -> str:
     return path.resolve().name if path.exists() else model
 
 
-def warm_up(model, speculation: SpecOptions | None) -> None:
+def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
     """A few tokens plain and with every draft depth 1..K the adaptive loop may pick, greedy and sampled, before the
     first request (a 16-token prompt: other prompt lengths still pay their own first call). A new verify depth's first
     generation compiles kernels for seconds on a GPU (docs/results/code_measurements.md, 'First use'), which would
     otherwise land on whichever request first uses that depth. Plain steps and pipelined rounds are traced once per
     sampler structure (decode.TracedSteps, speculative/pipelined.py): greedy, and sampled without top-k / top-p /
-    min-p (a request's temperature is an input of that trace)."""
+    min-p (a request's temperature is an input of that trace). With `max_batch` > 1, also a batch of every size
+    1..max_batch for a few steps, greedy and sampled: a traced batch step is traced once per batch size
+    (batch.BatchSteps), which would otherwise land on the requests that first make a batch that big."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
     depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
@@ -72,8 +75,17 @@ def warm_up(model, speculation: SpecOptions | None) -> None:
             steps.close()
     if speculation is not None:
         warm_catch_up(model)
-    log.info("warmed up in %.1f s: decode%s, greedy and sampled", time.perf_counter() - tic,
-             f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "")
+    if max_batch > 1:
+        for sampler in (Sampler(), Sampler(temp=1.0)):
+            for B in range(1, max_batch + 1):
+                decoder = BatchDecoder(model, max_batch=B)
+                for _ in range(B):
+                    decoder.add(ids, max_tokens=4, sampler=sampler)
+                while decoder.busy:
+                    decoder.step()
+    log.info("warmed up in %.1f s: decode%s%s, greedy and sampled", time.perf_counter() - tic,
+             f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "",
+             f", batches of 1..{max_batch}" if max_batch > 1 else "")
 
 
 class Stopper:
@@ -165,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not args.no_warmup:
         try:
-            warm_up(model, None if batched else speculation)  # (a batch's rounds are not the pipelined ones)
+            # (a batch's rounds are not the pipelined ones; its plain steps are traced per batch size)
+            warm_up(model, None if batched else speculation, args.max_batch)
         except KeyboardInterrupt:
             print("error: interrupted while warming up", file=sys.stderr)
             httpd.server_close()
