@@ -249,3 +249,28 @@ def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, gro
     assert len(set(replays)) >= 2 and "batch_steps" in runtime_of(model32).traces
     # buffers stay whole GROW blocks through joins and leaves (each other width would be another trace, kept)
     assert widths and all(w % grow == 0 for w in widths), widths
+
+
+def test_a_kept_prefix_is_reused_by_the_next_turn(model32):
+    """keep_prefix leaves the state after all but the prompt's last token; a later prompt extending it (the next turn
+    of a conversation, beside a batch-mate) prefills only its new tokens and gets its single generation's tokens;
+    the kept state is not changed by that use."""
+    turn1 = PROMPTS[2]
+    engine = BatchDecoder(model32, max_batch=2)
+    first = engine.add(turn1, max_tokens=5, keep_prefix=True)
+    while engine.busy:
+        engine.step()
+    assert first.tokens == solo(model32, turn1, 5) and first.prefix.tokens == turn1[:-1]
+    kept = first.prefix
+    turn2 = turn1 + [5, 6, 7] + first.tokens
+    for _ in range(2):  # (twice from the same kept state)
+        mate = engine.add(PROMPTS[0], max_tokens=6)
+        second = engine.add(turn2, max_tokens=8, prefix=kept, keep_prefix=True)
+        while engine.busy:
+            engine.step()
+        assert second.cached == len(turn1) - 1 and second.prefix.tokens == turn2[:-1]
+        assert second.tokens == solo(model32, turn2, 8) and mate.tokens == solo(model32, PROMPTS[0], 6)
+    other = engine.add([9, 9, 9], max_tokens=2, prefix=kept)  # not an extension of it: prefilled whole
+    while engine.busy:
+        engine.step()
+    assert other.cached == 0 and other.tokens == solo(model32, [9, 9, 9], 2)

@@ -48,6 +48,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length", "stop" or "cancelled" once it has left
+    cached: int = 0  # prompt tokens taken from a prompt cache (not prefilled)
+    prefix: object = None  # with keep_prefix: the state after all but its prompt's last token (a PromptCache)
 
     @property
     def done(self) -> bool:
@@ -83,6 +85,7 @@ class BatchDecoder:
         self._ahead: mx.array | None = None  # a queued plain step's tokens [B], not read yet
         self._flushed: list[tuple[Sequence, int]] = []  # tokens read early (_flush), reported by the next step
         self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler structure
+        self._fingerprint: str | None = None  # the model's (prompt_cache.fingerprint), for kept prefixes
         self._uids = itertools.count()
 
     @property
@@ -95,9 +98,11 @@ class BatchDecoder:
         return bool(self.active or self.waiting)
 
     def add(self, prompt: Iterable[int], *, max_tokens: int, sampler: Sampler | None = None,
-            stop_ids: Iterable[int] = ()) -> Sequence:
+            stop_ids: Iterable[int] = (), prefix=None, keep_prefix: bool = False) -> Sequence:
         """Queues `prompt` for its prefill; returns its sequence, whose `tokens` grow as steps run (the first once
-        its prefill's last chunk has run)."""
+        its prefill's last chunk has run). `prefix` (a PromptCache holding a proper prefix of the prompt): only the
+        rest is prefilled. `keep_prefix`: the prefill stops before the prompt's last token to leave the state there
+        in `Sequence.prefix` (what the next turn of a conversation extends). Neither applies to MTP rounds."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -106,10 +111,31 @@ class BatchDecoder:
         if self.full:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
         seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
-        cache = self.model.make_cache(trimmable=False)
-        self.waiting.append([seq, cache, prefill_chunks(self.model, mx.array(prompt), cache, step=self.prefill_step,
-                                                        return_hidden=self.PROMPT_HIDDEN), 0])
+        n = prefix.covers(prompt) if prefix is not None and not self.PROMPT_HIDDEN else 0
+        if n:
+            prefix.check(self.model)
+            cache, _ = prefix.fork()
+        else:
+            cache = self.model.make_cache(trimmable=False)
+        seq.cached = n
+        keep = keep_prefix and not self.PROMPT_HIDDEN and len(prompt) - n >= 2
+        chunks = self._kept(seq, cache, n) if keep else prefill_chunks(
+            self.model, mx.array(prompt[n:]), cache, step=self.prefill_step, return_hidden=self.PROMPT_HIDDEN)
+        self.waiting.append([seq, cache, chunks, n])
         return seq
+
+    def _kept(self, seq: Sequence, cache: list, n: int):
+        """prefill_chunks over the prompt past its first n tokens, with a copy of the state after all but its last
+        token left in seq.prefix on the way."""
+        from .prompt_cache import PromptCache, fingerprint
+
+        for _ in prefill_chunks(self.model, mx.array(seq.prompt[n:-1]), cache, step=self.prefill_step):
+            yield None
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model)
+        copy, _ = PromptCache(seq.prompt[:-1], cache, None, None, self._fingerprint).fork()
+        seq.prefix = PromptCache(seq.prompt[:-1], copy, None, None, self._fingerprint)
+        yield from prefill_chunks(self.model, mx.array(seq.prompt[-1:]), cache, step=self.prefill_step)
 
     def _prefill(self) -> list[tuple[Sequence, int]]:
         """Prefill chunks of the waiting prompts, in order, up to `prefill_step` tokens in all (at least one chunk):

@@ -71,3 +71,25 @@ def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_serv
                                       temperature=0).usage.completion_tokens == 4
     lines = [line for line in log.read_text().splitlines() if "cancelled by its client" in line]
     assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
+
+
+def test_a_conversations_next_turn_prefills_only_its_new_tokens(tmp_path):
+    """Batched plain decoding too keeps the state after the newest prompt: the next turn reports the reused tokens,
+    and its text is a fresh generation's. (Batched MTP rounds prefill every prompt whole: the head's rows.)"""
+    proc, port, _ = _start(tmp_path, "--max-batch", "2", "--dtype", "float32", "--no-warmup", "--no-mtp")
+    try:
+        _next_turn(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _next_turn(bclient):
+    model, tok = load(dtype="float32")
+    turn1 = tok.encode("def fib(n):\n    ")
+    bclient.completions.create(model=MODEL, prompt=turn1, max_tokens=6, temperature=0)
+    turn2 = turn1 + tok.encode("if n < 2:\n        return n\n    ")
+    r2 = bclient.completions.create(model=MODEL, prompt=turn2, max_tokens=10, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
+    assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=10, chat_template=False,
+                                          speculation=None).text

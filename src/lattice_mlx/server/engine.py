@@ -181,7 +181,9 @@ class BatchEngine(Engine):
     (batch.BatchDecoder; with a head and MTP on, speculative/batched.BatchRounds, its depth or plain steps tuned for
     the batch), each joining as soon as a row is free and leaving at its own max_tokens, stop string, end-of-sequence
     token, time limit, client leaving or shutdown, checked every step. A request's seed does not make it repeatable
-    here (its batch-mates draw from the same generator), and no prompt state is kept between requests."""
+    here (its batch-mates draw from the same generator). The state after the newest prompt is kept, as `Engine` keeps
+    it: a request extending it (a conversation's next turn) prefills only its new tokens (not with MTP rounds,
+    which prefill the head's rows too)."""
 
     def __init__(self, *args, max_batch: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -230,8 +232,10 @@ class BatchEngine(Engine):
                 return
             if job.cancelled.is_set():
                 continue
-            try:
-                seq = decoder.add(job.ids, max_tokens=job.max_tokens, sampler=job.sampler, stop_ids=self.eos)
+            pc = self.prompt_cache
+            try:  # (a prompt extending the kept one prefills only its new tokens; MTP rounds prefill it all)
+                seq = decoder.add(job.ids, max_tokens=job.max_tokens, sampler=job.sampler, stop_ids=self.eos,
+                                  prefix=pc if pc is not None and pc.covers(job.ids) else None, keep_prefix=True)
             except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
                 log.exception("prefill failed")
                 job.events.put(("error", f"generation failed: {e}"))
@@ -243,8 +247,11 @@ class BatchEngine(Engine):
             self._emit(decoder, live)
 
     def _emit(self, decoder, live: _Live) -> None:
-        """Streams the sequence's new tokens as text; ends the job where it ended or a limit says so."""
+        """Streams the sequence's new tokens as text; ends the job where it ended or a limit says so. The state
+        after the newest prompt (all but its last token) is kept for the next request."""
         seq, finish, cut = live.seq, None, False
+        if seq.prefix is not None:
+            self.prompt_cache, seq.prefix = seq.prefix, None
         for token in seq.tokens[live.sent:]:
             live.sent += 1
             if token not in self.eos:
@@ -270,9 +277,9 @@ class BatchEngine(Engine):
             live.job.events.put(("text", tail))
         n = live.sent
         usage = {"prompt_tokens": len(live.job.ids), "completion_tokens": n, "total_tokens": len(live.job.ids) + n,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
-        log.info("request done: %d prompt tokens + %d generated in %.2f s (%s; batched)", len(live.job.ids), n,
-                 time.perf_counter() - live.tic, finish)
+                 "prompt_tokens_details": {"cached_tokens": seq.cached}}
+        log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s; batched)",
+                 len(live.job.ids), seq.cached, n, time.perf_counter() - live.tic, finish)
         self._end(live, ("done", {"finish_reason": finish, "usage": usage}))
 
     def _end(self, live: _Live, event) -> None:
