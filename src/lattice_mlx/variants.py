@@ -131,7 +131,6 @@ def distinct(calls: Iterable[_dialect.Call]) -> dict[tuple, _dialect.Call]:
     return out
 
 
-
 PREBUILD_WIDTHS = tuple(range(1, 9))  # decode, verifies of up to 7 drafts, batches of up to 8 rows, short chunks
 
 
