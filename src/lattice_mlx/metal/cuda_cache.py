@@ -159,14 +159,16 @@ def module_path(name: str) -> Path:
 
 
 def cuda_include(nvrtc_major: int = 13) -> str | None:
-    """The CUDA headers' folder, found as MLX finds it (jit_module.cpp's include_path_args): the nvidia/cu13 package
-    (cuda_runtime before CUDA 13) beside the mlx package, else CUDA_HOME, CUDA_PATH, /usr/local/cuda."""
+    """The CUDA headers' folder, looked for where MLX looks (jit_module.cpp's include_path_args): the nvidia/cu13
+    package (cuda_runtime before CUDA 13) beside the mlx package, else CUDA_HOME, CUDA_PATH, /usr/local/cuda."""
     sub = "cu13" if nvrtc_major >= 13 else "cuda_runtime"
     path = Path(mx.__file__).parent.parent / "nvidia" / sub / "include"  # (mx.__file__: <site>/mlx/core*.so)
-    if path.is_dir():
-        return str(path)
     home = settings.raw("cuda_home") or settings.raw("cuda_path") or "/usr/local/cuda"
-    return str(Path(home) / "include") if (Path(home) / "include").is_dir() else None
+    # (the runtime's headers: pip's NVRTC package alone makes that folder with nvrtc.h only)
+    for folder in (path, Path(home) / "include"):
+        if (folder / "cuda_bf16.h").is_file():
+            return str(folder)
+    return None
 
 
 def arch() -> str:

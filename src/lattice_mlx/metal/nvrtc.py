@@ -33,6 +33,8 @@ def find(override: str = "") -> str:
                     return path
     except OSError:
         pass
+    for path in _pip_libraries():  # pip's nvidia-cuda-nvrtc (a dependency of MLX's CUDA wheel)
+        return path
     found = ctypes.util.find_library("nvrtc")
     if found:
         return found
@@ -43,6 +45,16 @@ def find(override: str = "") -> str:
         except OSError:
             continue
     raise NvrtcError("NVRTC not found (set LATTICE_NVRTC to libnvrtc's path)")
+
+
+def _pip_libraries() -> list[str]:
+    """libnvrtc from pip's nvidia-cuda-nvrtc packages (nvidia/<cu13, cuda_nvrtc>/lib), newest CUDA first."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [p for root in roots for p in Path(root).glob("*/lib/libnvrtc.so*") if "builtins" not in p.name]
+    return [str(p) for p in sorted(found, reverse=True)]
 
 
 class Nvrtc:
