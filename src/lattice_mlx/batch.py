@@ -85,6 +85,7 @@ class BatchDecoder:
         self._ahead: mx.array | None = None  # a queued plain step's tokens [B], not read yet
         self._flushed: list[tuple[Sequence, int]] = []  # tokens read early (_flush), reported by the next step
         self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler structure
+        self._route: tuple | None = None  # _traced_route() for the running batch (None: to decide)
         self._fingerprint: str | None = None  # the model's (prompt_cache.fingerprint), for kept prefixes
         self._uids = itertools.count()
 
@@ -163,6 +164,7 @@ class BatchDecoder:
         with PROMPT_HIDDEN)."""
         self._flush()
         self.cache = join_rows(self.cache, cache)
+        self._route = None
         self.active.append(seq)
         self._last.append(seq.tokens[-1])
 
@@ -190,17 +192,26 @@ class BatchDecoder:
     def _dispatch(self, y: mx.array) -> mx.array:
         """Queues one plain step on tokens y [B] (a device array): the next tokens [B], not read. Replayed from a
         trace where one applies (BatchSteps), else built op by op."""
-        samplers = tuple(s.sampler for s in self.active)
-        shape = samplers[0].structure() if type(samplers[0]) is Sampler else None
-        if shape is not None and BatchSteps.applies(self.model, self.cache) and \
-                all(type(s) is Sampler and s.structure() == shape for s in samplers):
-            if self._steps is None or self._steps.sampler.structure() != shape:
-                self._steps = BatchSteps(self.model, samplers[0])
-            ys = self._steps.step(self.cache, y, samplers)
+        if self._route is None:  # (decided again only when the batch changes: nothing added per step)
+            self._route = self._traced_route()
+        if self._route:
+            ys = self._steps.step(self.cache, y, self._route)
         else:
             ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
         mx.async_eval(ys)
         return ys
+
+    def _traced_route(self) -> tuple[Sampler, ...]:
+        """The running sequences' samplers when their steps replay a trace (BatchSteps: tracing on, one sampler
+        structure), with self._steps set for it; () when steps are built op by op."""
+        samplers = tuple(s.sampler for s in self.active)
+        shape = samplers[0].structure() if type(samplers[0]) is Sampler else None
+        if shape is None or not BatchSteps.applies(self.model, self.cache) or \
+                not all(type(s) is Sampler and s.structure() == shape for s in samplers):
+            return ()
+        if self._steps is None or self._steps.sampler.structure() != shape:
+            self._steps = BatchSteps(self.model, samplers[0])
+        return samplers
 
     def _flush(self) -> None:
         """Reads a queued step before the batch changes (a sequence joins or is cancelled)."""
@@ -247,6 +258,7 @@ class BatchDecoder:
         if not rows:
             return None
         keep = [b for b in range(len(self.active)) if b not in rows]
+        self._route = None
         self.active = [self.active[b] for b in keep]
         self._last = [self._last[b] for b in keep]
         if not keep:
@@ -371,7 +383,7 @@ class BatchSteps:
     def _numbers(self, samplers: tuple[Sampler, ...]) -> mx.array:
         """[temp, top_p, min_p] of every row, [3, B, 1] (Sampler.probs broadcasts them over [B, V]); made again
         only when the batch's samplers change."""
-        if self._values is None or self._values[0] != samplers:
+        if self._values is None or self._values[0] is not samplers:  # (the batch's tuple: new when it changes)
             self._values = (samplers, mx.stack([s.values() for s in samplers], axis=1)[..., None])
         return self._values[1]
 

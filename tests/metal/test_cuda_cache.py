@@ -14,7 +14,7 @@ import pytest
 
 from lattice_mlx import settings
 from lattice_mlx.bench.synthetic import QWEN3_5_0_8B
-from lattice_mlx.metal import _dialect, cpu_render, cuda_cache, nvrtc
+from lattice_mlx.metal import _dialect, cpu_render, cuda_cache, metal_source, nvrtc
 from lattice_mlx.variants import SMALL, distinct, model_calls
 
 HASH_PROGRAM = r"""
@@ -209,32 +209,17 @@ cuda_only = pytest.mark.skipif(mx.metal.is_available() or mx.default_device() ==
                                or not hasattr(mx, "device_info"), reason="MLX's CUDA backend only")
 
 
-@contextlib.contextmanager
-def _stdout_to(path: Path):
-    """The process's stdout (fd 1: MLX prints from C++) into `path` inside the block."""
-    saved = os.dup(1)
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-
-
 @cuda_only
-def test_mlx_generates_the_source_we_name(tmp_path):
+def test_mlx_generates_the_source_we_name():
     """MLX's own generated source (verbose launch) of one variant of every kernel equals mlx_source's."""
     for call in one_per_kernel(small_calls()):
         impl = call.kernel._impl("cuda")
-        out = tmp_path / f"{call.kernel.name}.txt"
-        with _stdout_to(out):
+        with metal_source.printed() as text:
             impl(inputs=list(call.inputs), template=list(call.template), grid=call.grid,
                  threadgroup=call.threadgroup, output_shapes=[list(s) for s in call.output_shapes],
                  output_dtypes=list(call.output_dtypes), verbose=True)
-        printed = out.read_text()
         name, src = cuda_cache.mlx_source(call.kernel, list(call.inputs), list(call.template), list(call.output_dtypes))
-        body = printed.split("```\n", 1)[1].rsplit("\n```", 1)[0]
+        (body,) = metal_source.generated_sources(text[0])
         assert body == src, call.kernel.name
 
 

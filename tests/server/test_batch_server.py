@@ -2,14 +2,13 @@
 would get alone (greedy, fp32), streaming and stop strings work per request, and a client leaving frees its row while
 the others go on."""
 
-import signal
 import threading
 
 import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 
-from test_server import MODEL, PROMPT, _start, _streaming  # noqa: E402
+from test_server import MODEL, PROMPT, _client, _served, _streaming  # noqa: E402
 
 from lattice_mlx import generate, load  # noqa: E402
 
@@ -18,16 +17,13 @@ PROMPTS = [PROMPT, "import os\n", "class Stack:\n    def", "# a comment\nx = "]
 
 @pytest.fixture(scope="module")
 def batch_server(tmp_path_factory):
-    proc, port, log = _start(tmp_path_factory.mktemp("bserver"), "--max-batch", "3", "--dtype", "float32",
-                             "--no-warmup")
-    yield port, log
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    with _served(tmp_path_factory.mktemp("bserver"), "--max-batch", "3", "--dtype", "float32", "--no-warmup") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def bclient(batch_server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{batch_server[0]}/v1", api_key="none", max_retries=0)
+    return _client(batch_server[0])
 
 
 def test_concurrent_requests_each_get_their_single_generation(bclient, batch_server):
@@ -76,20 +72,13 @@ def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_serv
 def test_a_conversations_next_turn_prefills_only_its_new_tokens(tmp_path):
     """Batched plain decoding too keeps the state after the newest prompt: the next turn reports the reused tokens,
     and its text is a fresh generation's. (Batched MTP rounds prefill every prompt whole: the head's rows.)"""
-    proc, port, _ = _start(tmp_path, "--max-batch", "2", "--dtype", "float32", "--no-warmup", "--no-mtp")
-    try:
-        _next_turn(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-
-
-def _next_turn(bclient):
-    model, tok = load(dtype="float32")
-    turn1 = tok.encode("def fib(n):\n    ")
-    bclient.completions.create(model=MODEL, prompt=turn1, max_tokens=6, temperature=0)
-    turn2 = turn1 + tok.encode("if n < 2:\n        return n\n    ")
-    r2 = bclient.completions.create(model=MODEL, prompt=turn2, max_tokens=10, temperature=0)
-    assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
-    assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=10, chat_template=False,
-                                          speculation=None).text
+    with _served(tmp_path, "--max-batch", "2", "--dtype", "float32", "--no-warmup", "--no-mtp") as (port, _):
+        bclient = _client(port)
+        model, tok = load(dtype="float32")
+        turn1 = tok.encode("def fib(n):\n    ")
+        bclient.completions.create(model=MODEL, prompt=turn1, max_tokens=6, temperature=0)
+        turn2 = turn1 + tok.encode("if n < 2:\n        return n\n    ")
+        r2 = bclient.completions.create(model=MODEL, prompt=turn2, max_tokens=10, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
+        assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=10, chat_template=False,
+                                              speculation=None).text

@@ -2,6 +2,7 @@
 client and raw HTTP: greedy output equals `generate`'s, streaming equals the whole response, stop sequences,
 sampling with a seed, usage with speculation statistics, bad requests, a cancelled stream, graceful shutdown."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -47,17 +48,30 @@ def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
     raise RuntimeError("server did not start")
 
 
+@contextlib.contextmanager
+def _served(tmp: Path, *extra: str):
+    """(port, log) of a server started with `extra` flags, stopped (SIGTERM) when the block ends."""
+    proc, port, log = _start(tmp, *extra)
+    try:
+        yield port, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _client(port: int):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, port, log = _start(tmp_path_factory.mktemp("server"))
-    yield port, log
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    with _served(tmp_path_factory.mktemp("server")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none", max_retries=0)
+    return _client(server[0])
 
 
 def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:

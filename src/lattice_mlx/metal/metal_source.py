@@ -13,6 +13,7 @@ float16_t, ...) in front; tests/metal/metal_shim.h stands in for those.
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -110,16 +111,30 @@ def mlx_sources(calls: list[_dialect.Call]) -> list[str]:
             i += len(c.inputs)
         return outs
 
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile(mode="w+b") as log:
+    with tempfile.TemporaryDirectory() as tmp, printed() as text:
+        mx.export_function(os.path.join(tmp, "k.mlxfn"), fn, *inputs)
+    blocks = generated_sources(text[0])
+    assert len(blocks) == len(calls), f"MLX printed {len(blocks)} sources for {len(calls)} calls"
+    return blocks
+
+
+@contextmanager
+def printed():
+    """What the process writes to fd 1 inside the block (MLX prints a verbose kernel's source from C++), as the one
+    string in the list it yields, filled when the block ends."""
+    out = []
+    with tempfile.TemporaryFile(mode="w+b") as log:
         saved = os.dup(1)
         os.dup2(log.fileno(), 1)
         try:
-            mx.export_function(os.path.join(tmp, "k.mlxfn"), fn, *inputs)
+            yield out
         finally:
             os.dup2(saved, 1)
             os.close(saved)
-        log.seek(0)
-        text = log.read().decode()
-    blocks = re.findall(r"Generated source code for `[^`]*`:\n```\n(.*?)\n```\n", text, flags=re.S)
-    assert len(blocks) == len(calls), f"MLX printed {len(blocks)} sources for {len(calls)} calls"
-    return blocks
+            log.seek(0)
+            out.append(log.read().decode())
+
+
+def generated_sources(text: str) -> list[str]:
+    """The kernel sources MLX printed (verbose=True), in order: Metal's and CUDA's custom kernels alike."""
+    return re.findall(r"Generated source code for `[^`]*`:\n```\n(.*?)\n```\n", text, flags=re.S)
