@@ -231,11 +231,11 @@ def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, gro
     replays, widths = [], set()
     step = BatchSteps.step
 
-    def spy(self, cache, y, samplers):
-        ys = step(self, cache, y, samplers)
+    def spy(self, cache, y, samplers, keys):
+        out = step(self, cache, y, samplers, keys)
         replays.append(y.shape[0])
         widths.update(c.keys.shape[2] for c in cache if isinstance(c, caches.BatchFixedKVCache))
-        return ys
+        return out
 
     monkeypatch.setattr(BatchSteps, "step", spy)
     budgets = [9, 30, 12, 6, 1, 10]
@@ -249,6 +249,39 @@ def test_traced_batch_steps_equal_steps_built_op_by_op(model32, monkeypatch, gro
     assert len(set(replays)) >= 2 and "batch_steps" in runtime_of(model32).traces
     # buffers stay whole GROW blocks through joins and leaves (each other width would be another trace, kept)
     assert widths and all(w % grow == 0 for w in widths), widths
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_a_seeded_sequence_samples_its_tokens_whoever_its_batch_mates_are(model32, traced):
+    """A seed keys the sequence's own PRNG stream: its sampled tokens are the same alone and beside batch-mates
+    (sampled ones of its sampler's structure, so the traced step runs with keys, unseeded and seeded; then a greedy
+    one, so steps are built op by op), joining before and after it, whatever the global generator's state; another
+    seed gives other tokens."""
+    from lattice_mlx import settings
+
+    hot = Sampler(temp=1.5)
+
+    def run(seed: int, mates: list[tuple[Sampler, int | None]], global_seed: int) -> list[int]:
+        mx.random.seed(global_seed)
+        with settings.override(trace_steps=traced):
+            engine = BatchDecoder(model32, max_batch=4)
+            if mates:
+                engine.add(PROMPTS[0], max_tokens=30, sampler=mates[0][0], seed=mates[0][1])
+                engine.step()
+            seq = engine.add(PROMPTS[2], max_tokens=20, sampler=hot, seed=seed)
+            for n, (sampler, mate_seed) in enumerate(mates[1:]):
+                for _ in range(2 + n):
+                    engine.step()
+                engine.add(PROMPTS[3 + n], max_tokens=9, sampler=sampler, seed=mate_seed)
+            while engine.busy:
+                engine.step()
+        return seq.tokens
+
+    alone = run(5, [], 0)
+    assert len(alone) == 20
+    assert run(5, [(Sampler(temp=0.7), None), (Sampler(temp=1.0, top_p=1.0), 11)], 1) == alone
+    assert run(5, [(Sampler(temp=0.9), 3), (Sampler(), None)], 2) == alone
+    assert run(6, [], 0) != alone
 
 
 def test_a_kept_prefix_is_reused_by_the_next_turn(model32):

@@ -32,7 +32,7 @@ from .decode import PREFILL_STEP, prefill_chunks, tracing_enabled
 from .metal import use_kernels
 from .models import compiled
 from .runtime import runtime_of
-from .sample import Sampler
+from .sample import Sampler, split_keys
 
 DEFAULT_MAX_BATCH = 16
 
@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None  # "length", "stop" or "cancelled" once it has left
     cached: int = 0  # prompt tokens taken from a prompt cache (not prefilled)
     prefix: object = None  # with keep_prefix: the state after all but its prompt's last token (a PromptCache)
+    key: mx.array | None = None  # its PRNG stream's next key [2] until it joins (then a row of the batch's keys)
 
     @property
     def done(self) -> bool:
@@ -87,6 +88,7 @@ class BatchDecoder:
         self._steps: BatchSteps | None = None  # the traced plain step of the batch's sampler structure
         self._route: tuple | None = None  # _traced_route() for the running batch (None: to decide)
         self._fingerprint: str | None = None  # the model's (prompt_cache.fingerprint), for kept prefixes
+        self._keys: mx.array | None = None  # each active sequence's PRNG key [B, 2] (Sequence.key)
         self._uids = itertools.count()
 
     @property
@@ -99,11 +101,14 @@ class BatchDecoder:
         return bool(self.active or self.waiting)
 
     def add(self, prompt: Iterable[int], *, max_tokens: int, sampler: Sampler | None = None,
-            stop_ids: Iterable[int] = (), prefix=None, keep_prefix: bool = False) -> Sequence:
+            stop_ids: Iterable[int] = (), prefix=None, keep_prefix: bool = False, seed: int | None = None) -> Sequence:
         """Queues `prompt` for its prefill; returns its sequence, whose `tokens` grow as steps run (the first once
         its prefill's last chunk has run). `prefix` (a PromptCache holding a proper prefix of the prompt): only the
         rest is prefilled. `keep_prefix`: the prefill stops before the prompt's last token to leave the state there
-        in `Sequence.prefix` (what the next turn of a conversation extends). Neither applies to MTP rounds."""
+        in `Sequence.prefix` (what the next turn of a conversation extends). Neither applies to MTP rounds.
+        `seed`: the sequence samples from a PRNG stream of its own (mx.random.key(seed)), one draw per token (per
+        round with MTP), so what it samples does not depend on its batch-mates' draws; None: a stream keyed from
+        MLX's global generator."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -111,7 +116,8 @@ class BatchDecoder:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if self.full:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
-        seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids))
+        seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids),
+                       key=mx.random.key(seed) if seed is not None else _fresh_key())
         n = prefix.covers(prompt) if prefix is not None and not self.PROMPT_HIDDEN else 0
         if n:
             prefix.check(self.model)
@@ -153,7 +159,8 @@ class BatchDecoder:
             if got is None:
                 continue
             self.waiting.pop(0)
-            seq._take(int(seq.sampler(got[0]).item()))
+            seq.key, use = mx.random.split(seq.key)
+            seq._take(int(seq.sampler(got[0], key=use).item()))
             if not seq.done:
                 self._join(seq, cache, got[1])
             out.append((seq, seq.tokens[-1]))
@@ -164,6 +171,8 @@ class BatchDecoder:
         with PROMPT_HIDDEN)."""
         self._flush()
         self.cache = join_rows(self.cache, cache)
+        self._keys = seq.key[None] if self._keys is None else mx.concatenate([self._keys, seq.key[None]])
+        seq.key = None
         self._route = None
         self.active.append(seq)
         self._last.append(seq.tokens[-1])
@@ -195,7 +204,7 @@ class BatchDecoder:
         if self._route is None:  # (decided again only when the batch changes: nothing added per step)
             self._route = self._traced_route()
         if self._route:
-            ys = self._steps.step(self.cache, y, self._route)
+            ys, self._keys = self._steps.step(self.cache, y, self._route, self._keys)
         else:
             ys = self._pick(self.model(y[:, None], self.cache)[:, -1])
         mx.async_eval(ys)
@@ -220,11 +229,15 @@ class BatchDecoder:
             self._flushed += self._take([int(y) for y in ys.tolist()])
 
     def _pick(self, logits: mx.array) -> mx.array:
-        """Each running sequence's next token from its row of logits [B, V] (device)."""
+        """Each running sequence's next token from its row of logits [B, V] (device), a sampled row drawing with
+        its own key (the rows' keys advance once, unless every row is greedy)."""
         first = self.active[0].sampler
-        if all(s.sampler == first for s in self.active):  # one sampler for all: its ops run row by row on [B, V]
+        if all(s.sampler.greedy for s in self.active):
             return first(logits)
-        return mx.stack([s.sampler(logits[b]) for b, s in enumerate(self.active)])
+        self._keys, use = split_keys(self._keys)
+        if all(s.sampler == first for s in self.active):  # one sampler for all: its ops run row by row on [B, V]
+            return first(logits, key=use)
+        return mx.stack([s.sampler(logits[b], key=use[b]) for b, s in enumerate(self.active)])
 
     def _take(self, ys: list[int]) -> list[tuple[Sequence, int]]:
         out = []
@@ -262,12 +275,18 @@ class BatchDecoder:
         self.active = [self.active[b] for b in keep]
         self._last = [self._last[b] for b in keep]
         if not keep:
-            self.cache, self._ahead = None, None
+            self.cache, self._ahead, self._keys = None, None, None
             return keep
         filter_rows(self.cache, keep)
+        self._keys = self._keys[mx.array(keep, dtype=mx.int32)]
         if self._ahead is not None:  # the queued step's rows too
             self._ahead = self._ahead[mx.array(keep, dtype=mx.int32)]
         return keep
+
+
+def _fresh_key() -> mx.array:
+    """A PRNG key [2] drawn from MLX's global generator (a key is two uint32 words)."""
+    return mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
 
 
 def filter_rows(cache: list, keep: list[int]) -> None:
@@ -363,12 +382,15 @@ class BatchSteps:
             c.conv, c.ssm = next(it), next(it)
 
     def _body(self, state: list, extras: list):
-        y, values = extras
+        y, values, *keys = extras
         self._set_state(state)
         logits = self.model(y[:, None], self.cache)[:, -1]
         for c in self.kv[1:]:  # (each layer advanced its own copies: one set goes out)
             c.pos, c.offset = self.kv[0].pos, self.kv[0].offset
-        return self._state(), self.sampler(logits, values)
+        if not keys:  # (greedy)
+            return self._state(), self.sampler(logits, values)
+        keys, use = split_keys(keys[0])
+        return self._state(), self.sampler(logits, values, key=use), keys
 
     def _traced(self):
         def body(steps: "BatchSteps", state: list, extras: list):
@@ -376,7 +398,7 @@ class BatchSteps:
                 return steps._body(state, extras)
 
         def fallback(state: list, extras: list):
-            return list(state), mx.zeros_like(extras[0])
+            return list(state), mx.zeros_like(extras[0]), *extras[2:]
 
         return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
 
@@ -387,9 +409,10 @@ class BatchSteps:
             self._values = (samplers, mx.stack([s.values() for s in samplers], axis=1)[..., None])
         return self._values[1]
 
-    def step(self, cache: list, y: mx.array, samplers: tuple[Sampler, ...]) -> mx.array:
-        """The next tokens [B] after y [B] (a device array) from one replay, row b sampled by samplers[b] (all of
-        this step's structure); the caches advance one column."""
+    def step(self, cache: list, y: mx.array, samplers: tuple[Sampler, ...],
+             keys: mx.array) -> tuple[mx.array, mx.array]:
+        """(the next tokens [B] after y [B] (a device array) from one replay, row b sampled by samplers[b] (all of
+        this step's structure) with keys[b]; the keys after); the caches advance one column."""
         values = self._numbers(samplers)
         self._bind(cache)
         for c in self.kv:
@@ -400,7 +423,7 @@ class BatchSteps:
         offsets = [c.offset for c in self.gdn]  # (host counts: a replay does not run the layers' Python)
         cached, _ = traces.cached(self.model, "batch_steps", self.key, self._traced)
         try:
-            (ys,) = traces.call(cached, self.key, self, [], [y, values])
+            ys, *after = traces.call(cached, self.key, self, [], [y, values] + ([] if self.sampler.greedy else [keys]))
             advance = 1
         except BaseException:  # (a failed trace: its arrays are as before the call, the host counts too)
             advance = 0
@@ -411,4 +434,4 @@ class BatchSteps:
             for c, offset in zip(self.gdn, offsets):
                 c.offset = offset + advance
             self.cache, self.kv, self.gdn = [], [], []  # (bound again every step: no buffer held past it)
-        return ys
+        return ys, (after[0] if after else keys)

@@ -66,15 +66,26 @@ class Sampler:
             p = p / p.sum(axis=-1, keepdims=True)
         return p
 
-    def __call__(self, logits: mx.array, values: mx.array | None = None) -> mx.array:
+    def __call__(self, logits: mx.array, values: mx.array | None = None, key: mx.array | None = None) -> mx.array:
+        """Tokens from logits [..., V]; `key`: sample_from's (None: MLX's global generator)."""
         if self.greedy:
             return argmax(logits)  # one kernel on a GPU (metal/argmax.py)
-        return sample_from(self.probs(logits, values))
+        return sample_from(self.probs(logits, values), key)
 
 
-def sample_from(p: mx.array) -> mx.array:
-    """One draw per row of the probability table p [..., V]."""
-    return mx.random.categorical(mx.log(p), axis=-1)
+def sample_from(p: mx.array, key: mx.array | None = None) -> mx.array:
+    """One draw per row of the probability table p [..., V]. `key`: a PRNG key [2] (mx.random.key) for p [V], or
+    keys [R, 2], one per row of p [R, V] (each row its own stream: a batch's sequences); None: MLX's global
+    generator."""
+    if key is None or key.ndim == 1:
+        return mx.random.categorical(mx.log(p), axis=-1, key=key)
+    return mx.vmap(lambda k, lp: mx.random.categorical(lp, axis=-1, key=k))(key, mx.log(p))
+
+
+def split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's PRNG key [R, 2] split in two: (the keys to keep [R, 2], one use's keys [R, 2])."""
+    both = mx.vmap(mx.random.split)(keys)  # [R, 2, 2]
+    return both[:, 0], both[:, 1]
 
 
 def accept_greedy(target_tokens: list[int], drafts: list[int]) -> int:
@@ -90,22 +101,25 @@ def bonus_row(p: mx.array, K: int) -> mx.array:
     return p[K:]
 
 
-def accept_sampled_arrays(p: mx.array, q: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def accept_sampled_arrays(p: mx.array, q: mx.array, drafts: mx.array,
+                          key: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Exact speculative sampling (Leviathan et al. 2023) as array ops, no sync: p [K or K+1, V] target, q [K, V]
     draft distributions, drafts [K] int32. Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)), each with its
     own uniform; at the first rejection n the token is drawn from norm(max(0, p_n - q_n)), after K acceptances from
     p_K (when given; else the token is meaningless). Returns n [scalar int32], the token [scalar int32] and tokens
-    [K+1] whose first n + 1 are the round's output (the kept drafts, then the token)."""
+    [K+1] whose first n + 1 are the round's output (the kept drafts, then the token). `key`: a PRNG key [2] for
+    the draws (None: MLX's global generator)."""
     K = drafts.shape[0]
     rows = mx.arange(K)
     ratio = p[rows, drafts] / mx.maximum(q[rows, drafts], 1e-30)
-    n = mx.cumprod((mx.random.uniform(shape=(K,)) < ratio).astype(mx.int32)).sum()
+    keys = (None, None) if key is None else mx.random.split(key)
+    n = mx.cumprod((mx.random.uniform(shape=(K,), key=keys[0]) < ratio).astype(mx.int32)).sum()
     residual = mx.maximum(p[:K] - q, 0.0)
     total = residual.sum(axis=-1, keepdims=True)
     # p == q leaves no residual mass (and then a draft is never rejected); guard the division all the same
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
     table = mx.concatenate([residual, bonus_row(p, K)], axis=0)  # row n: the token's distribution after n kept
-    token = sample_from(table[mx.minimum(n, table.shape[0] - 1)]).astype(mx.int32)
+    token = sample_from(table[mx.minimum(n, table.shape[0] - 1)], keys[1]).astype(mx.int32)
     tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)]))
     return n, token, tokens
 

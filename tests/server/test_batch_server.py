@@ -69,16 +69,40 @@ def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_serv
     assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
 
 
-def test_a_conversations_next_turn_prefills_only_its_new_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def plain_batch_server(tmp_path_factory):
+    """The port of a batching server decoding plainly (--no-mtp)."""
+    with _served(tmp_path_factory.mktemp("pserver"), "--max-batch", "3", "--dtype", "float32", "--no-warmup",
+                 "--no-mtp") as (port, _):
+        yield port
+
+
+def test_a_conversations_next_turn_prefills_only_its_new_tokens(plain_batch_server):
     """Batched plain decoding too keeps the state after the newest prompt: the next turn reports the reused tokens,
     and its text is a fresh generation's. (Batched MTP rounds prefill every prompt whole: the head's rows.)"""
-    with _served(tmp_path, "--max-batch", "2", "--dtype", "float32", "--no-warmup", "--no-mtp") as (port, _):
-        bclient = _client(port)
-        model, tok = load(dtype="float32")
-        turn1 = tok.encode("def fib(n):\n    ")
-        bclient.completions.create(model=MODEL, prompt=turn1, max_tokens=6, temperature=0)
-        turn2 = turn1 + tok.encode("if n < 2:\n        return n\n    ")
-        r2 = bclient.completions.create(model=MODEL, prompt=turn2, max_tokens=10, temperature=0)
-        assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
-        assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=10, chat_template=False,
-                                              speculation=None).text
+    bclient = _client(plain_batch_server)
+    model, tok = load(dtype="float32")
+    turn1 = tok.encode("def fib(n):\n    ")
+    bclient.completions.create(model=MODEL, prompt=turn1, max_tokens=6, temperature=0)
+    turn2 = turn1 + tok.encode("if n < 2:\n        return n\n    ")
+    r2 = bclient.completions.create(model=MODEL, prompt=turn2, max_tokens=10, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(turn1) - 1
+    assert r2.choices[0].text == generate(model, tok, turn2, max_tokens=10, chat_template=False,
+                                          speculation=None).text
+
+
+def test_a_seeded_request_samples_the_same_text_beside_others(plain_batch_server):
+    """A request's seed keys its own stream: its sampled text alone equals its text beside sampled batch-mates.
+    (Plain decoding: with adaptive MTP the batch's depth, chosen from measured times, decides how draws are used.)"""
+    bclient = _client(plain_batch_server)
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.3)
+    alone = bclient.completions.create(**kw, seed=42).choices[0].text
+    threads = [threading.Thread(target=bclient.completions.create, kwargs=dict(
+        model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0.9)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    beside = bclient.completions.create(**kw, seed=42).choices[0].text
+    for t in threads:
+        t.join(timeout=120)
+    assert beside == alone
+    assert bclient.completions.create(**kw, seed=43).choices[0].text != alone

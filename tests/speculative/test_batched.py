@@ -188,3 +188,28 @@ def test_greedy_sequences_beside_a_sampled_one_stay_exact(demo32):
     while engine.busy:
         engine.step()
     assert greedy.tokens == solo(model, prompts[0], 16) and other.tokens == solo(model, prompts[2], 16)
+
+
+def test_a_seeded_sequence_samples_its_rounds_whoever_its_batch_mates_are(demo32):
+    """With a fixed depth, a seeded sequence's rounds draw from its own PRNG stream (one split per round: its drafts,
+    acceptance and residual draws): its tokens are the same alone and beside batch-mates (sampled and greedy,
+    joining after it); another seed gives other tokens."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS]
+    hot = Sampler(temp=1.5)
+
+    def run(seed: int, mates: list[tuple[Sampler, int | None]]) -> list[int]:
+        mx.random.seed(len(mates))
+        engine = BatchRounds(model, k=2)
+        seq = engine.add(prompts[0], max_tokens=24, sampler=hot, seed=seed)
+        for n, (sampler, mate_seed) in enumerate(mates):
+            engine.step()
+            engine.add(prompts[1 + n], max_tokens=10 + 3 * n, sampler=sampler, seed=mate_seed)
+        while engine.busy:
+            engine.step()
+        return seq.tokens
+
+    alone = run(5, [])
+    assert len(alone) == 24
+    assert run(5, [(Sampler(temp=0.8, top_p=0.9), None), (Sampler(), None), (Sampler(temp=1.0), 9)]) == alone
+    assert run(6, []) != alone

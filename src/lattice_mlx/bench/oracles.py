@@ -155,8 +155,8 @@ class OracleBatchRounds(BatchRounds):
         self.references, self.p_correct = references, p_correct
         self.rng = np.random.default_rng(seed)
 
-    def _draft(self):
-        drafts, q = super()._draft()
+    def _draft(self, keys):
+        drafts, q = super()._draft(keys)
         K, V = self.k, self.model.args.vocab_size
         truth = []
         for s in self.active:

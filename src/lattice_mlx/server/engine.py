@@ -180,8 +180,10 @@ class BatchEngine(Engine):
     """Continuous batching (`--max-batch` > 1): up to `max_batch` jobs decode together, one forward per step
     (batch.BatchDecoder; with a head and MTP on, speculative/batched.BatchRounds, its depth or plain steps tuned for
     the batch), each joining as soon as a row is free and leaving at its own max_tokens, stop string, end-of-sequence
-    token, time limit, client leaving or shutdown, checked every step. A request's seed does not make it repeatable
-    here (its batch-mates draw from the same generator). The state after the newest prompt is kept, as `Engine` keeps
+    token, time limit, client leaving or shutdown, checked every step. A request's seed keys a PRNG stream of its own
+    (BatchDecoder.add): its sampled text does not depend on its batch-mates' draws (in bf16 on a GPU their presence
+    may still move its logits: batch.py); with adaptive MTP the batch's depth choice decides how its draws are used.
+    The state after the newest prompt is kept, as `Engine` keeps
     it: a request extending it (a conversation's next turn) prefills only its new tokens (not with MTP rounds,
     which prefill the head's rows too)."""
 
@@ -235,7 +237,8 @@ class BatchEngine(Engine):
             pc = self.prompt_cache
             try:  # (a prompt extending the kept one prefills only its new tokens; MTP rounds prefill it all)
                 seq = decoder.add(job.ids, max_tokens=job.max_tokens, sampler=job.sampler, stop_ids=self.eos,
-                                  prefix=pc if pc is not None and pc.covers(job.ids) else None, keep_prefix=True)
+                                  prefix=pc if pc is not None and pc.covers(job.ids) else None, keep_prefix=True,
+                                  seed=job.seed)
             except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
                 log.exception("prefill failed")
                 job.events.put(("error", f"generation failed: {e}"))

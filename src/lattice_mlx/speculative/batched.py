@@ -26,7 +26,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from .. import cache as caches
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
-from ..sample import accept_greedy, accept_sampled_arrays
+from ..sample import accept_greedy, accept_sampled_arrays, split_keys
 from .drafters import feed_head
 from .options import SpecStats
 from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
@@ -77,8 +77,9 @@ class BatchRounds(BatchDecoder):
                 self.head_cache = None
         return keep
 
-    def _draft(self) -> tuple[mx.array, mx.array | None]:
-        """drafts [B, K] and, where any sequence samples, the head's distributions q [B, K, V]."""
+    def _draft(self, keys: mx.array | None) -> tuple[mx.array, mx.array | None]:
+        """drafts [B, K] and, where any sequence samples, the head's distributions q [B, K, V]; `keys` [B, K + 1, 2]:
+        each sequence's keys for the round (its K drafts' draws, then the acceptance's), where any samples."""
         model, head, K = self.model, self.model.mtp, self.k
         B, H = len(self.active), model.args.hidden_size
         counts = [len(t) for t, _ in self._pending]
@@ -92,7 +93,7 @@ class BatchRounds(BatchDecoder):
                 c.prepare(right_padding=[P - n for n in counts])
                 c.finalize()
         x = x[mx.arange(B), mx.array(counts) - 1][:, None]  # each row's last real slot [B, 1, H]
-        sampled = any(not s.sampler.greedy for s in self.active)
+        sampled = keys is not None
         drafts, qs, h = [], [], None
         for step in range(K):
             if step:  # the next slot: the last draft with the head's own hidden
@@ -104,8 +105,8 @@ class BatchRounds(BatchDecoder):
                 # q [B, V]: a greedy sequence's row is never read (its drafts are checked against the argmax)
                 q = mx.stack([s.sampler.probs(logits[b]) if not s.sampler.greedy else logits[b]
                               for b, s in enumerate(self.active)])
-                d = mx.stack([s.sampler(logits[b]) if not s.sampler.greedy else mx.argmax(logits[b])
-                              for b, s in enumerate(self.active)])
+                d = mx.stack([s.sampler(logits[b], key=keys[b, step]) if not s.sampler.greedy else
+                              mx.argmax(logits[b]) for b, s in enumerate(self.active)])
                 qs.append(q)
             else:
                 d = mx.argmax(logits, axis=-1)
@@ -144,13 +145,17 @@ class BatchRounds(BatchDecoder):
         """One round of depth K for every running sequence."""
         self.k = K
         model, B = self.model, len(self.active)
-        drafts, q = self._draft()
+        keys = None
+        if not all(s.sampler.greedy for s in self.active):  # one split of each row's key per round
+            self._keys, use = split_keys(self._keys)
+            keys = mx.vmap(lambda k: mx.random.split(k, K + 1))(use)  # [B, K + 1, 2]
+        drafts, q = self._draft(keys)
         gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
         for c in gdn:
             c.begin()
         x = mx.concatenate([mx.array(self._last, dtype=mx.int32)[:, None], drafts], axis=1)  # [B, K + 1]
         logits, hidden = model(x, self.cache, return_hidden=True)  # [B, K + 1, V], [B, K + 1, H]
-        ns, tokens = self._accept(logits, drafts, q)
+        ns, tokens = self._accept(logits, drafts, q, keys)
         # rollback, row by row: keep n_b + 1 of the K + 1 positions
         n = mx.array(ns, dtype=mx.int32)
         for c in self.cache:
@@ -184,7 +189,8 @@ class BatchRounds(BatchDecoder):
             self.stats.record(K, m)
         return out
 
-    def _accept(self, logits: mx.array, drafts: mx.array, q: mx.array | None) -> tuple[list[int], list[list[int]]]:
+    def _accept(self, logits: mx.array, drafts: mx.array, q: mx.array | None,
+                keys: mx.array | None) -> tuple[list[int], list[list[int]]]:
         """Per sequence: drafts accepted n_b, and the round's tokens (the kept drafts, then the next token)."""
         K = self.k
         if q is None:  # every sequence greedy
@@ -199,7 +205,8 @@ class BatchRounds(BatchDecoder):
                 m = mx.cumprod((drafts[b] == target[:K]).astype(mx.int32)).sum()
                 outs.append((m, target[m], mx.concatenate([drafts[b], target[-1:]])))
                 continue
-            m, token, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b])  # p [K + 1, V]
+            m, token, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b],  # p [K + 1, V]
+                                                   keys[b, K])
             outs.append((m, token, toks))
         mx.eval([o for triple in outs for o in triple])
         ns, tokens = [], []
