@@ -48,6 +48,25 @@ def test_concurrent_requests_each_get_their_single_generation(bclient, batch_ser
     assert "up to 3 requests batched" in batch_server[1].read_text()
 
 
+def test_a_request_alone_joins_the_batch_when_another_arrives(bclient, batch_server):
+    """A lone request decodes as a single generation (MTP's pipelined rounds here) until a second arrives; then it
+    goes on in the batch from the tokens it has: both texts are their single generations (greedy, fp32), the first's
+    usage counts its tokens from both parts."""
+    model, tok = load(dtype="float32")
+    want = [generate(model, tok, p, max_tokens=n, chat_template=False, speculation=None).text
+            for p, n in ((PROMPTS[2], 40), (PROMPTS[1], 8))]
+    stream = bclient.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = [next(stream)]  # it is decoding, alone
+    second = bclient.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    chunks += list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[0]
+    assert chunks[-1].usage.completion_tokens == 40
+    assert second.choices[0].text == want[1]
+    joined = [line for line in batch_server[1].read_text().splitlines() if "joins the batch after" in line]
+    assert joined and 0 < int(joined[-1].split("after ")[1].split()[0]) < 40
+
+
 def test_streaming_and_stop_strings_per_request(bclient):
     full = bclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[8:11]

@@ -17,10 +17,10 @@ MODEL = "lattice-demo"
 
 @pytest.fixture(scope="module")
 def strict(tmp_path_factory):
-    """A server with small limits, so every limit can be reached quickly on the CPU."""
+    """A server with small limits, so every limit can be reached quickly on the CPU (two rows in its batch)."""
     proc, port, log = _start(tmp_path_factory.mktemp("strict"), "--no-warmup", "--max-tokens-limit", "1500",
-                             "--request-timeout", "3", "--max-queue", "1", "--max-body-bytes", "20000",
-                             "--io-timeout", "2", "--allow-origin", "https://app.example")
+                             "--request-timeout", "3", "--max-queue", "1", "--max-batch", "2", "--max-body-bytes",
+                             "20000", "--io-timeout", "2", "--allow-origin", "https://app.example")
     yield port, log, proc
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
@@ -121,7 +121,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_long_job_ends_at_its_ti
     port = strict[0]
     long = json.dumps({"prompt": PROMPT, "max_tokens": 1500, "temperature": 0}).encode()
     conns = []
-    for _ in range(2):  # one running, one waiting (--max-queue 1)
+    for _ in range(3):  # two decoding (--max-batch 2), one waiting (--max-queue 1)
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         c.request("POST", "/v1/completions", body=long, headers={"Content-Type": "application/json"})
         conns.append(c)

@@ -275,9 +275,9 @@ def test_batched_warm_up_traces_every_batch_size(checkpoints, monkeypatch):
     sizes = set()
     step = BatchSteps.step
 
-    def spy(self, cache, y, samplers):
+    def spy(self, cache, y, samplers, keys):
         sizes.add((samplers[0].greedy, y.shape[0]))
-        return step(self, cache, y, samplers)
+        return step(self, cache, y, samplers, keys)
 
     monkeypatch.setattr(BatchSteps, "step", spy)
     model, _ = load(checkpoints["pattern"])

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..batch import BatchDecoder
+from ..batch import DEFAULT_MAX_BATCH, BatchDecoder
 from ..cli import ArgumentParser
-from ..decode import generate_step
+from ..decode import generate_step, tracing_enabled
 from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
@@ -57,9 +57,9 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
     generation compiles kernels for seconds on a GPU (docs/results/code_measurements.md, 'First use'), which would
     otherwise land on whichever request first uses that depth. Plain steps and pipelined rounds are traced once per
     sampler structure (decode.TracedSteps, speculative/pipelined.py): greedy, and sampled without top-k / top-p /
-    min-p (a request's temperature is an input of that trace). With `max_batch` > 1, also a batch of every size
-    1..max_batch for a few steps, greedy and sampled: a traced batch step is traced once per batch size
-    (batch.BatchSteps), which would otherwise land on the requests that first make a batch that big."""
+    min-p (a request's temperature is an input of that trace). With `max_batch` > 1 where steps are traced, also a
+    batch of every size 1..max_batch for a few steps, greedy and sampled: a traced batch step is traced once per
+    batch size (batch.BatchSteps), which would otherwise land on the requests that first make a batch that big."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
     depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
@@ -75,9 +75,10 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
             steps.close()
     if speculation is not None:
         warm_catch_up(model)
-    if max_batch > 1:
+    batches = max_batch if max_batch > 1 and tracing_enabled() else 0
+    if batches:
         for sampler in (Sampler(), Sampler(temp=1.0)):
-            for B in range(1, max_batch + 1):
+            for B in range(1, batches + 1):
                 decoder = BatchDecoder(model, max_batch=B)
                 for _ in range(B):
                     decoder.add(ids, max_tokens=4, sampler=sampler)
@@ -85,7 +86,7 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
                     decoder.step()
     log.info("warmed up in %.1f s: decode%s%s, greedy and sampled", time.perf_counter() - tic,
              f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "",
-             f", batches of 1..{max_batch}" if max_batch > 1 else "")
+             f", batches of 1..{batches}" if batches else "")
 
 
 class Stopper:
@@ -133,8 +134,9 @@ def setup_arg_parser() -> ArgumentParser:
                    help="accept a prompt plus max_tokens past the checkpoint's context length")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling a request leaves out takes the checkpoint's generation_config.json")
-    p.add_argument("--max-batch", type=int, default=1, help="requests decoded together (continuous batching; MTP "
-                   "rounds over the batch with a head, the depth tuned for the batch); 1: one at a time [1]")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="requests decoded together (continuous "
+                   "batching; MTP rounds over the batch with a head, the depth tuned for the batch; a request alone "
+                   f"decodes as a single generation until another arrives); 1: one at a time [{DEFAULT_MAX_BATCH}]")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding even when the checkpoint has an MTP head")
     p.add_argument("--draft-tokens", type=int, help=f"MTP draft depth K, the largest (adaptive) [{ADAPTIVE_MAX_K}]")
     p.add_argument("--no-warmup", action="store_true", help="serve at once: skip the start-up generations that "
@@ -177,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not args.no_warmup:
         try:
-            # (a batch's rounds are not the pipelined ones; its plain steps are traced per batch size)
-            warm_up(model, None if batched else speculation, args.max_batch)
+            # (a request alone runs the pipelined rounds; a batch's plain steps are traced per batch size)
+            warm_up(model, speculation, args.max_batch)
         except KeyboardInterrupt:
             print("error: interrupted while warming up", file=sys.stderr)
             httpd.server_close()

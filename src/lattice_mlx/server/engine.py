@@ -116,11 +116,13 @@ class Engine:
         self.prompt_cache = PromptCache.build(self.model, ids[:-1], base=prev)
         return self.prompt_cache, cached
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job, yield_to=None) -> "_Handoff | None":
+        """Generates the job to its end, streaming its text, and reports it done. `yield_to()` (BatchEngine), asked
+        after every token: True stops the generation there and returns what the batch needs to go on with it."""
         if job.seed is not None:
             mx.random.seed(job.seed)
         s = job.sampler
-        scan, n, finish, last, cut = StopScanner(job.stop), 0, "length", None, False
+        scan, n, finish, last, cut, tokens = StopScanner(job.stop), 0, "length", None, False, []
         pc, cached = self._prompt_cache(job.ids)
         stream = stream_generate(self.model, self.tokenizer, job.ids, max_tokens=job.max_tokens, temp=s.temp,
                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, chat_template=False,
@@ -131,6 +133,7 @@ class Engine:
         try:
             for last in stream:
                 n += 1
+                tokens.append(last.token)
                 if job.cancelled.is_set():
                     log.info("request cancelled %s after %d tokens",
                              "by its client" if job.why == "client" else "at shutdown", n)
@@ -149,6 +152,8 @@ class Engine:
                 if time.monotonic() > deadline:
                     finish = "time_limit"
                     break
+                if yield_to is not None and yield_to():
+                    return _Handoff(tokens, scan, cached, tic, deadline, last.spec_stats)
         finally:
             stream.close()
         tail = "" if cut else scan.flush()  # text after a stop string is dropped; a held-back tail is not
@@ -164,6 +169,18 @@ class Engine:
 
 
 @dataclass(eq=False)
+class _Handoff:
+    """A lone job's generation stopped between tokens (Engine._generate's yield_to) for the batch to go on with."""
+
+    tokens: list[int]  # generated and streamed so far
+    scan: StopScanner
+    cached: int  # prompt tokens the prompt cache held
+    tic: float
+    deadline: float
+    spec_stats: object  # SpecStats or None
+
+
+@dataclass(eq=False)
 class _Live:
     """A job decoding in the batch: its sequence, the text streaming out and its limits."""
 
@@ -174,13 +191,19 @@ class _Live:
     deadline: float
     tic: float
     sent: int = 0  # tokens of seq.tokens already streamed
+    before: int = 0  # tokens it generated alone before it joined the batch (their ids end seq.prompt)
+    cached: int | None = None  # prompt tokens a prompt cache held, when it started alone (else seq.cached)
 
 
 class BatchEngine(Engine):
     """Continuous batching (`--max-batch` > 1): up to `max_batch` jobs decode together, one forward per step
     (batch.BatchDecoder; with a head and MTP on, speculative/batched.BatchRounds, its depth or plain steps tuned for
     the batch), each joining as soon as a row is free and leaving at its own max_tokens, stop string, end-of-sequence
-    token, time limit, client leaving or shutdown, checked every step. A request's seed keys a PRNG stream of its own
+    token, time limit, client leaving or shutdown, checked every step. A job arriving to an idle engine with nothing
+    behind it runs alone, as `Engine` runs it (a single generation's traced steps and pipelined MTP rounds), until
+    another job arrives: then it joins the batch, its prompt and the tokens it has generated prefilled as the
+    batch's prompt (from the kept prompt state where one covers it), and goes on there with what is left of its
+    budget (greedy, fp32: the tokens it would have got alone). A request's seed keys a PRNG stream of its own
     (BatchDecoder.add): its sampled text does not depend on its batch-mates' draws (in bf16 on a GPU their presence
     may still move its logits: batch.py); with adaptive MTP the batch's depth choice decides how its draws are used.
     The state after the newest prompt is kept, as `Engine` keeps
@@ -198,6 +221,8 @@ class BatchEngine(Engine):
             self.stopping.set()
             for live in self.live:
                 live.job.cancel("shutdown")
+            if self.current is not None:
+                self.current.cancel("shutdown")
             self._drain()
 
     def run(self) -> None:
@@ -205,6 +230,8 @@ class BatchEngine(Engine):
         decoder = BatchDecoder(self.model, max_batch=self.max_batch) if spec is None else \
             BatchRounds(self.model, k=spec.draft_tokens, adaptive=spec.adaptive, max_batch=self.max_batch)
         while not self.stopping.is_set() or self.live:
+            if not self.live and not decoder.busy and self._alone(decoder):
+                continue
             self._admit(decoder)
             for live in list(self.live):
                 if live.job.cancelled.is_set():
@@ -224,6 +251,57 @@ class BatchEngine(Engine):
                 self._emit(decoder, live)
         with self._lock:
             self._drain()
+
+    def _alone(self, decoder) -> bool:
+        """With nothing decoding, a job with nothing behind it runs alone until another job arrives (then it joins
+        the batch); False when jobs wait (they are admitted together) or none came."""
+        try:
+            job = self.jobs.get(timeout=0.1)
+        except queue.Empty:
+            return True
+        if not self.jobs.empty():
+            with self.jobs.mutex:  # (first in line still: _admit takes them in order)
+                self.jobs.queue.appendleft(job)
+            return False
+        with self._lock:
+            if job.cancelled.is_set():
+                return True
+            self.current = job
+        try:
+            handoff = self._generate(job, yield_to=lambda: not self.jobs.empty() and not self.stopping.is_set())
+        except Exception as e:  # one request's failure is reported to it; the server goes on
+            log.exception("generation failed")
+            job.events.put(("error", f"generation failed: {e}"))
+            return True
+        finally:
+            with self._lock:
+                self.current = None
+        if handoff is not None:
+            self._join(decoder, job, handoff)
+        return True
+
+    def _join(self, decoder, job: Job, handoff: _Handoff) -> None:
+        """A job that ran alone goes on in the batch: its prompt and generated tokens prefilled (the kept prompt
+        state covers its prompt), what is left of its budget to go, its text streaming on where it stopped."""
+        ids = job.ids + handoff.tokens
+        pc = self.prompt_cache
+        try:
+            seq = decoder.add(ids, max_tokens=job.max_tokens - len(handoff.tokens), sampler=job.sampler,
+                              stop_ids=self.eos, prefix=pc if pc is not None and pc.covers(ids) else None,
+                              seed=job.seed)
+        except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
+            log.exception("joining the batch failed")
+            job.events.put(("error", f"generation failed: {e}"))
+            return
+        detok = self.tokenizer.detokenizer
+        for token in handoff.tokens:  # (their text is out: the detokenizer goes on from there)
+            detok.add_token(token)
+        detok.last_segment  # noqa: B018
+        live = _Live(job, seq, handoff.scan, detok, handoff.deadline, handoff.tic, before=len(handoff.tokens),
+                     cached=handoff.cached)
+        log.info("request joins the batch after %d tokens alone", live.before)
+        with self._lock:
+            self.live.append(live)
 
     def _admit(self, decoder) -> None:
         """Takes waiting jobs into free rows: each is prefilled (its first token sampled) before the next step."""
@@ -278,11 +356,11 @@ class BatchEngine(Engine):
         tail = "" if cut else live.scan.flush()
         if tail:
             live.job.events.put(("text", tail))
-        n = live.sent
+        n, cached = live.before + live.sent, seq.cached if live.cached is None else live.cached
         usage = {"prompt_tokens": len(live.job.ids), "completion_tokens": n, "total_tokens": len(live.job.ids) + n,
-                 "prompt_tokens_details": {"cached_tokens": seq.cached}}
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         log.info("request done: %d prompt tokens (%d from the prompt cache) + %d generated in %.2f s (%s; batched)",
-                 len(live.job.ids), seq.cached, n, time.perf_counter() - live.tic, finish)
+                 len(live.job.ids), cached, n, time.perf_counter() - live.tic, finish)
         self._end(live, ("done", {"finish_reason": finish, "usage": usage}))
 
     def _end(self, live: _Live, event) -> None:
