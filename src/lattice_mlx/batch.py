@@ -172,6 +172,7 @@ class BatchDecoder:
         self._flush()
         self.cache = join_rows(self.cache, cache)
         self._keys = seq.key[None] if self._keys is None else mx.concatenate([self._keys, seq.key[None]])
+        mx.async_eval(self._keys)  # (greedy batches never read them: no graph left growing join by join)
         seq.key = None
         self._route = None
         self.active.append(seq)
@@ -279,6 +280,7 @@ class BatchDecoder:
             return keep
         filter_rows(self.cache, keep)
         self._keys = self._keys[mx.array(keep, dtype=mx.int32)]
+        mx.async_eval(self._keys)
         if self._ahead is not None:  # the queued step's rows too
             self._ahead = self._ahead[mx.array(keep, dtype=mx.int32)]
         return keep

@@ -179,7 +179,7 @@ def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_f
     planted = {
         "bonus_from_wrong_row": lambda m: m.setattr(sample, "bonus_row", lambda p, K: p[K - 1 : K]),
         "one_shared_uniform": lambda m: m.setattr(
-            mx.random, "uniform", lambda shape: mx.broadcast_to(uniform(shape=(1,)), shape)),
+            mx.random, "uniform", lambda shape, key=None: mx.broadcast_to(uniform(shape=(1,), key=key), shape)),
     }
     for name, plant in planted.items():
         with monkeypatch.context() as m:
