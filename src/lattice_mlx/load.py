@@ -195,7 +195,7 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
 
 
 def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
-    """On MLX's CUDA backend with LATTICE_KERNEL_CACHE=1, the model's kernel variants built into MLX's PTX cache
+    """On MLX's CUDA backend (LATTICE_KERNEL_CACHE on, the default), the model's kernel variants built into MLX's PTX cache
     now, in parallel, where a previous process has not (metal/cuda_cache.py); else nothing. A failure leaves the
     builds to MLX, as without it."""
     from .metal import _dialect, cuda_cache, use_kernels

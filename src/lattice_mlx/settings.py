@@ -43,8 +43,8 @@ SETTINGS = {
     "git_rev": Setting("LATTICE_GIT_REV", "", None, ""),
     "cxx": Setting("CXX", "", None, ""),  # the CPU render's compiler
     "cache_home": Setting("XDG_CACHE_HOME", "", None, ""),  # where the CPU render keeps its builds
-    # CUDA kernel builds kept on disk (metal/cuda_cache.py): off until run on a GPU
-    "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "0", SWITCH,
+    # CUDA kernel builds kept on disk (metal/cuda_cache.py; bitwise MLX's own builds on the H200: docs/kernels.md)
+    "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "1", SWITCH,
                             "use 1 (CUDA kernel builds written to MLX's PTX cache, once per machine) or 0 (off)"),
     "nvrtc": Setting("LATTICE_NVRTC", "", None, ""),  # libnvrtc's path, where the process has not loaded one
     # where MLX reads and writes its PTX cache, and the folders it is found from

@@ -15,7 +15,7 @@ MLX's source includes its device header `utils.cuh`, which the wheel does not sh
 `DEVICE_HEADER`, which declares what a generated signature and our bodies use (the bf16 / fp16 types, `Shape` and
 `Strides` laid out as MLX's `cuda::std::array<_, MAX_NDIM>`).
 
-Off unless LATTICE_KERNEL_CACHE=1 (not yet run on a GPU: docs/kernels.md). Mirrors MLX 0.32.x
+On unless LATTICE_KERNEL_CACHE=0 (run on a GPU: docs/kernels.md). Mirrors MLX 0.32.x
 (`mlx/backend/cuda/custom_kernel.cpp`, `jit_module.cpp`).
 """
 
