@@ -43,7 +43,7 @@ SETTINGS = {
     "git_rev": Setting("LATTICE_GIT_REV", "", None, ""),
     "cxx": Setting("CXX", "", None, ""),  # the CPU render's compiler
     "cache_home": Setting("XDG_CACHE_HOME", "", None, ""),  # where the CPU render keeps its builds
-    # CUDA kernel builds kept on disk (metal/cuda_cache.py; bitwise MLX's own builds on the H200: docs/kernels.md)
+    # CUDA kernel builds kept on disk (metal/cuda_cache.py; bitwise MLX's own builds: docs/kernels.md)
     "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "1", SWITCH,
                             "use 1 (CUDA kernel builds written to MLX's PTX cache, once per machine) or 0 (off)"),
     "nvrtc": Setting("LATTICE_NVRTC", "", None, ""),  # libnvrtc's path, where the process has not loaded one
