@@ -126,6 +126,7 @@ def test_cli_bad_checkpoint_is_one_line(checkpoints, tmp_path, how, message):
     (["--env", "LATTICE_COMPILE=2"], "LATTICE_COMPILE"),
     (["--env", "LATTICE_TRACE_ROUNDS=yes"], "LATTICE_TRACE_ROUNDS"),
     (["--env", "LATTICE_KERNEL_CACHE=on"], "LATTICE_KERNEL_CACHE"),
+    (["--env", "LATTICE_DEQUANT_ROWS=-1"], "LATTICE_DEQUANT_ROWS"),
 ])
 def test_cli_bad_flags_are_one_line(args, message, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

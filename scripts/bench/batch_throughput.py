@@ -6,9 +6,12 @@ Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,6
 Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `ours-mtp`
 (MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py), `mlx-lm`
 (mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `ours-untraced` (--untraced 1: plain steps
-built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps), `solo` (B = 1 only: plain generate_step,
-the single-stream reference). Each leg runs once untimed per B first. With --profile (CUPTI, DIR/gpu_kernels.py): kernels,
-GPU kernel time and busy against span per decode step of `ours` at each B.
+built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps), `ours-dequant` and `ours-mtp-dequant`
+(--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
+and multiplied instead of MLX's quantized matmul), `solo` (B = 1 only: plain generate_step, the single-stream
+reference). --skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
+DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels per decode step of `ours`
+(and `ours-untraced`, `ours-dequant`) at each B.
 """
 
 import argparse
@@ -33,6 +36,11 @@ from lattice_mlx.sample import Sampler
 NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 
+def dequant(args, leg: str):
+    """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg)."""
+    return settings.override(dequant_rows=str(args.dequant_ab) if leg.endswith("-dequant") else None)
+
+
 def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], k: int, p: float) -> list[list[int]]:
     """MTP rounds over the batch with SYNTHETIC drafts at acceptance p (bench/oracles.OracleBatchRounds)."""
     engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p,
@@ -46,13 +54,14 @@ def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], 
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
-    if leg in ("ours", "ours-aa", "ours-untraced"):
-        with settings.override(trace_steps=False if leg == "ours-untraced" else None):
+    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant"):
+        with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
             batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
-    elif leg == "ours-mtp":
-        got = run_rounds(target, prompts, n, refs, args.mtp_k, args.oracle_p)
+    elif leg in ("ours-mtp", "ours-mtp-dequant"):
+        with dequant(args, leg):
+            got = run_rounds(target, prompts, n, refs, args.mtp_k, args.oracle_p)
         if got != [r[:n] for r in refs]:
-            print("ours-mtp: greedy tokens differ from plain's", file=sys.stderr)
+            print(f"{leg}: greedy tokens differ from plain's", file=sys.stderr)
     elif leg == "mlx-lm":
         mlx_lm.batch_generate(target.stock, NO_EOS, prompts, max_tokens=n, completion_batch_size=len(prompts),
                               prefill_batch_size=min(len(prompts), 8))
@@ -62,8 +71,9 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     return time.perf_counter() - tic
 
 
-def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None) -> dict:
-    with settings.override(trace_steps=traced):
+def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None,
+                  dequant_rows: int | None = None) -> dict:
+    with settings.override(trace_steps=traced, dequant_rows=None if dequant_rows is None else str(dequant_rows)):
         engine = BatchDecoder(target.model, max_batch=len(prompts))
         for p in prompts:
             engine.add(p, max_tokens=steps + 4)
@@ -71,9 +81,12 @@ def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, 
         with kernel_profile(steps=steps) as prof:
             for _ in range(steps):
                 engine.step()
-    s = prof.summary(top=5)
-    return {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
-                                        "span_us_per_step")}
+    s = prof.summary(top=8)
+    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                       "span_us_per_step")}
+    out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
+                           "us_per_step": round(t["us_per_step"], 1)} for t in s["top_kernels"]]
+    return out
 
 
 def main() -> int:
@@ -91,6 +104,9 @@ def main() -> int:
     p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
     p.add_argument("--untraced", type=int, default=1,
                    help="1: also a leg with plain steps built op by op (LATTICE_TRACE_STEPS=0), against the traced")
+    p.add_argument("--dequant-ab", type=int, default=0, metavar="N",
+                   help="add the -dequant legs: LATTICE_DEQUANT_ROWS=N (0: none)")
+    p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--out", default="batch_throughput.json")
     args = p.parse_args()
@@ -106,11 +122,14 @@ def main() -> int:
     kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
-            (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else [])
+            (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else []) + \
+            (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else [])
+        legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
         refs = [[r.tokens for r in batch_generate(target.model, None, prompts, max_tokens=args.tokens + 8,
-                                                  max_batch=B)] if args.mtp_k else None for prompts in reps]
+                                                  max_batch=B)] if any(leg.startswith("ours-mtp") for leg in legs)
+                else None for prompts in reps]
         for leg in legs:  # untimed: first-use compiles
             run_leg(target, leg, reps[0], args.tokens, refs[0], args)
         secs = {leg: [] for leg in legs}
@@ -126,16 +145,19 @@ def main() -> int:
                "seconds": secs}
         if kernel_profile is not None:
             out["profile_ours"] = profile_steps(kernel_profile, target, reps[0], 32)
-            if args.untraced:
+            if "ours-untraced" in legs:
                 out["profile_ours_untraced"] = profile_steps(kernel_profile, target, reps[0], 32, traced=False)
+            if "ours-dequant" in legs:
+                out["profile_ours_dequant"] = profile_steps(kernel_profile, target, reps[0], 32,
+                                                            dequant_rows=args.dequant_ab)
         result["streams"][B] = out
-        if args.untraced:
-            out["ratios"]["ours/ours-untraced"] = bs.summarize([a / b for a, b in zip(tps["ours"],
-                                                                                   tps["ours-untraced"])])
-        if args.mtp_k:
-            out["ratios"]["ours-mtp/ours"] = bs.summarize([a / b for a, b in zip(tps["ours-mtp"], tps["ours"])])
+        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-dequant", "ours"),
+                     ("ours-mtp-dequant", "ours-dequant"), ("ours-mtp-dequant", "ours")):
+            if a in tps and b in tps:
+                out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "
-              f"({out['ratios']['ours/mlx-lm']['median']:.2f}x; A/A {out['ratios']['ours-aa/mlx-lm']['median']:.2f}x)",
+              f"({out['ratios']['ours/mlx-lm']['median']:.2f}x; A/A {out['ratios']['ours-aa/mlx-lm']['median']:.2f}x)"
+              + "".join(f"; {k} {v['median']:.2f}x" for k, v in out["ratios"].items() if "/mlx-lm" not in k),
               flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -29,7 +29,8 @@
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg
-#   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py)
+#   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
+#                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
 #   drafters       every draft source on the demo model (bench_drafters.py)
 #   distributed    kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES [4b 27b]) one
@@ -178,7 +179,7 @@ for mode in "$@"; do
           # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo)
     step "${NAME:-batch_${SHAPE:-$BIG}}" "${LIMIT:-400}" python3 scripts/bench/batch_throughput.py --model "${SHAPE:-$BIG}" \
       --streams "${STREAMS:-1,4,16,64}" --tokens "${TOKENS:-128}" --reps "${REPS:-10}" \
-      $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) --out "$RES/${NAME:-batch_${SHAPE:-$BIG}}.json"
+      $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) ${BATCH_ARGS:-} --out "$RES/${NAME:-batch_${SHAPE:-$BIG}}.json"
     cat "$RES/${NAME:-batch_${SHAPE:-$BIG}}.out"
     if [[ ${LOAD:-0} == 1 ]]; then  # TTFT under Poisson arrivals through the server, --max-batch 1 vs MAX_BATCH
       step server_load "${LOAD_LIMIT:-200}" python3 scripts/bench/server_load.py --rate "${RATE:-8}" --seconds 30 \

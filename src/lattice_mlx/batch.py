@@ -29,7 +29,7 @@ from mlx_lm.models.cache import BatchKVCache
 from . import cache as caches
 from . import traces
 from .decode import PREFILL_STEP, prefill_chunks, tracing_enabled
-from .metal import use_kernels
+from .metal import kernel_policy
 from .models import compiled
 from .runtime import runtime_of
 from .sample import Sampler, split_keys
@@ -340,7 +340,7 @@ class BatchSteps:
 
     def __init__(self, model, sampler: Sampler):
         self.model, self.sampler = model, sampler  # (its structure; the numbers come per row)
-        self.key = ("batch", sampler.structure(), use_kernels())
+        self.key = ("batch", sampler.structure(), kernel_policy())
         self._values: tuple[tuple, mx.array] | None = None  # (the samplers, their numbers [3, B, 1])
         self.cache: list = []  # the batch's caches while a step runs (_bind)
         self.kv: list[caches.BatchFixedKVCache] = []

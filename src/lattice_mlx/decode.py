@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from . import cache as caches
 from . import settings, traces
-from .metal import use_kernels
+from .metal import kernel_policy
 from .models import compiled
 from .runtime import runtime_of
 from .sample import Sampler
@@ -84,7 +84,7 @@ class TracedSteps:
         self.hidden, self.traced = hidden, traced
         # the trace's key, once per generation (not per token): a Sampler's structure (its numbers are an input; a
         # subclass samples its own way, with a trace of its own), whether it returns the hidden, the kernels switch
-        self.key = (sampler.structure() if type(sampler) is Sampler else sampler, hidden, use_kernels())
+        self.key = (sampler.structure() if type(sampler) is Sampler else sampler, hidden, kernel_policy())
         self.cache = [caches.FixedKVCache.from_kv(c) if type(c) is caches.KVCache else c for c in cache]
         self.kv = [c for c in self.cache if isinstance(c, caches.FixedKVCache)]
         self.gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]

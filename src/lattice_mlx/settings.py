@@ -46,6 +46,9 @@ SETTINGS = {
     # CUDA kernel builds kept on disk (metal/cuda_cache.py; bitwise MLX's own builds: docs/kernels.md)
     "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "1", SWITCH,
                             "use 1 (CUDA kernel builds written to MLX's PTX cache, once per machine) or 0 (off)"),
+    # MLX's CUDA quantized matmul past the fused kernel's rows (a batch), or a dequantized weight and cuBLAS: an A/B
+    # of the batch benchmark (scripts/bench/batch_throughput.py --dequant-ab); 0 (never) until measured
+    "dequant_rows": Setting("LATTICE_DEQUANT_ROWS", "0", None, "use a whole number of rows >= 0 (0: never)"),
     "nvrtc": Setting("LATTICE_NVRTC", "", None, ""),  # libnvrtc's path, where the process has not loaded one
     # where MLX reads and writes its PTX cache, and the folders it is found from
     "ptx_cache_dir": Setting("MLX_PTX_CACHE_DIR", "", None, ""),

@@ -82,6 +82,31 @@ def test_small_k_workaround_is_the_same_matmul(monkeypatch):
     np.testing.assert_allclose(np.array(y8), np.array(e8), rtol=1e-4, atol=1e-4)
 
 
+def test_dequant_rows_picks_the_dequantized_matmul_from_its_rows(monkeypatch):
+    """LATTICE_DEQUANT_ROWS=N: from N rows on (a CUDA device, made to look present here) the weight is dequantized
+    and multiplied, below N MLX's quantized matmul runs; either gives the same product. A trace key (kernel_policy)
+    follows the setting; a bad value is one line naming the variable."""
+    from lattice_mlx import settings
+    from lattice_mlx.metal import kernel_policy
+
+    monkeypatch.setattr(q4_module, "_cuda_gpu", lambda: True)
+    calls = []
+    dequantize = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or dequantize(*a, **k))
+    x, w, s, b = make(12, 24, 512, 64, mx.float32)
+    with mx.stream(mx.cpu):
+        expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+        for rows, dequantized in ((0, False), (9, True), (12, True), (13, False)):
+            calls.clear()
+            with settings.override(dequant_rows=str(rows)):
+                y = quantized_matmul(x, w, s, b, group_size=64, bits=4)
+                assert bool(calls) == dequantized, rows
+                assert kernel_policy()[1] == rows
+            np.testing.assert_allclose(np.array(y), np.array(expect), rtol=1e-5, atol=1e-5)
+    with settings.override(dequant_rows="-1"), pytest.raises(ValueError, match="LATTICE_DEQUANT_ROWS"):
+        kernel_policy()
+
+
 # --- the GPU kernel against the reference ---
 
 # (M, N, K, group_size, dtype): N not a multiple of the 4 rows per warp, K with fewer chunks than lanes (256) and

@@ -17,3 +17,12 @@ def use_kernels() -> bool:
     if mode == "cpu" or _dialect.collecting():
         return True
     return mx.default_device() == mx.gpu and (mx.metal.is_available() or mx.cuda.is_available())
+
+
+def kernel_policy() -> tuple[bool, int]:
+    """What decides the ops a forward is built from, besides shapes: use_kernels() and the rows from which a 4-bit
+    matmul dequantizes (q4_matmul.dequant_rows). Traces are keyed on it, so a changed setting picks (or makes) the
+    matching trace instead of replaying another."""
+    from lattice_mlx.metal import q4_matmul
+
+    return use_kernels(), q4_matmul.dequant_rows()

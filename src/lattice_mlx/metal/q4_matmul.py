@@ -18,6 +18,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, use_kernels
 
 MAX_ROWS = 8
@@ -502,16 +503,37 @@ def _cuda() -> bool:
     return mx.cuda.is_available()
 
 
+def _cuda_gpu() -> bool:
+    return _cuda() and mx.default_device() == mx.gpu
+
+
 def small_k_workaround(x: mx.array) -> bool:
     """True where `quantized_matmul` avoids MLX's quantized matmul (above)."""
     K = x.shape[-1]
-    return K < SMALL_K and x.size > K and _cuda() and mx.default_device() == mx.gpu
+    return K < SMALL_K and x.size > K and _cuda_gpu()
+
+
+def dequant_rows() -> int:
+    """LATTICE_DEQUANT_ROWS: from how many rows a 4-bit matmul on a CUDA device dequantizes its weight and runs
+    cuBLAS instead of MLX's quantized matmul (0: never). Rows up to MAX_ROWS take the fused kernel where it applies,
+    so it matters for a batch's steps and verifies."""
+    value = settings.raw("dequant_rows") or "0"
+    if not value.isdigit():
+        raise ValueError(f"LATTICE_DEQUANT_ROWS={value!r}: {settings.SETTINGS['dequant_rows'].hint}")
+    return int(value)
+
+
+def dequant_applies(x: mx.array) -> bool:
+    """Whether `quantized_matmul` dequantizes for x (its rows at least dequant_rows(), on a CUDA device)."""
+    n = dequant_rows()
+    return 0 < n <= x.size // x.shape[-1] and _cuda_gpu()
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
                      bits: int, mode: str = "affine") -> mx.array:
-    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, but for MLX's small-K fault on CUDA."""
-    if small_k_workaround(x):
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, but for MLX's small-K fault on CUDA, and
+    from dequant_rows() rows on, the weight dequantized into x's dtype and multiplied (cuBLAS)."""
+    if small_k_workaround(x) or dequant_applies(x):
         dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
         return x @ dense.T
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)

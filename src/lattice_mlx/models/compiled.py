@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
 from .. import settings
-from ..metal import use_kernels
+from ..metal import kernel_policy
 from ..metal.attention import sdpa
 from ..runtime import runtime_of
 
@@ -61,20 +61,20 @@ class _GDNState:
         self.out = (conv_in, new_state)
 
 
-# Each compiled function also takes `kernels` (use_kernels() at the call), a plain bool that MLX keys its trace cache
-# on: the kernel dispatch inside a layer is decided while tracing, so LATTICE_KERNELS changed later picks (or
-# traces) the matching trace instead of replaying the other one.
-def _gdn_layer(layer, x: mx.array, conv, ssm, window_pick, recording: bool, kernels: bool):
+# Each compiled function also takes `kernels` (kernel_policy() at the call), constants that MLX keys its trace cache
+# on: the kernel dispatch inside a layer is decided while tracing, so LATTICE_KERNELS (or LATTICE_DEQUANT_ROWS)
+# changed later picks (or traces) the matching trace instead of replaying another.
+def _gdn_layer(layer, x: mx.array, conv, ssm, window_pick, recording: bool, kernels: tuple):
     state = _GDNState(conv, ssm, recording, window_pick)
     y = layer(x, state)
     return (y, *state.out)
 
 
-def _attn_in(layer, x: mx.array, offset: mx.array, kernels: bool):
+def _attn_in(layer, x: mx.array, offset: mx.array, kernels: tuple):
     return layer.self_attn.project(x, offset, norm=layer.input_layernorm)
 
 
-def _attn_out(layer, x: mx.array, out: mx.array, gate_src: mx.array, kernels: bool) -> mx.array:
+def _attn_out(layer, x: mx.array, out: mx.array, gate_src: mx.array, kernels: tuple) -> mx.array:
     h = layer.self_attn.finish(out, gate_src, residual=x)
     return layer.mlp(h, norm=layer.post_attention_layernorm, residual=h)
 
@@ -94,7 +94,7 @@ class CompiledLayers:
 
     def __call__(self, h: mx.array, cache: list) -> mx.array:
         T = h.shape[1]
-        kernels = use_kernels()
+        kernels = kernel_policy()
         for layer, c, fn in zip(self.layers, cache, self.fns):
             if layer.is_linear:
                 record = c.records(T)

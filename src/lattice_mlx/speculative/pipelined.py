@@ -26,7 +26,7 @@ import mlx.core as mx
 from .. import cache as caches
 from .. import decode, settings, traces
 from ..decode import TracedSteps, resume
-from ..metal import use_kernels
+from ..metal import kernel_policy
 from ..metal.argmax import argmax
 from ..metal.gated_delta import picked
 from ..models import compiled
@@ -366,7 +366,7 @@ class PipelinedRounds:
         hidden, the override's kind, the kernels switch."""
         head = self.model.mtp
         sampler = self.sampler.structure() if self.values is not None else self.sampler
-        return (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), use_kernels())
+        return (k, sampler, head.draft_vocab, id(head), head.input_hidden, type(self.override), kernel_policy())
 
     def has_trace(self, k: int) -> bool:
         """Whether a round of depth k would replay a trace this process has compiled (k = 0: plain decoding's step,
