@@ -4,7 +4,9 @@ of random prompts, whole generations (prefill included), legs interleaved (ABBA)
 Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,64] [--tokens 128] [--reps 10]
          [--dtype bfloat16] [--bits 4] [--profile DIR] [--out FILE.json]
 Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `ours-mtp`
-(MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py), `mlx-lm`
+(MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py),
+`ours-mtp-auto` (the same drafts, the depth up to 4 or plain steps tuned for the batch, the tuner's memory kept across
+generations as a server's engine keeps it), `mlx-lm`
 (mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `ours-untraced` (--untraced 1: plain steps
 built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps), `ours-dequant` and `ours-mtp-dequant`
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
@@ -41,10 +43,24 @@ def dequant(args, leg: str):
     return settings.override(dequant_rows=str(args.dequant_ab) if leg.endswith("-dequant") else None)
 
 
-def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], k: int, p: float) -> list[list[int]]:
-    """MTP rounds over the batch with SYNTHETIC drafts at acceptance p (bench/oracles.OracleBatchRounds)."""
-    engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p,
-                               max_batch=len(prompts))
+# the adaptive leg's tuner memories (costs per batch-size bucket), kept from one generation to the next as a server's
+# one engine keeps them
+MEMORIES: dict = {}
+
+
+def rounds_engine(target, B: int, refs: list[list[int]], k: int, p: float, adaptive: bool = False):
+    engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p, max_batch=B,
+                               adaptive=adaptive)
+    if adaptive:
+        engine.memories = MEMORIES
+    return engine
+
+
+def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], k: int, p: float,
+               adaptive: bool = False) -> list[list[int]]:
+    """MTP rounds over the batch with SYNTHETIC drafts at acceptance p (bench/oracles.OracleBatchRounds); adaptive:
+    the depth (or plain steps) tuned for the batch, up to k."""
+    engine = rounds_engine(target, len(prompts), refs, k, p, adaptive)
     seqs = [engine.add(ids, max_tokens=n) for ids in prompts]
     while engine.busy:
         engine.step()
@@ -57,9 +73,10 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant"):
         with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
             batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
-    elif leg in ("ours-mtp", "ours-mtp-dequant"):
+    elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto"):
         with dequant(args, leg):
-            got = run_rounds(target, prompts, n, refs, args.mtp_k, args.oracle_p)
+            got = run_rounds(target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k, args.oracle_p,
+                             adaptive=leg == "ours-mtp-auto")
         if got != [r[:n] for r in refs]:
             print(f"{leg}: greedy tokens differ from plain's", file=sys.stderr)
     elif leg == "mlx-lm":
@@ -69,6 +86,27 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
         for i, _ in zip(range(n), generate_step(target.model, mx.array(prompts[0]), sampler=Sampler())):
             pass
     return time.perf_counter() - tic
+
+
+def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
+                   dequant_rows: int | None = None) -> dict:
+    """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
+    with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows)):
+        engine = rounds_engine(target, len(prompts), refs, args.mtp_k, args.oracle_p)
+        seqs = [engine.add(p, max_tokens=(rounds + 2) * (args.mtp_k + 1)) for p in prompts]
+        engine.step()
+        before = sum(len(s.tokens) for s in seqs)
+        with kernel_profile(steps=rounds) as prof:
+            for _ in range(rounds):
+                engine.step()
+        made = sum(len(s.tokens) for s in seqs) - before
+    s = prof.summary(top=8)
+    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                       "span_us_per_step")}
+    out["tokens_per_round"] = round(made / rounds, 2)  # (every row's)
+    out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
+                           "us_per_step": round(t["us_per_step"], 1)} for t in s["top_kernels"]]
+    return out
 
 
 def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None,
@@ -122,7 +160,7 @@ def main() -> int:
     kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
-            (["ours-mtp"] if args.mtp_k else []) + (["solo"] if B == 1 else []) + \
+            (["ours-mtp", "ours-mtp-auto"] if args.mtp_k else []) + (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
@@ -150,8 +188,13 @@ def main() -> int:
             if "ours-dequant" in legs:
                 out["profile_ours_dequant"] = profile_steps(kernel_profile, target, reps[0], 32,
                                                             dequant_rows=args.dequant_ab)
+            if "ours-mtp" in legs:
+                out["profile_ours_mtp"] = profile_rounds(kernel_profile, target, reps[0], refs[0], 12, args)
+            if "ours-mtp-dequant" in legs:
+                out["profile_ours_mtp_dequant"] = profile_rounds(kernel_profile, target, reps[0], refs[0], 12, args,
+                                                                 dequant_rows=args.dequant_ab)
         result["streams"][B] = out
-        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-dequant", "ours"),
+        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-mtp-auto", "ours"), ("ours-dequant", "ours"),
                      ("ours-mtp-dequant", "ours-dequant"), ("ours-mtp-dequant", "ours")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
