@@ -184,3 +184,19 @@ def test_ctrl_c_while_the_server_starts_is_one_line(after):
     err = proc.communicate(timeout=60)[1]
     lines = [line for line in err.splitlines() if " INFO " not in line]
     assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err
+
+
+def test_a_job_taken_as_the_server_stops_is_answered_not_run():
+    """A job the worker took from the queue just as `stop` drained it is refused and answered as the drained ones
+    are (else it would run to its end and hold the shutdown); a job whose client left is refused silently."""
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.server.engine import Engine, Job
+
+    engine = Engine(None, None, "m", None)
+    job, gone = Job([1, 2], 4, Sampler(), [], None), Job([1, 2], 4, Sampler(), [], None)
+    gone.cancel("client")
+    with engine._lock:
+        assert engine._refused(gone) and not engine._refused(job)
+        engine.stopping.set()
+        assert engine._refused(job)
+    assert job.events.get_nowait() == ("error", "the server is shutting down") and gone.events.empty()

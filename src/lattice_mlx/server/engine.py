@@ -73,6 +73,14 @@ class Engine:
                 self.current.cancel("shutdown")
             self._drain()
 
+    def _refused(self, job: Job) -> bool:
+        """Whether a job taken from the queue is not to run: cancelled (its client left), or taken just as `stop`
+        drained the queue (it is answered as the drained ones are). Called under the lock."""
+        if self.stopping.is_set() and not job.cancelled.is_set():
+            job.cancel("shutdown")
+            job.events.put(("error", "the server is shutting down"))
+        return job.cancelled.is_set()
+
     def _drain(self) -> None:
         while True:
             try:
@@ -90,7 +98,7 @@ class Engine:
             except queue.Empty:
                 continue
             with self._lock:
-                if job.cancelled.is_set():
+                if self._refused(job):
                     continue
                 self.current = job
             try:
@@ -153,7 +161,7 @@ class Engine:
                     finish = "time_limit"
                     break
                 if yield_to is not None and yield_to():
-                    return _Handoff(tokens, scan, cached, tic, deadline, last.spec_stats)
+                    return _Handoff(tokens, scan, cached, tic, deadline)
         finally:
             stream.close()
         tail = "" if cut else scan.flush()  # text after a stop string is dropped; a held-back tail is not
@@ -177,7 +185,6 @@ class _Handoff:
     cached: int  # prompt tokens the prompt cache held
     tic: float
     deadline: float
-    spec_stats: object  # SpecStats or None
 
 
 @dataclass(eq=False)
@@ -206,9 +213,8 @@ class BatchEngine(Engine):
     budget (greedy, fp32: the tokens it would have got alone). A request's seed keys a PRNG stream of its own
     (BatchDecoder.add): its sampled text does not depend on its batch-mates' draws (in bf16 on a GPU their presence
     may still move its logits: batch.py); with adaptive MTP the batch's depth choice decides how its draws are used.
-    The state after the newest prompt is kept, as `Engine` keeps
-    it: a request extending it (a conversation's next turn) prefills only its new tokens (not with MTP rounds,
-    which prefill the head's rows too)."""
+    The state after the newest prompt is kept, as `Engine` keeps it: a request extending it (a conversation's next
+    turn) prefills only its new tokens (not with MTP rounds, which prefill the head's rows too)."""
 
     def __init__(self, *args, max_batch: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -264,7 +270,7 @@ class BatchEngine(Engine):
                 self.jobs.queue.appendleft(job)
             return False
         with self._lock:
-            if job.cancelled.is_set():
+            if self._refused(job):
                 return True
             self.current = job
         try:
@@ -300,8 +306,7 @@ class BatchEngine(Engine):
         live = _Live(job, seq, handoff.scan, detok, handoff.deadline, handoff.tic, before=len(handoff.tokens),
                      cached=handoff.cached)
         log.info("request joins the batch after %d tokens alone", live.before)
-        with self._lock:
-            self.live.append(live)
+        self._enter(live)
 
     def _admit(self, decoder) -> None:
         """Takes waiting jobs into free rows: each is prefilled (its first token sampled) before the next step."""
@@ -310,8 +315,9 @@ class BatchEngine(Engine):
                 job = self.jobs.get(timeout=0 if self.live else 0.1)
             except queue.Empty:
                 return
-            if job.cancelled.is_set():
-                continue
+            with self._lock:
+                if self._refused(job):
+                    continue
             pc = self.prompt_cache
             try:  # (a prompt extending the kept one prefills only its new tokens; MTP rounds prefill it all)
                 seq = decoder.add(job.ids, max_tokens=job.max_tokens, sampler=job.sampler, stop_ids=self.eos,
@@ -323,9 +329,15 @@ class BatchEngine(Engine):
                 continue
             live = _Live(job, seq, StopScanner(job.stop), self.tokenizer.detokenizer,
                          time.monotonic() + job.seconds, time.perf_counter())
-            with self._lock:
-                self.live.append(live)
+            self._enter(live)
             self._emit(decoder, live)
+
+    def _enter(self, live: _Live) -> None:
+        """The job joins the live ones; one `stop` has missed (it ran since the job left the queue) is cancelled."""
+        with self._lock:
+            self.live.append(live)
+            if self.stopping.is_set():
+                live.job.cancel("shutdown")
 
     def _emit(self, decoder, live: _Live) -> None:
         """Streams the sequence's new tokens as text; ends the job where it ended or a limit says so. The state
