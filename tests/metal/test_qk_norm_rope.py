@@ -16,9 +16,9 @@ from lattice_mlx.metal.qk_norm_rope import _BODY, qk_norm_rope, qk_norm_rope_ker
 needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
 
-def make(Hq, Hkv, D, T, dtype, *, seed=0):
+def make(Hq, Hkv, D, T, dtype, *, seed=0, batch=2):
     rng = np.random.default_rng(seed)
-    src = mx.array(rng.standard_normal((2, T, (2 * Hq + 2 * Hkv) * D)).astype(np.float32) * 3).astype(dtype)
+    src = mx.array(rng.standard_normal((batch, T, (2 * Hq + 2 * Hkv) * D)).astype(np.float32) * 3).astype(dtype)
     norms = []
     for _ in range(2):
         n = nn.RMSNorm(D, eps=1e-6)
@@ -85,7 +85,7 @@ def test_cuda_render_compiles(tmp_path):
     unit = cuda_translation_unit(
         _BODY, [("src", bf), ("qw", bf), ("kw", bf), ("offset", "int")],
         [("q_out", bf), ("k_out", bf), ("v_out", bf)],
-        [("OT", bf), ("D", 256), ("Hq", 8), ("Hkv", 2), ("ROPE", 64)],
+        [("OT", bf), ("D", 256), ("Hq", 8), ("Hkv", 2), ("ROPE", 64), ("PER_ROW", 1)],
         _dialect.constants(EPS=1e-6, LOG2_BASE=23.2534966642))
     assert_nvcc_compiles(unit, tmp_path, "qk_norm_rope")
 
@@ -122,3 +122,22 @@ def test_kernel_array_offset_and_batch_invariance():
         one = qk_norm_rope(src[:, t : t + 1], qn, kn, 300 + t, **args)
         for a, b in zip(rows, one):
             assert mx.array_equal(a[:, :, t : t + 1], b), f"row {t}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 3])
+def test_kernel_per_row_offsets(T):
+    """A batch of sequences at their own positions (offset [B], batch.py): each row is the one-row call at its own
+    offset, bitwise, and the reference (mx.fast.rope with per-row offsets) agrees."""
+    src, qn, kn = make(8, 2, 128, T, mx.bfloat16, seed=5, batch=3)
+    args = dict(heads=(8, 2, 128), rope_dims=64, base=1e7)
+    offsets = mx.array([7, 300, 41], dtype=mx.int32)
+    rows = qk_norm_rope(src, qn, kn, offsets, **args)
+    for b in range(3):
+        one = qk_norm_rope(src[b : b + 1], qn, kn, int(offsets[b]), **args)
+        for a, o in zip(rows, one):
+            assert mx.array_equal(a[b : b + 1], o), f"row {b}"
+    with mx.stream(mx.cpu):
+        ref = qk_norm_rope_ref(src, qn, kn, offsets, **args)
+    for name, g, r in zip("qkv", rows, ref):
+        assert_close(g, r, out_key(mx.bfloat16), f"{name}: kernel vs ref")

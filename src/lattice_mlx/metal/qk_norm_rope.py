@@ -2,7 +2,8 @@
 
 src [B, T, S] is the fused qkv projection's output: per query head [q (D) | output gate (D)], then Hkv key heads
 (D each), then Hkv value heads. Outputs q [B, Hq, T, D] = rope(rms_norm(q) * wq), k [B, Hkv, T, D] likewise with wk,
-v [B, Hkv, T, D] (copied), positions offset + t. RoPE is the non-interleaved form over the first `rope_dims` dims
+v [B, Hkv, T, D] (copied), positions offset + t (offset: one for every row, or one per row b: a batch of sequences at
+their own positions, batch.py). RoPE is the non-interleaved form over the first `rope_dims` dims
 (mx.fast.rope traditional=False, scale 1); the rest pass through. Rounding as the unfused ops round: the norm's
 x * rsqrt(mean(x^2) + eps) to the activation type, times the weight, rounded again; RoPE in fp32 from that.
 
@@ -54,7 +55,7 @@ _BODY = """
     buf[e] = LX_F32(static_cast<OT>(w * LX_F32(static_cast<OT>(x[i] * inv))));
   }
   LX_BARRIER;
-  const float pos = static_cast<float>(offset[0] + t);
+  const float pos = static_cast<float>(offset[PER_ROW ? bi : 0] + t);
 #pragma unroll
   for (int i = 0; i < NE; ++i) {
     const int e = lane + 32 * i;
@@ -78,7 +79,8 @@ _OUTPUTS = ("q_out", "k_out", "v_out")
 
 
 def _offset_array(offset: int | mx.array) -> mx.array:
-    return offset.astype(mx.int32).reshape(1) if isinstance(offset, mx.array) else mx.array([offset], dtype=mx.int32)
+    """One position per call [1], or one per batch row [B]."""
+    return offset.astype(mx.int32).reshape(-1) if isinstance(offset, mx.array) else mx.array([offset], dtype=mx.int32)
 
 
 def qk_norm_rope_ref(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads: tuple[int, int, int],
@@ -96,9 +98,10 @@ def qk_norm_rope_ref(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, h
     return q, k, v.transpose(0, 2, 1, 3)
 
 
-def supported(src: mx.array, q_norm, k_norm, *, heads: tuple[int, int, int], rope_dims: int) -> bool:
+def supported(src: mx.array, q_norm, k_norm, *, heads: tuple[int, int, int], rope_dims: int,
+              offset: int | mx.array = 0) -> bool:
     Hq, Hkv, D = heads
-    return (src.ndim == 3 and src.shape[-1] == (2 * Hq + 2 * Hkv) * D and D % 32 == 0 and 32 <= D <= 512
+    return (src.ndim == 3 and (not isinstance(offset, mx.array) or offset.size in (1, src.shape[0])) and src.shape[-1] == (2 * Hq + 2 * Hkv) * D and D % 32 == 0 and 32 <= D <= 512
             and rope_dims % 2 == 0 and 0 < rope_dims <= D and src.dtype in (mx.float32, mx.bfloat16, mx.float16)
             and q_norm.weight.dtype == k_norm.weight.dtype == src.dtype and q_norm.eps == k_norm.eps
             and src.shape[0] * src.shape[1] <= 65535)  # grid z = B * T (CUDA's limit)
@@ -111,11 +114,13 @@ def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *
     """The GPU kernel (Metal or CUDA); same contract as `qk_norm_rope_ref`. `init_value` poisons outputs (tests)."""
     Hq, Hkv, D = heads
     B, T, _ = src.shape
+    offsets = _offset_array(offset)
     kernel = _dialect.build("lattice_qk_norm_rope", _BODY, _INPUTS, _OUTPUTS,
                             consts=_dialect.constants(EPS=float(q_norm.eps), LOG2_BASE=math.log2(base)))
     return tuple(kernel(
-        inputs=[src, q_norm.weight, k_norm.weight, _offset_array(offset)],
-        template=[("OT", src.dtype), ("D", D), ("Hq", Hq), ("Hkv", Hkv), ("ROPE", rope_dims)],
+        inputs=[src, q_norm.weight, k_norm.weight, offsets],
+        template=[("OT", src.dtype), ("D", D), ("Hq", Hq), ("Hkv", Hkv), ("ROPE", rope_dims),
+                  ("PER_ROW", int(offsets.size > 1))],
         grid=(32, Hq + 2 * Hkv, B * T),
         threadgroup=(32, 1, 1),
         output_shapes=[(B, Hq, T, D), (B, Hkv, T, D), (B, Hkv, T, D)],
@@ -127,9 +132,7 @@ def qk_norm_rope_kernel(src: mx.array, q_norm, k_norm, offset: int | mx.array, *
 def qk_norm_rope(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, heads: tuple[int, int, int],
                  rope_dims: int, base: float) -> tuple[mx.array, mx.array, mx.array]:
     """The model's entry point: the kernel on a GPU where it applies, the reference otherwise."""
-    # one offset for every row; a batch of sequences at their own positions (batch.py) takes the reference
-    one_offset = not isinstance(offset, mx.array) or offset.size == 1
-    if use_kernels() and one_offset and supported(src, q_norm, k_norm, heads=heads, rope_dims=rope_dims):
+    if use_kernels() and supported(src, q_norm, k_norm, heads=heads, rope_dims=rope_dims, offset=offset):
         try:
             return qk_norm_rope_kernel(src, q_norm, k_norm, offset, heads=heads, rope_dims=rope_dims, base=base)
         except _dialect.KernelFailed:
