@@ -151,7 +151,7 @@ def test_cuda_render_compiles(op, tmp_path):
         ins = [("x", bf), *weights] + [(n, bf) for n in extra]
         ins += [("res", bf)] * res
         consts = [("OT", bf), ("MM", 4), ("R", 4), ("SK", 2), ("GS", 64), ("EPS", 1000), ("HD", 128), ("GSTR", 5120),
-                  ("ZSTR", 8224), ("ZOFF", 6144)]
+                  ("GB", 1), ("ZSTR", 8224), ("ZOFF", 6144)]
         unit = cuda_translation_unit(BODIES[op], ins, [("y", bf)], consts)
     assert_nvcc_compiles(unit, tmp_path, op)
 

@@ -252,6 +252,28 @@ def test_fused_kernel_rows_are_batch_invariant(kind):
         assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm)), (kind, m)
 
 
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 2])
+def test_gate_prologue_over_a_batch(T):
+    """The attention output of a batch, x [B, H, T, D] with its [q | gate] source [B, T, S] (batch.py's steps at
+    T = 1, a batch's verify at T > 1): the kernel against the spec, and each sequence's rows bitwise its own call."""
+    B, H, D, K = 3, 8, 64, 512
+    rng = np.random.default_rng(21)
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    x, pre = arr(B, H, T, D), Pre("gate", src=arr(B, T, 2 * K + 2 * D))
+    _, w, s, b = make(1, 1003, K, 64, mx.bfloat16, seed=22)
+    res = arr(B, T, 1003)
+    y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre, residual=res, init_value=float("nan"))
+    with mx.stream(mx.cpu):
+        ref = q4_matmul_ref(x, w, s, b, group_size=64, pre=pre, residual=res)
+    assert y.shape == ref.shape == (B, T, 1003)
+    assert_close(y, ref, out_key(mx.bfloat16), f"gate B={B} T={T}")
+    for i in range(B):
+        one = q4_matmul_kernel(x[i : i + 1], w, s, b, group_size=64, pre=Pre("gate", src=pre.src[i : i + 1]),
+                               residual=res[i : i + 1])
+        assert mx.array_equal(y[i : i + 1], one), i
+
+
 def test_supported_refuses_layouts_the_body_would_misread():
     """Side inputs too narrow for what the body reads fall back to the plain ops (which raise or compute right)."""
     from lattice_mlx.metal.q4_matmul import supported

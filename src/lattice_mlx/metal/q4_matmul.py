@@ -117,7 +117,8 @@ def _round(v: str) -> str:
 # How each prologue turns x into xv[0..7] = the matmul's input at [m, k0 .. k0+7]. The norms are linear in x up to a
 # per-row (rms) or per-head (gated_rms) factor, so that factor is applied to the finished sums instead: the loop
 # collects the sum of squares (sq) of the raw values it reads anyway. x is row-major [M, K] except for swiglu
-# ([M, 2K]) and gate (the attention output [H, M, HD], B = 1).
+# ([M, 2K]) and gate (the attention output [B, H, T, HD]: [H, M, HD] for one sequence, GB = 0; a batch's rows, GB = 1,
+# find their sequence and token).
 _LOAD_X = {
     "none": "LX_LOAD8(x + m * K + k0, xv);",
     "rms": """LX_LOAD8(x + m * K + k0, xv);
@@ -131,7 +132,12 @@ _LOAD_X = {
         for (int i = 0; i < 8; ++i) xv[i] = {_round(_round("xv[i] * (1.0f / (1.0f + LX_EXP(-xv[i])))") + " * uv[i]")};""",
     "gate": f"""const int h = k0 / HD, d = k0 - h * HD;
         float gv[8];
-        LX_LOAD8(x + (h * M + m) * HD + d, xv);
+        if (GB) {{  // a batch: row m is token m % T of sequence m / T
+          const int xt = x_shape[2], xb = m / xt;
+          LX_LOAD8(x + ((xb * (K / HD) + h) * xt + (m - xb * xt)) * HD + d, xv);
+        }} else {{
+          LX_LOAD8(x + (h * M + m) * HD + d, xv);
+        }}
         LX_LOAD8(g + m * GSTR + h * 2 * HD + HD + d, gv);
         for (int i = 0; i < 8; ++i) xv[i] = {_round("xv[i] * (1.0f / (1.0f + LX_EXP(-gv[i])))")};""",
     "gated_rms": """float zv[8];
@@ -398,8 +404,8 @@ def _layout_ok(x: mx.array, K: int, N: int, pre: Pre | None, residual: mx.array 
         return x.shape[-1] % 2 == 0
     if pre.kind == "rms":
         return pre.weight.dtype == x.dtype and pre.weight.size == K
-    if pre.kind == "gate":  # x [1, H, T, D], src [1, T, S]: S a multiple of 8 (16-byte loads)
-        return (x.shape[0] == 1 and x.shape[-1] % 8 == 0 and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
+    if pre.kind == "gate":  # x [B, H, T, D], src [B, T, S]: S a multiple of 8 (16-byte loads)
+        return (x.shape[-1] % 8 == 0 and pre.src.dtype == x.dtype and pre.src.shape[-1] % 8 == 0
                 and pre.src.shape[-1] >= 2 * K and pre.src.size == M * pre.src.shape[-1])
     if pre.kind == "gated_rms":  # a warp's lanes run the same passes (K % 1024) and a head spans 2^i lanes
         D = x.shape[-1]
@@ -442,7 +448,7 @@ def _launch(fmt: str, x: mx.array, weights: list[mx.array], template: list, *, p
         template.append(("EPS", round(pre.eps * 1e9)))
     if kind == "gate":
         inputs.append(pre.src)
-        template += [("HD", x.shape[-1]), ("GSTR", pre.src.shape[-1])]
+        template += [("HD", x.shape[-1]), ("GSTR", pre.src.shape[-1]), ("GB", int(x.shape[0] > 1))]
     if kind == "gated_rms":
         inputs.append(pre.src)
         template += [("HD", x.shape[-1]), ("ZSTR", pre.src.shape[-1]), ("ZOFF", pre.offset)]
