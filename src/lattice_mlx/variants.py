@@ -85,6 +85,27 @@ def _target_forwards(model: Model, widths: Iterable[int]) -> None:
         argmax(model(_tokens(model, len(parents)), cache, tree=Tree(parents)))
 
 
+BATCHES = (2, 5)  # a batch's rows in each of the fused matmul's two capacities (2-4, 5-8)
+
+
+def _batch_forwards(model: Model, widths: Iterable[int]) -> None:
+    """A continuous batch's forwards (batch.py): B sequences joined into batch caches after a short prompt each, a
+    step of one token per sequence and a verify of two, where B x T fits the widths (per-row positions and the
+    batch's attention layout take variants of their own)."""
+    from .batch import join_rows
+
+    for B in BATCHES:
+        for T in (1, 2):
+            if B * T > max(widths):
+                continue
+            cache = None
+            for _ in range(B):
+                one = model.make_cache(trimmable=False)
+                model(_tokens(model, 3), one)
+                cache = join_rows(cache, one)
+            argmax(model(mx.broadcast_to(_tokens(model, T), (B, T)), cache))
+
+
 def _head_forwards(model: Model, widths: Iterable[int], vocabs: list[DraftVocab]) -> None:
     """The MTP head as the drafters run it: fed T verified positions, a draft step from its own output (the hidden's
     norm fused into its input), the logits of its output over the whole vocabulary and over draft vocabularies."""
@@ -117,6 +138,7 @@ def model_calls(args: dict, *, dtype: mx.Dtype, bits: int | None, group_size: in
         # placeholders
         with compiled.forced(False), _dialect.recording(spy=spy) as calls:
             _target_forwards(model, widths)
+            _batch_forwards(model, widths)
             if model.has_mtp:
                 _head_forwards(model, widths, vocabs)
         found += calls
