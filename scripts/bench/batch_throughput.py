@@ -194,7 +194,8 @@ def main() -> int:
                 out["profile_ours_mtp_dequant"] = profile_rounds(kernel_profile, target, reps[0], refs[0], 12, args,
                                                                  dequant_rows=args.dequant_ab)
         result["streams"][B] = out
-        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-mtp-auto", "ours"), ("ours-dequant", "ours"),
+        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-mtp-auto", "ours"),
+                     ("ours-dequant", "ours"),
                      ("ours-mtp-dequant", "ours-dequant"), ("ours-mtp-dequant", "ours")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])

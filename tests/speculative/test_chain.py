@@ -382,7 +382,8 @@ def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_v
     def one_shared_uniform(p, q, drafts):
         uniform = mx.random.uniform
         with monkeypatch.context() as m:
-            m.setattr(mx.random, "uniform", lambda shape, key=None: mx.broadcast_to(uniform(shape=(1,), key=key), shape))
+            m.setattr(mx.random, "uniform",
+                      lambda shape, key=None: mx.broadcast_to(uniform(shape=(1,), key=key), shape))
             return real(p, q, drafts)
 
     for planted in (bonus_from_wrong_row, one_shared_uniform):

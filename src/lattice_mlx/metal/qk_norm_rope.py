@@ -101,7 +101,8 @@ def qk_norm_rope_ref(src: mx.array, q_norm, k_norm, offset: int | mx.array, *, h
 def supported(src: mx.array, q_norm, k_norm, *, heads: tuple[int, int, int], rope_dims: int,
               offset: int | mx.array = 0) -> bool:
     Hq, Hkv, D = heads
-    return (src.ndim == 3 and (not isinstance(offset, mx.array) or offset.size in (1, src.shape[0])) and src.shape[-1] == (2 * Hq + 2 * Hkv) * D and D % 32 == 0 and 32 <= D <= 512
+    one_per_row = not isinstance(offset, mx.array) or offset.size in (1, src.shape[0])  # (one, or one per row)
+    return (src.ndim == 3 and one_per_row and src.shape[-1] == (2 * Hq + 2 * Hkv) * D and D % 32 == 0 and 32 <= D <= 512
             and rope_dims % 2 == 0 and 0 < rope_dims <= D and src.dtype in (mx.float32, mx.bfloat16, mx.float16)
             and q_norm.weight.dtype == k_norm.weight.dtype == src.dtype and q_norm.eps == k_norm.eps
             and src.shape[0] * src.shape[1] <= 65535)  # grid z = B * T (CUDA's limit)
