@@ -307,3 +307,12 @@ def test_a_kept_prefix_is_reused_by_the_next_turn(model32):
     while engine.busy:
         engine.step()
     assert other.cached == 0 and other.tokens == solo(model32, [9, 9, 9], 2)
+
+
+def test_a_seeded_batch_generate_repeats_whatever_max_batch_is(model32):
+    """batch_generate(seed=): each prompt's own stream (seed + its index), so sampled results do not depend on how
+    many decode together; another seed gives others."""
+    kw = dict(max_tokens=[12, 7, 10, 5], temp=1.3, seed=11)
+    one = [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=1, **kw)]
+    assert [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=3, **kw)] == one
+    assert [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=3, **{**kw, "seed": 12})] != one

@@ -265,13 +265,16 @@ class BatchResult:
 
 def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[int] = 256,
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                   max_batch: int = DEFAULT_MAX_BATCH, speculation: SpecOptions | None = None) -> list[BatchResult]:
+                   max_batch: int = DEFAULT_MAX_BATCH, speculation: SpecOptions | None = None,
+                   seed: int | None = None) -> list[BatchResult]:
     """Generates for every prompt (text, or a list of token ids) with continuous batching (lattice_mlx.batch): up to
     `max_batch` sequences decode together, a new one joining as soon as another leaves. `max_tokens`: one budget
     for all, or one per prompt. Results in the prompts' order; greedy (temp 0) gives each prompt its single
     generation's tokens (fp32; batch.py's docstring for bf16). `speculation`: None, plain decoding; an MTP
     `SpecOptions` (chains; `adaptive`: the depth, or plain steps, picked for the batch as a whole), MTP rounds over
-    the batch (speculative/batched.py)."""
+    the batch (speculative/batched.py). `seed`: prompt i samples from a random stream of its own keyed by seed + i,
+    so sampled results repeat whatever `max_batch` is (fp32; and with MTP, at a fixed depth); None: streams keyed
+    from MLX's global generator."""
     if speculation is not None and (not isinstance(speculation, SpecOptions) or speculation.draft != "mtp"
                                     or speculation.tree):
         raise ValueError("batch_generate speculates with MTP chains: SpecOptions(draft_tokens=K[, adaptive=...]), "
@@ -289,7 +292,8 @@ def batch_generate(model, tokenizer, prompts: list, *, max_tokens: int | list[in
     while True:
         # fill the free rows (a prompt whose first token ends it never takes one)
         while not engine.full and (i := next(pending, None)) is not None:
-            seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos)
+            seqs[i] = engine.add(ids[i], max_tokens=budgets[i], sampler=sampler, stop_ids=eos,
+                                 seed=None if seed is None else seed + i)
         if not engine.busy:
             break
         engine.step()
