@@ -88,6 +88,16 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     return time.perf_counter() - tic
 
 
+def summary(prof) -> dict:
+    """A profile's totals per step and its costliest kernels, rounded."""
+    s = prof.summary(top=8)
+    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                       "span_us_per_step")}
+    out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
+                           "us_per_step": round(t["us_per_step"], 1)} for t in s["top_kernels"]]
+    return out
+
+
 def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
                    dequant_rows: int | None = None) -> dict:
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
@@ -100,13 +110,7 @@ def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[
             for _ in range(rounds):
                 engine.step()
         made = sum(len(s.tokens) for s in seqs) - before
-    s = prof.summary(top=8)
-    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
-                                       "span_us_per_step")}
-    out["tokens_per_round"] = round(made / rounds, 2)  # (every row's)
-    out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
-                           "us_per_step": round(t["us_per_step"], 1)} for t in s["top_kernels"]]
-    return out
+    return {**summary(prof), "tokens_per_round": round(made / rounds, 2)}  # (every row's)
 
 
 def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None,
@@ -119,12 +123,7 @@ def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, 
         with kernel_profile(steps=steps) as prof:
             for _ in range(steps):
                 engine.step()
-    s = prof.summary(top=8)
-    out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
-                                       "span_us_per_step")}
-    out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
-                           "us_per_step": round(t["us_per_step"], 1)} for t in s["top_kernels"]]
-    return out
+    return summary(prof)
 
 
 def main() -> int:

@@ -47,7 +47,7 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[SpecOptions, str]:
     """(SpecOptions from the flags above, when they apply: 'on' (asked for: --mtp, --draft, --tree), 'off' (--no-mtp)
     or 'auto' (neither: `speculation`)). A bad combination is a ValueError, checked before any model loads."""
     from . import decode
-    from .metal import q4_matmul
+    from .metal import dequant_rows
     from .speculative import pipelined as rounds
 
     # LATTICE_TRACE_ROUNDS, LATTICE_TRACE_STEPS, LATTICE_MTP, LATTICE_KERNEL_CACHE and LATTICE_DEQUANT_ROWS checked
@@ -56,7 +56,7 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[SpecOptions, str]:
     decode.tracing_enabled()
     settings.on("mtp")
     settings.on("kernel_cache")
-    q4_matmul.dequant_rows()
+    dequant_rows()
     if args.mtp and args.draft not in (None, "mtp"):
         raise ValueError(f"--mtp and --draft {args.draft} name two draft sources: pass one")
     asked = args.mtp or args.draft is not None or args.tree is not None

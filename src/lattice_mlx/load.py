@@ -195,9 +195,9 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
 
 
 def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
-    """On MLX's CUDA backend (LATTICE_KERNEL_CACHE on, the default), the model's kernel variants built into MLX's PTX cache
-    now, in parallel, where a previous process has not (metal/cuda_cache.py); else nothing. A failure leaves the
-    builds to MLX, as without it."""
+    """On MLX's CUDA backend (LATTICE_KERNEL_CACHE on, the default), the model's kernel variants built into MLX's
+    PTX cache now, in parallel, where a previous process has not (metal/cuda_cache.py); else nothing. A failure
+    leaves the builds to MLX, as without it."""
     from .metal import _dialect, cuda_cache, use_kernels
 
     if not (cuda_cache.enabled() and use_kernels() and _dialect.backend() == "cuda"):

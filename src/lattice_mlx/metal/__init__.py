@@ -6,6 +6,7 @@
 
 import mlx.core as mx
 
+from lattice_mlx import settings
 from lattice_mlx.metal import _dialect
 
 
@@ -19,10 +20,17 @@ def use_kernels() -> bool:
     return mx.default_device() == mx.gpu and (mx.metal.is_available() or mx.cuda.is_available())
 
 
-def kernel_policy() -> tuple[bool, int]:
-    """What decides the ops a forward is built from, besides shapes: use_kernels() and the rows from which a 4-bit
-    matmul dequantizes (q4_matmul.dequant_rows). Traces are keyed on it, so a changed setting picks (or makes) the
-    matching trace instead of replaying another."""
-    from lattice_mlx.metal import q4_matmul
+def dequant_rows() -> int:
+    """LATTICE_DEQUANT_ROWS: from how many rows a 4-bit matmul on a CUDA device dequantizes its weight and runs
+    cuBLAS instead of MLX's quantized matmul (0: never; q4_matmul.quantized_matmul). Rows up to the fused kernel's
+    MAX_ROWS take that kernel where it applies, so it matters for a batch's steps and verifies."""
+    value = settings.raw("dequant_rows") or "0"
+    if not value.isdigit():
+        raise ValueError(f"LATTICE_DEQUANT_ROWS={value!r}: {settings.SETTINGS['dequant_rows'].hint}")
+    return int(value)
 
-    return use_kernels(), q4_matmul.dequant_rows()
+
+def kernel_policy() -> tuple[bool, int]:
+    """What decides the ops a forward is built from, besides shapes: use_kernels() and dequant_rows(). Traces are
+    keyed on it, so a changed setting picks (or makes) the matching trace instead of replaying another."""
+    return use_kernels(), dequant_rows()

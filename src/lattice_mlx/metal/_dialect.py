@@ -420,9 +420,9 @@ _KEEP_FAILED: list[str] = []
 
 
 def _keep_build(kernel: "Kernel", inputs: list, template: list, output_dtypes: list) -> None:
-    """With LATTICE_KERNEL_CACHE on (the default), the variant's module goes into MLX's PTX cache before MLX first launches it
-    (cuda_cache.py: built here once per machine, read by every later process). A failure says so once and leaves
-    the build to MLX, as before."""
+    """With LATTICE_KERNEL_CACHE on (the default), the variant's module goes into MLX's PTX cache before MLX first
+    launches it (cuda_cache.py: built here once per machine, read by every later process). A failure says so once
+    and leaves the build to MLX, as before."""
     from lattice_mlx.metal import cuda_cache
 
     if _KEEP_FAILED or not cuda_cache.enabled():

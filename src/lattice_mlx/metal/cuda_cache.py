@@ -4,9 +4,8 @@ per process.
 MLX compiles every `mx.fast.cuda_kernel` variant with NVRTC when a process first launches it and writes none to disk
 (a first generation's cost: docs/results/code_measurements.md, 'Kernel builds kept on disk'), but it reads its PTX
 cache (`MLX_PTX_CACHE_DIR`, else <temp>/mlx/<version>/ptx) before compiling any module. This module writes that cache
-for our kernels: it
-rebuilds the source MLX generates for a variant (its `build_kernel`: header, signature, template constants, body),
-names the module as MLX does (`<kernel>_<std::hash of the source, hex>`; `std_hash` is libstdc++'s), compiles it
+for our kernels: it rebuilds the source MLX generates for a variant (its `build_kernel`: header, signature, template
+constants, body), names the module as MLX does (`<kernel>_<std::hash of the source, hex>`; `std_hash` is libstdc++'s), compiles it
 with NVRTC under MLX's options, and writes the cubin and its kernel's lowered name where MLX looks. A module whose
 name does not match is never read (MLX compiles as before); what it computes is MLX's own source under MLX's options.
 `prebuild` compiles many variants in worker processes (NVRTC serialises the compiles of one process).

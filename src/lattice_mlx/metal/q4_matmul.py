@@ -18,8 +18,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from lattice_mlx import settings
-from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import _dialect, dequant_rows, use_kernels
 
 MAX_ROWS = 8
 
@@ -519,20 +518,9 @@ def small_k_workaround(x: mx.array) -> bool:
     return K < SMALL_K and x.size > K and _cuda_gpu()
 
 
-def dequant_rows() -> int:
-    """LATTICE_DEQUANT_ROWS: from how many rows a 4-bit matmul on a CUDA device dequantizes its weight and runs
-    cuBLAS instead of MLX's quantized matmul (0: never). Rows up to MAX_ROWS take the fused kernel where it applies,
-    so it matters for a batch's steps and verifies."""
-    value = settings.raw("dequant_rows") or "0"
-    if not value.isdigit():
-        raise ValueError(f"LATTICE_DEQUANT_ROWS={value!r}: {settings.SETTINGS['dequant_rows'].hint}")
-    return int(value)
-
-
 def dequant_applies(x: mx.array) -> bool:
     """Whether `quantized_matmul` dequantizes for x (its rows at least dequant_rows(), on a CUDA device)."""
-    n = dequant_rows()
-    return 0 < n <= x.size // x.shape[-1] and _cuda_gpu()
+    return _cuda_gpu() and 0 < dequant_rows() <= x.size // x.shape[-1]
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
