@@ -116,7 +116,12 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     or takes it shallower, never deeper (on the H200 it went K 1 -> 2 'hoping 1.25' at acceptance 0); the plain
     stretches grow 64 -> 256 tokens, so a 256-token generation probes at most twice after its first rounds; and a
     generation after one that ended in plain steps starts with a plain stretch."""
-    from lattice_mlx.speculative.tuning import PIPELINED_CARRIED_OFF, PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH
+    from lattice_mlx.speculative.tuning import (
+        PIPELINED_CARRIED_DECAY,
+        PIPELINED_CARRIED_OFF,
+        PIPELINED_FIRST_OFF,
+        PIPELINED_OFF_GROWTH,
+    )
 
     costs = {0: 1.6, 1: 2.0, 2: 2.3, 3: 2.6, 4: 2.9}  # ms per pass at the H200's 0.8B shape
     memory: dict = {}
@@ -139,6 +144,12 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     nxt = _Costs(4, memory)
     assert nxt.run(costs, [0.0], PIPELINED_CARRIED_OFF) == [0] * PIPELINED_CARRIED_OFF
     assert nxt.off_tokens == PIPELINED_CARRIED_OFF * PIPELINED_OFF_GROWTH  # the schedule goes on from there
+    # the generation after that one starts with half the stretch and probes; going off again carries the long one
+    third = _Costs(4, memory)
+    ks = third.run(costs, [0.0], PIPELINED_CARRIED_OFF)
+    half = PIPELINED_CARRIED_OFF // PIPELINED_CARRIED_DECAY
+    assert ks[:half] == [0] * half and 0 < sum(1 for k in ks if k) <= 8 and ks[-1] == 0
+    assert memory["off"] >= PIPELINED_CARRIED_OFF
     # a generation that speculates and pays resets it
     good = {}
     _Costs(4, good).run(costs, [0.95, 0.9, 0.85, 0.8], 40)
@@ -147,6 +158,32 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     tuner = PipelinedTuner(4, {"cost": {0: 1.6, 1: 2.0, 2: 2.3}, "k": 1})
     tuner.left = 0
     assert tuner.k == 1 and tuner.next_k([0.0], lambda: [0.4, 0.35]) == 1 and not tuner.decisions
+
+
+def test_tuner_recovers_from_a_wrong_off_decision_in_later_generations():
+    """One poor start (acceptance 0 over a probe's rounds) turns speculation off, and later generations draft well: the
+    carried plain stretch halves in each generation that never probes, so within three 256-token generations the
+    tuner probes again, finds the drafts good and speculates from then on (on the H200 the demo at temperature 0.7
+    stayed in plain steps for eight generations after one such start: docs/adr/0008 'Run E')."""
+    from lattice_mlx.speculative.tuning import PIPELINED_CARRIED_OFF
+
+    costs, good = {0: 0.9, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2}, [0.85, 0.7, 0.6, 0.5]  # the demo's sampled costs, in ms
+    memory: dict = {}
+    first = _Costs(4, memory)
+    assert 0 in first.run(costs, [0.0], 256) and memory["off"]  # the poor start: off, carried on
+    speculated = []
+    for _ in range(3):
+        ks = _Costs(4, memory).run(costs, good, 256)
+        speculated.append(sum(1 for k in ks if k))
+    assert speculated[0] == 0 < speculated[-1]  # the first carries the whole stretch; a later one probes and pays
+    assert memory["off"] is False and memory["k"] >= 2
+    ks = _Costs(4, memory).run(costs, good, 64)
+    assert ks.count(0) == 0  # and the generation after that speculates from its first round
+    # at acceptance 0 the carried stretch never shrinks below what the last probe set (the long one)
+    bad: dict = {}
+    for _ in range(4):
+        _Costs(4, bad).run(costs, [0.0], 256)
+        assert bad["off"] and (bad["off"] >= PIPELINED_CARRIED_OFF // 2)
 
 
 def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():

@@ -33,6 +33,11 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # per 256 tokens and lost to plain decoding (docs/results/code_measurements.md, 'pipelined tuner'). A text that
 # drafts well after a run of ones that did not waits at most this many tokens for its probe.
 PIPELINED_CARRIED_OFF = 256
+# ... and the stretch carried on to the generation after that one halves (below PIPELINED_FIRST_OFF: none) unless a
+# probe turns speculation off again. Carried whole, one early off decision held every later generation of up to 256
+# tokens in plain steps with no probe: the demo's head at temperature 0.7 went off after a poor start in its second
+# generation and stayed at 0.98x plain where a fixed K=3 gave 1.45x (H200, docs/adr/0008 'Run E').
+PIPELINED_CARRIED_DECAY = 2
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
 COST_WINDOW = 7
@@ -149,6 +154,8 @@ class PipelinedTuner:
                 # as long as the schedule had reached (memory["off"]: that length)
                 first = min(int(self.memory["off"]), PIPELINED_CARRIED_OFF)
                 self.k, self.left = 0, first
+                shorter = first // PIPELINED_CARRIED_DECAY  # what the next generation carries if this one never probes
+                self.memory["off"] = shorter if shorter >= PIPELINED_FIRST_OFF else False
                 self.off_tokens = min(first * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
                 self.log.append(f"plain steps for {first} tokens first: the last generation ended in plain steps")
 
