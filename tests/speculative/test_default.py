@@ -12,6 +12,7 @@ from lattice_mlx import SpecStats, generate, load, settings
 from lattice_mlx.speculative import auto_applies
 from lattice_mlx.speculative.tuning import (
     MAX_OFF_TOKENS,
+    MIN_OFF_ROUNDS,
     MIN_POSITION_ROUNDS,
     OFF_HOPE,
     SPECULATE_MIN_GAIN,
@@ -205,8 +206,8 @@ def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
     assert at3(lambda d: d != 4)[1] == 3
     # off at acceptance 0, the best depth (K=2) untraced: the next probe is at the traced K=3
     tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3}, lambda d: d == 3)
-    tuner.left = 0
+    tuner.left, tuner.dispatched = 0, MIN_OFF_ROUNDS
     assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 3
     tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3})
-    tuner.left = 0
+    tuner.left, tuner.dispatched = 0, MIN_OFF_ROUNDS
     assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 2

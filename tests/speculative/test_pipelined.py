@@ -641,8 +641,16 @@ def test_pipelined_tuner_starts_from_the_costs_measured_before():
 def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     """Four rounds that read acceptance 0.25 predict no gain, but with spec.OFF_HOPE more accepted rounds they would:
     the tuner keeps speculating (a wrong plain stretch costs 64+ tokens at plain speed) until its rounds tell; rates
-    as low as the hopeful ones still turn it off."""
-    from lattice_mlx.speculative.tuning import ADAPTIVE_WARMUP_ROUNDS, OFF_HOPE, PLAIN_TIMED_STEPS, PLAIN_WARMUP_STEPS
+    as low as the hopeful ones still turn it off. And none of it before MIN_OFF_ROUNDS rounds were read in the
+    generation: in the pipelined loop (lag 2) the first decision read two rounds, and two rejected first drafts
+    turned the demo at temperature 0.7 off where a fixed K paid 1.25x (H200)."""
+    from lattice_mlx.speculative.tuning import (
+        ADAPTIVE_WARMUP_ROUNDS,
+        MIN_OFF_ROUNDS,
+        OFF_HOPE,
+        PLAIN_TIMED_STEPS,
+        PLAIN_WARMUP_STEPS,
+    )
 
     cost = lambda k: 1.0 + 0.2 * k  # noqa: E731
     start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
@@ -650,14 +658,24 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     for n in [0, 1, 0, 0]:
         stats.record(2, n)
     rates, hopeful = stats.accepted_per_position(8), stats.accepted_per_position(8, OFF_HOPE)
+    early = MIN_OFF_ROUNDS - ADAPTIVE_WARMUP_ROUNDS
+    assert early > 0
     plain = rounds.PipelinedTuner(2)
     _tune(plain, rates, cost, start)
     assert plain.speedup(1, rates) < 1.05 and plain.speedup(1, hopeful) >= 1.05
+    assert all(plain.next_k(rates) for _ in range(early)) and not plain.decisions  # too few rounds read yet
     assert plain.next_k(rates) == 0 and "off for 64 tokens" in plain.decisions[0]  # (without the hopeful rates)
     hoping = rounds.PipelinedTuner(2)
-    _tune(hoping, rates, cost, start)
+    _tune(hoping, rates, cost, start + early)
     assert hoping.next_k(rates, lambda: hopeful) > 0 and not hoping.decisions
     assert hoping.next_k([0.05], lambda: [0.08]) == 0 and hoping.decisions  # hopeless even with hope
+    # the pipelined loop's lag: the warm-up and the rounds before an off decision are counted as read, two passes on
+    lagged = rounds.PipelinedTuner(2, lag=2)
+    ks = []
+    for _ in range(PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + MIN_OFF_ROUNDS + 3):  # (the baseline, the probe's
+        ks.append(lagged.next_k([0.0], lambda: [0.0]))  # rounds, 2 more for the lag, the decision)
+        lagged.observe(ks[-1], cost(ks[-1]))
+    assert ks[-3:] == [2, 2, 0] and len(lagged.decisions) == 1
 
 
 def test_pipelined_tuner_keeps_compiles_and_stalls_out_of_its_costs():

@@ -434,7 +434,8 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
-    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace) if options.adaptive else None
+    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace, lag=2) \
+        if options.adaptive else None  # (a round's acceptance is read two passes after its dispatch)
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden

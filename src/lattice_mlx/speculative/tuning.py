@@ -54,6 +54,16 @@ MIN_POSITION_ROUNDS = 8
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
 # tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
 OFF_HOPE = 2.0
+# ... and only after this many rounds of the generation were read: the pipelined loop reads a round two passes after
+# dispatching it, so its first decision (after ADAPTIVE_WARMUP_ROUNDS rounds dispatched) saw two rounds, and two
+# rejected first drafts turned speculation off for 64 tokens or more where the demo's head at temperature 0.7 and the
+# 0.8B shape at oracle 0.5 paid 1.25x at a fixed K (H200, docs/adr/0008 'Run E')
+MIN_OFF_ROUNDS = 8
+# No depth can pay, and speculation goes off for the longest stretch (and in later generations of the process), only
+# when keeping every draft predicts less than plain decoding: costs measured on a noisy host read a ceiling of 1.03
+# at the demo's sampled rounds on the H200, where a fixed K=3 paid 1.49x (the same run). On MLX's CPU backend a
+# round's rows cost what as many plain steps cost, and the ceiling stays below 1.
+HOPELESS_CEILING = 1.01
 
 
 def expected_tokens(k: int, rates: list[float]) -> float:
@@ -128,9 +138,13 @@ class PipelinedTuner:
     SPIKE = 4  # a pass this many times its depth's cost so far is not timed (a host stall)
     REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
 
-    def __init__(self, k_max: int, memory: dict | None = None, traced: Callable[[int], bool] | None = None):
-        """`traced(k)`: whether a round of depth k has a compiled trace in this process (None: every depth has)."""
-        self.k_max, self.memory = k_max, {} if memory is None else memory
+    def __init__(self, k_max: int, memory: dict | None = None, traced: Callable[[int], bool] | None = None,
+                 lag: int = 0):
+        """`traced(k)`: whether a round of depth k has a compiled trace in this process (None: every depth has).
+        `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
+        pipelined loop: 2)."""
+        self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
+        self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.traced = traced or (lambda k: True)
         # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
         # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
@@ -144,7 +158,7 @@ class PipelinedTuner:
         self.window = {}  # per depth: its last COST_WINDOW timed passes (a remembered cost counts as one)
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
-            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
             if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
@@ -153,7 +167,7 @@ class PipelinedTuner:
             elif self.memory.get("off"):  # the last generation ended in a plain stretch: one here first too,
                 # as long as the schedule had reached (memory["off"]: that length)
                 first = min(int(self.memory["off"]), PIPELINED_CARRIED_OFF)
-                self.k, self.left = 0, first
+                self.k, self.left, self.carried = 0, first, True
                 shorter = first // PIPELINED_CARRIED_DECAY  # what the next generation carries if this one never probes
                 self.memory["off"] = shorter if shorter >= PIPELINED_FIRST_OFF else False
                 self.off_tokens = min(first * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
@@ -222,11 +236,16 @@ class PipelinedTuner:
     def next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None = None) -> int:
         """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
         rates `hopeful()` gives (OFF_HOPE; asked for only then) predict no gain either."""
+        k = self._next_k(rates, hopeful)
+        self.dispatched += k > 0
+        return k
+
+    def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
             self.left -= 1
             return self.k
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
-            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1
+            self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
             return self.k
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
@@ -262,7 +281,10 @@ class PipelinedTuner:
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
         # the longest stretch, and the process remembers it (its next generations start there).
         ceiling = max((self.speedup(d, [1.0] * d) or 0.0 for d in range(1, self.k_max + 1)), default=0.0)
-        hopeless = 0 < ceiling < SPECULATE_MIN_GAIN
+        hopeless = 0 < ceiling <= HOPELESS_CEILING
+        if not hopeless and self.dispatched - self.lag < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
+            return self.k  # too few rounds read to tell a poor text from a poor start (unless the last generation
+            # ended in plain steps too)
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
