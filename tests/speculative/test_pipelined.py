@@ -382,6 +382,7 @@ def test_pipelined_tuner_decides_from_round_costs():
     plain steps, then probes again, and the next stretch is 4 times longer."""
     from lattice_mlx.speculative.tuning import (
         ADAPTIVE_WARMUP_ROUNDS,
+        OFF_CONFIRM,
         PIPELINED_FIRST_OFF,
         PIPELINED_OFF_GROWTH,
         PIPELINED_START_K,
@@ -396,11 +397,11 @@ def test_pipelined_tuner_decides_from_round_costs():
     assert ks[:baseline] == [0] * baseline and ks[baseline] == PIPELINED_START_K == 3
     assert tuner.cost[0] == pytest.approx(1.0) and tuner.estimate(2) == pytest.approx(1.5)
     assert ks[-1] == 3 and not tuner.decisions  # 3.4 tokens for 1.75 steps beats 2.7 for 1.5
-    first = PIPELINED_FIRST_OFF
-    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, 1 + first + ADAPTIVE_WARMUP_ROUNDS + 1)
-    assert ks[0] == 0 and f"off for {first} tokens" in tuner.decisions[0]
-    assert ks[1:first] == [0] * (first - 1) and ks[first] > 0  # probed again
-    assert ks[-1] == 0 and len(tuner.decisions) == 2
+    first, c = PIPELINED_FIRST_OFF, OFF_CONFIRM - 1  # (off after OFF_CONFIRM decisions in a row find no gain)
+    ks = _tune(tuner, [0.05, 0.0, 0.0], cost, c + 1 + first + ADAPTIVE_WARMUP_ROUNDS + c + 1)
+    assert ks[:c] == [3] * c and ks[c] == 0 and f"off for {first} tokens" in tuner.decisions[0]
+    assert ks[c + 1:c + first] == [0] * (first - 1) and ks[c + first] > 0  # probed again
+    assert ks[-2] > 0 and ks[-1] == 0 and len(tuner.decisions) == 2
     assert f"off for {first * PIPELINED_OFF_GROWTH} tokens" in tuner.decisions[1]
     # the log (forwarded to SpecStats.tuner_log): both off decisions, with the costs behind them
     assert [e.split(";")[0] for e in tuner.log] == tuner.decisions
@@ -421,7 +422,7 @@ def test_pipelined_tuner_margins_near_break_even_and_between_depths():
     start = PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + ADAPTIVE_WARMUP_ROUNDS
     # K=1 yields 1.2 tokens for 1.16 steps, K=2 1.3 for 1.26: 1.03x predicted, under the margin: plain steps
     tuner = rounds.PipelinedTuner(2)
-    ks = _tune(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 8)  # (K=1 is tried first: its
+    ks = _tune(tuner, [0.2, 0.1], lambda k: {0: 1.0, 1: 1.16, 2: 1.26}[k], start + 16)  # (K=1 is tried first: its
     # estimate from the line through cost(0) and cost(2) is 1.06x)
     assert 1.0 < tuner.speedup(2, [0.2, 0.1]) < SPECULATE_MIN_GAIN and 1.0 < 1.2 / 1.16 < SPECULATE_MIN_GAIN
     assert ks[-1] == 0 and "off for 64 tokens" in tuner.decisions[0]
@@ -647,6 +648,7 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     from lattice_mlx.speculative.tuning import (
         ADAPTIVE_WARMUP_ROUNDS,
         MIN_OFF_ROUNDS,
+        OFF_CONFIRM,
         OFF_HOPE,
         PLAIN_TIMED_STEPS,
         PLAIN_WARMUP_STEPS,
@@ -663,18 +665,20 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     plain = rounds.PipelinedTuner(2)
     _tune(plain, rates, cost, start)
     assert plain.speedup(1, rates) < 1.05 and plain.speedup(1, hopeful) >= 1.05
-    assert all(plain.next_k(rates) for _ in range(early)) and not plain.decisions  # too few rounds read yet
+    # too few rounds read yet, then OFF_CONFIRM decisions in a row that find no gain
+    assert all(_tune(plain, rates, cost, early + OFF_CONFIRM - 1)) and not plain.decisions
     assert plain.next_k(rates) == 0 and "off for 64 tokens" in plain.decisions[0]  # (without the hopeful rates)
     hoping = rounds.PipelinedTuner(2)
     _tune(hoping, rates, cost, start + early)
     assert hoping.next_k(rates, lambda: hopeful) > 0 and not hoping.decisions
-    assert hoping.next_k([0.05], lambda: [0.08]) == 0 and hoping.decisions  # hopeless even with hope
+    low = [hoping.next_k([0.05], lambda: [0.08]) for _ in range(OFF_CONFIRM)]
+    assert low[-1] == 0 and all(low[:-1]) and hoping.decisions  # hopeless even with hope
     # the pipelined loop's lag: the warm-up and the rounds before an off decision are counted as read, two passes on
     lagged = rounds.PipelinedTuner(2, lag=2)
     ks = []
-    for _ in range(PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + MIN_OFF_ROUNDS + 3):  # (the baseline, the probe's
-        ks.append(lagged.next_k([0.0], lambda: [0.0]))  # rounds, 2 more for the lag, the decision)
-        lagged.observe(ks[-1], cost(ks[-1]))
+    for _ in range(PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + MIN_OFF_ROUNDS + 2 + OFF_CONFIRM):  # (the baseline, the
+        ks.append(lagged.next_k([0.0], lambda: [0.0]))  # rounds read before a decision, 2 more for the lag, the
+        lagged.observe(ks[-1], cost(ks[-1]))  # decisions that confirm it)
     assert ks[-3:] == [2, 2, 0] and len(lagged.decisions) == 1
 
 

@@ -20,6 +20,13 @@ PIPELINED_START_K = 3
 # A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
 # one (its first round compiles the trace)
 NEW_DEPTH_MIN_GAIN = 1.10
+# Passes a depth is timed (after the SKIP untimed ones) before the tuner judges it: one slow pass read as a depth's cost
+# steered the tuner off that depth for the rest of the process (its memory), in a replay of run E's costs and
+# acceptance (scripts/bench/replay_tuner.py)
+DWELL = 3
+# Decisions in a row that find no depth paying before speculation goes off: one decision per round reads rates and
+# costs that swing around break-even, and the first dip below it went off (the same replay)
+OFF_CONFIRM = 4
 PROBE_ROUNDS = 4  # rounds of speculation after a plain stretch before the next decision
 PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain steps, after the T=1 shape's first cost
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
@@ -36,7 +43,7 @@ PIPELINED_CARRIED_OFF = 256
 # ... and the stretch carried on to the generation after that one halves (below PIPELINED_FIRST_OFF: none) unless a
 # probe turns speculation off again. Carried whole, one early off decision held every later generation of up to 256
 # tokens in plain steps with no probe: the demo's head at temperature 0.7 went off after a poor start in its second
-# generation and stayed at 0.98x plain where a fixed K=3 gave 1.45x (H200, docs/adr/0008 'Run E').
+# generation and stayed at plain speed where a fixed K=3 paid (docs/adr/0008, 'Run E').
 PIPELINED_CARRIED_DECAY = 2
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
@@ -57,12 +64,12 @@ OFF_HOPE = 2.0
 # ... and only after this many rounds of the generation were read: the pipelined loop reads a round two passes after
 # dispatching it, so its first decision (after ADAPTIVE_WARMUP_ROUNDS rounds dispatched) saw two rounds, and two
 # rejected first drafts turned speculation off for 64 tokens or more where the demo's head at temperature 0.7 and the
-# 0.8B shape at oracle 0.5 paid 1.25x at a fixed K (H200, docs/adr/0008 'Run E')
+# 0.8B shape at oracle 0.5 paid at a fixed K (docs/adr/0008, 'Run E')
 MIN_OFF_ROUNDS = 8
 # No depth can pay, and speculation goes off for the longest stretch (and in later generations of the process), only
-# when keeping every draft predicts less than plain decoding: costs measured on a noisy host read a ceiling of 1.03
-# at the demo's sampled rounds on the H200, where a fixed K=3 paid 1.49x (the same run). On MLX's CPU backend a
-# round's rows cost what as many plain steps cost, and the ceiling stays below 1.
+# when keeping every draft predicts no more than plain decoding: costs read on a noisy host put the ceiling just
+# over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On MLX's CPU backend a round's rows
+# cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
 
 
@@ -144,6 +151,7 @@ class PipelinedTuner:
         `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
         pipelined loop: 2)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
+        self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.traced = traced or (lambda k: True)
         # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
@@ -155,7 +163,9 @@ class PipelinedTuner:
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
         self.timed, self.rejected = {}, {}  # per depth: passes timed since its cost was (re)set; rejected in a row
-        self.window = {}  # per depth: its last COST_WINDOW timed passes (a remembered cost counts as one)
+        # per depth: its last COST_WINDOW timed passes, kept in the memory: a depth the tuner left after a slow
+        # reading kept that reading as its cost in later generations (a remembered cost alone counts as one pass)
+        self.window = self.memory.setdefault("window", {})
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
@@ -247,6 +257,8 @@ class PipelinedTuner:
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
             return self.k
+        if self.prev == self.k and self.since < self.SKIP + DWELL - 1:
+            return self.k  # this depth's cost is not measured enough yet to judge it (or its neighbours) by
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
         gains = {k: self.speedup(k, rates) for k in near}
@@ -266,6 +278,7 @@ class PipelinedTuner:
                 self.k = self.probe_k = self.memory["k"] = k
                 return k
         if gain >= SPECULATE_MIN_GAIN:
+            self.below = 0
             current = gains.get(self.k)
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
@@ -277,6 +290,16 @@ class PipelinedTuner:
             self.k = self.probe_k = self.memory["k"] = k
             self.memory["off"] = False
             return k
+        # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
+        # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
+        far = [(d, self.speedup(d, rates)) for d in range(1, self.k_max + 1) if d not in near and self.traced(d)]
+        d, g = max(((d, g) for d, g in far if g is not None), key=lambda t: t[1], default=(k, None))
+        if g is not None and g >= SPECULATE_MIN_GAIN:
+            if self.switches < self.LOGGED_SWITCHES:
+                self.switches += 1
+                self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
+            self.k = self.probe_k = self.memory["k"] = d
+            return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
         # the longest stretch, and the process remembers it (its next generations start there).
@@ -285,6 +308,9 @@ class PipelinedTuner:
         if not hopeless and self.dispatched - self.lag < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
             return self.k  # too few rounds read to tell a poor text from a poor start (unless the last generation
             # ended in plain steps too)
+        self.below += 1
+        if not hopeless and self.below < OFF_CONFIRM:
+            return self.k
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
@@ -294,7 +320,7 @@ class PipelinedTuner:
         log.info(self.log[-1])
         # the next probe at the best depth if its round is traced, else at this one (no compile for a probe)
         self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
-        self.k, self.left = 0, self.off_tokens - 1
+        self.k, self.left, self.below = 0, self.off_tokens - 1, 0
         self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
         self.memory["off"] = self.off_tokens  # the next stretch's length: where a later generation starts
         return 0

@@ -1,0 +1,99 @@
+"""Replays the pipelined tuner (speculative/tuning.PipelinedTuner) against measured costs and acceptance, with no
+model: each pass costs its depth's cost times log-normal noise, each round accepts its drafts by Bernoulli draws at
+the given conditional rates, and the rates reach the tuner two passes after the round's dispatch, as in the
+pipelined loop. A process runs GENS generations on one tuner memory; the figure is plain decoding's time over the
+default's, the median over the generations, then over SEEDS processes. Beside it: every fixed depth's expected
+speedup from the same costs and rates.
+
+The cases are run E's on the H200 (docs/adr/0008, 'Run E'): per-pass costs in ms read from its fixed-K legs' rounds
+(decode seconds / rounds) and plain legs, the conditional acceptance from the fixed legs' acceptance.
+
+    python scripts/bench/replay_tuner.py                 # the table
+    python scripts/bench/replay_tuner.py --trace "demo 0.7"  # one process: per generation, passes per depth
+"""
+
+import argparse
+import random
+import statistics
+from collections import Counter
+
+from lattice_mlx.speculative.options import SpecOptions, SpecStats
+from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
+
+# name: (P(draft i accepted | drafts before it accepted), {K: ms per pass})
+CASES = {
+    "demo 0.7": ([0.85, 0.83, 0.8, 0.78], {0: 0.85, 1: 1.4, 2: 1.8, 3: 2.1, 4: 2.5}),
+    "0.8B p=0.5": ([0.5] * 4, {0: 2.2, 1: 2.8, 2: 3.2, 3: 3.5, 4: 3.85}),
+    "0.8B p=0.3": ([0.3] * 4, {0: 2.2, 1: 2.7, 2: 3.1, 3: 3.4, 4: 3.85}),
+    "0.8B p=0": ([0.0] * 4, {0: 2.2, 1: 2.7, 2: 3.1, 3: 3.4, 4: 3.85}),
+    "0.8B p=0.8": ([0.8] * 4, {0: 2.2, 1: 2.8, 2: 3.2, 3: 3.5, 4: 3.85}),
+    "demo greedy": ([0.99] * 4, {0: 0.7, 1: 1.05, 2: 1.25, 3: 1.4, 4: 1.55}),
+}
+LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
+
+
+def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
+               noise: float = 0.2, seen: Counter | None = None) -> float:
+    """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's."""
+    stats = SpecStats.of(SpecOptions(draft_tokens=4))
+    tuner = PipelinedTuner(4, memory, lag=LAG)
+    done, spent, pending = 1, 0.0, []
+    while done < tokens:
+        k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                         lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+        cost = costs[k] * rng.lognormvariate(0.0, noise)
+        tuner.observe(k, cost)
+        spent += cost
+        accepted = 0
+        while accepted < k and rng.random() < cond[accepted]:
+            accepted += 1
+        pending.append((k, accepted))
+        if len(pending) > LAG:
+            pk, pn = pending.pop(0)
+            if pk:
+                stats.record(pk, pn)
+        done += accepted + 1
+        if seen is not None:
+            seen[k] += 1
+    return costs[0] * tokens / spent
+
+
+def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20) -> list[float]:
+    """Per seed (a process): the median over its generations of the default's speedup."""
+    return [statistics.median(generation(memory, cond, costs, rng) for _ in range(gens))
+            for rng, memory in ((random.Random(s), {}) for s in range(seeds))]
+
+
+def fixed(cond: list[float], costs: dict, k: int) -> float:
+    """A fixed depth's expected speedup over plain decoding."""
+    expected, p = 1.0, 1.0
+    for i in range(k):
+        p *= cond[i]
+        expected += p
+    return expected * costs[0] / costs[k]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", choices=list(CASES), help="one process of this case, generation by generation")
+    ap.add_argument("--seeds", type=int, default=20)
+    args = ap.parse_args()
+    if args.trace:
+        cond, costs = CASES[args.trace]
+        rng, memory = random.Random(0), {}
+        for g in range(10):
+            seen = Counter()
+            speedup = generation(memory, cond, costs, rng, seen=seen)
+            print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
+                                                                   sorted(memory.get("cost", {}).items())})
+        return
+    for name, (cond, costs) in CASES.items():
+        best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
+        runs = replay(cond, costs, seeds=args.seeds)
+        med = statistics.median(runs)
+        print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
+              f"  default / max(best, 1) {med / max(best, 1.0):.2f}")
+
+
+if __name__ == "__main__":
+    main()
