@@ -13,6 +13,7 @@ The cases are run E's on the H200 (docs/adr/0008, 'Run E'): per-pass costs in ms
 """
 
 import argparse
+import math
 import random
 import statistics
 from collections import Counter
@@ -33,15 +34,18 @@ LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipeli
 
 
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
-               noise: float = 0.2, seen: Counter | None = None) -> float:
-    """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's."""
+               noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0) -> float:
+    """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
+    first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
+    refilling; 1: nothing more)."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     tuner = PipelinedTuner(4, memory, lag=LAG)
-    done, spent, pending = 1, 0.0, []
+    done, spent, pending, last = 1, 0.0, [], []
     while done < tokens:
         k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
                          lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
-        cost = costs[k] * rng.lognormvariate(0.0, noise)
+        cost = costs[k] * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
+        last.append(k)
         tuner.observe(k, cost)
         spent += cost
         accepted = 0
@@ -55,12 +59,12 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         done += accepted + 1
         if seen is not None:
             seen[k] += 1
-    return costs[0] * tokens / spent
+    return costs[0] * math.exp(noise**2 / 2) * tokens / spent  # (plain's mean pass: the noise's mean is above 1)
 
 
-def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20) -> list[float]:
+def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup."""
-    return [statistics.median(generation(memory, cond, costs, rng) for _ in range(gens))
+    return [statistics.median(generation(memory, cond, costs, rng, switch=switch) for _ in range(gens))
             for rng, memory in ((random.Random(s), {}) for s in range(seeds))]
 
 
@@ -77,6 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", choices=list(CASES), help="one process of this case, generation by generation")
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--switch", type=float, default=1.0, help="the cost of the 2 passes after a change of depth, as a "
+                    "multiple of the depth's")
     args = ap.parse_args()
     if args.trace:
         cond, costs = CASES[args.trace]
@@ -89,7 +95,7 @@ def main() -> None:
         return
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
-        runs = replay(cond, costs, seeds=args.seeds)
+        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")
