@@ -218,7 +218,8 @@ def _replay_module():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("replay_tuner", Path(__file__).parents[2] / "scripts/bench/replay_tuner.py")
+    path = Path(__file__).parents[2] / "scripts/bench/replay_tuner.py"
+    spec = importlib.util.spec_from_file_location("replay_tuner", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
