@@ -130,11 +130,13 @@ class PipelinedTuner:
     the GPU runs round r - 1, so one pass of the loop lasts what a round of its K costs, whichever side bounds it:
     cost(K) is the median of its last COST_WINDOW passes (K = 0: a plain step), tokens(K) comes from the measured
     per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
-    with the most tokens per second, or 0 (plain steps) when none of them beats plain. The passes just after a change
-    of K are not timed (the pipeline refills, and a verify shape's first use compiles it). The schedule: plain steps
-    first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds; then a decision after every
-    round. Plain wins: plain steps for a stretch (32 tokens, doubling while speculation still cannot pay) and
-    speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
+    with the most tokens per second, else a traced depth further off that pays, or 0 (plain steps) when none of them
+    beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read). The passes just after a
+    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it), and a depth is
+    judged after DWELL timed passes. The schedule: plain steps first (the baseline), then PIPELINED_START_K for
+    ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
+    after every round. Plain wins: plain steps for a stretch (64 tokens, growing 4x while speculation still cannot
+    pay) and speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of rounds, the
     plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes what it
     measures back. Acceptance is always this generation's own (it depends on the text)."""
 
@@ -299,6 +301,7 @@ class PipelinedTuner:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = d
+            self.below, self.memory["off"] = 0, False
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
