@@ -52,7 +52,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         while accepted < k and rng.random() < cond[accepted]:
             accepted += 1
         pending.append((k, accepted))
-        if len(pending) > LAG:
+        if len(pending) >= LAG:  # (recorded in the pass after its own, as the loop does: in the rates 2 passes on)
             pk, pn = pending.pop(0)
             if pk:
                 stats.record(pk, pn)

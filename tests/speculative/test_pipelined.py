@@ -676,10 +676,28 @@ def test_pipelined_tuner_does_not_stop_speculating_on_a_few_unlucky_rounds():
     # the pipelined loop's lag: the warm-up and the rounds before an off decision are counted as read, two passes on
     lagged = rounds.PipelinedTuner(2, lag=2)
     ks = []
-    for _ in range(PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + MIN_OFF_ROUNDS + 2 + OFF_CONFIRM):  # (the baseline, the
-        ks.append(lagged.next_k([0.0], lambda: [0.0]))  # rounds read before a decision, 2 more for the lag, the
-        lagged.observe(ks[-1], cost(ks[-1]))  # decisions that confirm it)
+    for _ in range(PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS + MIN_OFF_ROUNDS + 1 + OFF_CONFIRM):  # (the baseline, the
+        ks.append(lagged.next_k([0.0], lambda: [0.0]))  # rounds read before a decision and the one dispatched but
+        lagged.observe(ks[-1], cost(ks[-1]))  # not read yet, the decisions that confirm it)
     assert ks[-3:] == [2, 2, 0] and len(lagged.decisions) == 1
+
+
+def test_the_pipelined_tuner_counts_the_rounds_its_rates_hold(checkpoints, monkeypatch):
+    """In a real pipelined generation (adaptive, the head's own drafts, speculation switching on and off), at every
+    decision the tuner's count of rounds read (`read()`, from `lag=2`) is the number of rounds the acceptance it is
+    given holds: a lag of 0 read rounds not recorded yet (the first decision saw two rounds where it counted four)."""
+    seen = []
+
+    class Counting(rounds.PipelinedTuner):
+        def next_k(self, rates, hopeful=None):
+            seen.append((self.read(), hopeful.func.__self__.rounds))
+            return super().next_k(rates, hopeful)
+
+    monkeypatch.setattr(rounds, "PipelinedTuner", Counting)
+    model, _ = load(checkpoints["pattern"])
+    _, stats = adaptive_tokens(model, PROMPT, 60)
+    assert stats.rounds >= 4 and len(seen) > 40
+    assert all(counted == recorded for counted, recorded in seen), seen
 
 
 def test_pipelined_tuner_keeps_compiles_and_stalls_out_of_its_costs():

@@ -3,6 +3,7 @@ constants, and what a process remembers of a model's costs. `DepthTuner` serves 
 `PipelinedTuner` pipelined rounds (pipelined.py)."""
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from ..runtime import runtime_of
@@ -155,6 +156,7 @@ class PipelinedTuner:
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
+        self.after = deque(maxlen=lag)  # `dispatched` after each of the last `lag` passes
         self.traced = traced or (lambda k: True)
         # the memory's own dict: what this tuner measures is there for the next one, with no copying per round
         # (depths past k_max stay in it: the line through cost(0) and the deepest measured depth may use them)
@@ -250,7 +252,15 @@ class PipelinedTuner:
         rates `hopeful()` gives (OFF_HOPE; asked for only then) predict no gain either."""
         k = self._next_k(rates, hopeful)
         self.dispatched += k > 0
+        self.after.append(self.dispatched)
         return k
+
+    def read(self) -> int:
+        """Rounds of this generation whose acceptance the rates hold now: those dispatched `lag` passes ago or
+        earlier."""
+        if not self.lag:
+            return self.dispatched
+        return self.after[0] if len(self.after) == self.lag else 0
 
     def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
@@ -308,7 +318,7 @@ class PipelinedTuner:
         # the longest stretch, and the process remembers it (its next generations start there).
         ceiling = max((self.speedup(d, [1.0] * d) or 0.0 for d in range(1, self.k_max + 1)), default=0.0)
         hopeless = 0 < ceiling <= HOPELESS_CEILING
-        if not hopeless and self.dispatched - self.lag < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
+        if not hopeless and self.read() < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
             return self.k  # too few rounds read to tell a poor text from a poor start (unless the last generation
             # ended in plain steps too)
         self.below += 1
