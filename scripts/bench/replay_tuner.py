@@ -5,8 +5,9 @@ pipelined loop. A process runs GENS generations on one tuner memory; the figure 
 default's, the median over the generations, then over SEEDS processes. Beside it: every fixed depth's expected
 speedup from the same costs and rates.
 
-The cases are run E's on the H200 (docs/adr/0008, 'Run E'): per-pass costs in ms read from its fixed-K legs' rounds
-(decode seconds / rounds) and plain legs, the conditional acceptance from the fixed legs' acceptance.
+The cases are run E's on the H200 (docs/adr/0008, 'Run E'): per-pass costs in ms, rounded, read from its fixed-K
+legs' rounds (decode seconds / rounds) and plain legs, the conditional acceptance from the fixed legs' acceptance.
+The 0.8B cases share the costs of the oracle-0.5 group (oracle 0.8 was not in run E: its rates are the oracle's).
 
     python scripts/bench/replay_tuner.py                 # the table
     python scripts/bench/replay_tuner.py --trace "demo 0.7"  # one process: per generation, passes per depth
