@@ -112,16 +112,26 @@ def test_a_conversations_next_turn_prefills_only_its_new_tokens(plain_batch_serv
 
 def test_a_seeded_request_samples_the_same_text_beside_others(plain_batch_server):
     """A request's seed keys its own stream: its sampled text alone equals its text beside sampled batch-mates.
-    (Plain decoding: with adaptive MTP the batch's depth, chosen from measured times, decides how draws are used.)"""
+    (Plain decoding: with adaptive MTP the batch's depth, chosen from measured times, decides how draws are used.)
+    The batch-mates are streaming before it is sent: a request that starts alone and is handed to the batch when
+    others arrive restarts its stream there (usage.md), and a test that only started their threads first failed when
+    its request reached the server before theirs."""
     bclient = _client(plain_batch_server)
     kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.3)
     alone = bclient.completions.create(**kw, seed=42).choices[0].text
-    threads = [threading.Thread(target=bclient.completions.create, kwargs=dict(
-        model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0.9)) for i in (0, 1)]
+    started = [threading.Event() for _ in range(2)]
+
+    def mate(i: int) -> None:
+        for _ in bclient.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=400, temperature=0.9,
+                                            stream=True):
+            started[i].set()
+
+    threads = [threading.Thread(target=mate, args=(i,)) for i in (0, 1)]
     for t in threads:
         t.start()
+    assert all(e.wait(timeout=120) for e in started)
     beside = bclient.completions.create(**kw, seed=42).choices[0].text
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=300)
     assert beside == alone
     assert bclient.completions.create(**kw, seed=43).choices[0].text != alone
