@@ -14,13 +14,15 @@ The 0.8B cases share the costs of the oracle-0.5 group (oracle 0.8 was not in ru
 """
 
 import argparse
+import itertools
 import math
+import operator
 import random
 import statistics
 from collections import Counter
 
 from lattice_mlx.speculative.options import SpecOptions, SpecStats
-from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
+from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner, expected_tokens
 
 # name: (P(draft i accepted | drafts before it accepted), {K: ms per pass})
 CASES = {
@@ -70,12 +72,8 @@ def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, swit
 
 
 def fixed(cond: list[float], costs: dict, k: int) -> float:
-    """A fixed depth's expected speedup over plain decoding."""
-    expected, p = 1.0, 1.0
-    for i in range(k):
-        p *= cond[i]
-        expected += p
-    return expected * costs[0] / costs[k]
+    """A fixed depth's expected speedup over plain decoding (the tuner's own tokens-per-round model)."""
+    return expected_tokens(k, list(itertools.accumulate(cond, operator.mul))) * costs[0] / costs[k]
 
 
 def main() -> None:
