@@ -33,7 +33,9 @@ def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
     port, log = _free_port(), tmp / f"server-{time.monotonic_ns()}.log"
     proc = subprocess.Popen([sys.executable, "-m", "lattice_mlx.server", "--port", str(port), *extra],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"), env={**os.environ})
-    deadline = time.monotonic() + 120
+    # Generous: the suite's other workers share the CPU, and the default warm-up traces a batch step per size
+    # (LATTICE_TRACE_STEPS=1 here, conftest.py); a server that dies is caught at once below.
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -65,7 +67,9 @@ def _client(port: int):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with _served(tmp_path_factory.mktemp("server")) as served:
+    # --max-batch 2: the warm-up traces batches of 1..2, not the default's 1..16 (a minute of this CPU's time;
+    # batching has its own tests, test_batch_server.py)
+    with _served(tmp_path_factory.mktemp("server"), "--max-batch", "2") as served:
         yield served
 
 
@@ -88,6 +92,7 @@ def test_shapes_are_compiled_before_serving(client, server):
     text = server[1].read_text()
     warm, serving = text.find("warmed up in"), text.find("serving lattice-demo")
     assert 0 <= warm < serving and "verify shapes for K = 1..4" in text and "MTP on, K up to 4" in text, text
+    assert "batches of 1..2" in text, text
 
 
 def test_models_lists_the_served_model(client):
@@ -183,7 +188,7 @@ def test_a_client_leaving_a_stream_cancels_its_generation(client, server):
 
 
 def test_sigterm_shuts_down_gracefully(tmp_path):
-    proc, port, log = _start(tmp_path, "--no-mtp")
+    proc, port, log = _start(tmp_path, "--no-mtp", "--no-warmup")
     status, obj = _raw(port, "POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode())
     assert status == 200 and "speculation" not in obj["usage"] and "(MTP off;" in log.read_text()
     proc.send_signal(signal.SIGTERM)
