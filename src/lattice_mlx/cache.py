@@ -213,6 +213,155 @@ class BatchFixedKVCache(BatchKVCache):
     trim = prepare = finalize = _unsupported
 
 
+class RoundKVCache(BatchKVCache):
+    """mlx-lm's left-padded batch cache for MTP rounds over a batch (speculative/batched.py), its rollback on the
+    device and O(1): a forward writes its T columns in every row at the shared write column `_idx` (a host count); a
+    row that keeps m of them (`keep`) marks the rest dead in `live` [B, capacity] (bool), where the mask hides them,
+    instead of rolling its keys to the left (mlx-lm's prepare / finalize: a copy of every layer's buffer, read back
+    to the host, per round). `offset` [B] stays each row's count of live columns, its RoPE position. A dead column
+    costs room and a masked read until `reserve` finds the buffer full and compacts it (each row's live columns
+    gathered to the right, the dead ones becoming left padding); joins and leaves (extend, filter) carry `live`
+    along. Attention reads the whole buffer through the mask."""
+
+    GROW = 256
+
+    @classmethod
+    def of(cls, c: BatchKVCache) -> "RoundKVCache":
+        out = cls.__new__(cls)
+        out.keys, out.values, out.offset, out.left_padding = c.keys, c.values, c.offset, c.left_padding
+        out._idx, out._right_padding, out.last = c._idx, None, None
+        out.live = out._live_of(c)
+        if out.keys is not None and out.keys.shape[2] % cls.GROW:
+            out._grow(-(-out.keys.shape[2] // cls.GROW) * cls.GROW)
+        return out
+
+    @staticmethod
+    def _live_of(c: BatchKVCache) -> mx.array:
+        """[B, capacity]: a cache without holes, its columns left_padding .. _idx."""
+        cols = mx.arange(c.keys.shape[2] if c.keys is not None else 0, dtype=mx.int32)[None]
+        return (cols >= c.left_padding[:, None]) & (cols < c._idx)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2] if self.keys is not None else 0
+
+    def _grow(self, cap: int) -> None:
+        have = self.capacity
+        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], cap - have, a.shape[3]), a.dtype)], 2)  # noqa: E731
+        self.keys, self.values = pad(self.keys), pad(self.values)
+        self.live = mx.concatenate([self.live, mx.zeros((self.live.shape[0], cap - have), mx.bool_)], 1)
+
+    def _room(self, rows: int) -> int:
+        """The capacity a forward of `rows` columns needs (whole GROW blocks)."""
+        return max(self.capacity, -(-(self._idx + rows) // self.GROW) * self.GROW)
+
+    def reserve(self, rows: int, *, compact: bool = True) -> None:
+        """Room for `rows` more columns past _idx: compacted first when that frees GROW columns or more (it reads
+        the rows' live counts: a sync), else grown by GROW-column blocks."""
+        if self.keys is None or self._idx + rows <= self.capacity:
+            return
+        if compact:
+            self.compact()
+            if self._idx + rows <= self.capacity:
+                return
+        self._grow(-(-(self._idx + rows) // self.GROW) * self.GROW)
+
+    def compact(self) -> None:
+        """Each row's live columns gathered, in order, to the right of column _idx' = the most any row has; the rest
+        of the row is left padding. Done only where it frees GROW columns or more."""
+        counts = self.live[:, : self._idx].astype(mx.int32).sum(axis=1)
+        longest = int(counts.max().item())
+        if self._idx - longest < self.GROW:
+            return
+        cols = mx.arange(self._idx, dtype=mx.int32)[None]
+        # each row's columns sorted dead first (-1), then live in order; its last `longest` are what it keeps
+        order = mx.argsort(mx.where(self.live[:, : self._idx], cols, -1), axis=1)[:, self._idx - longest :]
+        pick = order[:, None, :, None]
+        keys = mx.take_along_axis(self.keys[:, :, : self._idx], pick, axis=2)
+        values = mx.take_along_axis(self.values[:, :, : self._idx], pick, axis=2)
+        cap = self.capacity
+        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], cap - longest, a.shape[3]), a.dtype)], 2)  # noqa: E731
+        self.keys, self.values = pad(keys), pad(values)
+        self.left_padding = longest - counts
+        self.offset = counts
+        self._idx = longest
+        self.live = self._live_of(self)
+
+    def make_mask(self, N: int, **kwargs) -> mx.array:
+        """[B, 1, N, capacity] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own
+        columns are live while it runs)."""
+        self.reserve(N, compact=False)
+        cols = mx.arange(self._room(N), dtype=mx.int32)
+        causal = cols[None, :] <= (self._idx + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
+        live = self.live if self.keys is not None else mx.zeros((self.offset.shape[0], 0), mx.bool_)
+        live = mx.pad(live, [(0, 0), (0, cols.shape[0] - live.shape[1])])
+        seen = live | (cols >= self._idx)[None]  # [B, cap]
+        return causal[None, None] & seen[:, None, None, :]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        T, i = k.shape[2], self._idx
+        if self.keys is None:  # (a sequence whose head had no rows yet)
+            cap = self._room(T)
+            self.keys = mx.zeros((*k.shape[:2], cap, k.shape[3]), k.dtype)
+            self.values = mx.zeros((*v.shape[:2], cap, v.shape[3]), v.dtype)
+            self.live = mx.zeros((k.shape[0], cap), mx.bool_)
+        self.reserve(T, compact=False)
+        self.keys[..., i : i + T, :] = k
+        self.values[..., i : i + T, :] = v
+        self.live[:, i : i + T] = True
+        self.offset, self._idx, self.last = self.offset + T, i + T, (i, T)
+        return self.keys, self.values
+
+    def keep(self, counts: mx.array) -> None:
+        """Of the columns the last forward wrote, row b keeps its first counts[b] (a device array [B]); the rest
+        are dead."""
+        i, T = self.last
+        self.live[:, i : i + T] = mx.arange(T, dtype=mx.int32)[None] < counts[:, None]
+        self.offset = self.offset - T + counts.astype(self.offset.dtype)
+
+    def trim(self, n: int) -> int:
+        """The newest n columns of every row dropped (the MTP head's draft rows)."""
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def filter(self, batch_indices) -> None:
+        """mlx-lm's filter (the rows kept, then the columns every row pads dropped), `live` alike."""
+        live = self.live[batch_indices]
+        super().filter(batch_indices)
+        if self.keys is None:
+            self.live = live
+            return
+        self.live = live[:, live.shape[1] - self.capacity :]
+        self._settle()
+
+    def extend(self, other: BatchKVCache) -> None:
+        """mlx-lm's extend (both right-justified to the longer write column, then stacked), `live` alike."""
+        lives = [(c.live if isinstance(c, RoundKVCache) else self._live_of(c), c._idx,
+                  c.keys.shape[2] if c.keys is not None else 0) for c in (self, other)]
+        super().extend(other)
+        width = self.capacity
+
+        def place(live, idx, size):
+            left = self._idx - idx
+            live = mx.pad(live, [(0, 0), (left, 0)])[:, :width]
+            return mx.pad(live, [(0, 0), (0, width - live.shape[1])])
+
+        self.live = mx.concatenate([place(*x) for x in lives])
+        self._settle()
+
+    def _settle(self) -> None:
+        """The capacity back to whole GROW blocks (each new width is a new shape for the kernels and traces)."""
+        if self.keys is not None and self.capacity % self.GROW:
+            self._grow(-(-self.capacity // self.GROW) * self.GROW)
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("RoundKVCache rolls back with keep(): not mlx-lm's prepare / finalize")
+
+    prepare = finalize = _unsupported
+
+
 # mlx-lm's speculative loop trims after verify forwards of K+1 tokens and after its draft model's one-token steps;
 # on a trimmable cache forwards up to this long record their per-step states (prompt chunks are longer: never trimmed).
 TRIM_RECORD_MAX_T = 16

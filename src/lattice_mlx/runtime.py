@@ -8,7 +8,8 @@ from typing import Any
 @dataclass(eq=False)
 class Runtime:
     traces: dict[str, dict] = field(default_factory=dict)  # kind ("steps", "rounds") -> key -> (trace, slot)
-    tuner: dict[bool, dict] = field(default_factory=dict)  # greedy? -> what the pipelined tuners measured
+    tuner: dict = field(default_factory=dict)  # greedy? -> what the pipelined tuners measured; "batch": batch size
+    # bucket -> what the batched rounds' tuners measured (speculative/batched.py)
     hidden_tap: Any = None  # lattice_mlx.make_draft_model's tap: the model publishes each forward's hidden to it
     compiled: Any = None  # models/compiled.CompiledLayers of a TextModel or MTP head, built on first use
 

@@ -145,11 +145,12 @@ def test_plain_steps_between_rounds_keep_the_heads_slots(demo32):
     while engine.busy:
         engine.step()
         # every verified position but the newest pairs with its successor in a head slot: in the head's cache,
-        # or waiting for the next round
+        # or waiting for the next round (the device's count of generated tokens: the host reads a pass late)
         if engine.active:
-            written = engine.head_cache[0].offset.tolist()
+            written, pending, gen = (a.tolist() for a in (engine.head_cache[0].offset, engine.pn, engine.gen))
             for b, s in enumerate(engine.active):
-                assert written[b] + len(engine._pending[b][0]) == len(s.prompt) + len(s.tokens) - 1
+                assert written[b] + pending[b] == len(s.prompt) + gen[b] - 1
+                assert gen[b] >= len(s.tokens)
     for s, p in zip(seqs, prompts):
         assert s.tokens == solo(model, p, 40)
     assert engine.accepted / engine.drafted > 0.6
@@ -213,3 +214,36 @@ def test_a_seeded_sequence_samples_its_rounds_whoever_its_batch_mates_are(demo32
     assert len(alone) == 24
     assert run(5, [(Sampler(temp=0.8, top_p=0.9), None), (Sampler(), None), (Sampler(temp=1.0), 9)]) == alone
     assert run(6, []) != alone
+
+
+def test_dead_columns_are_compacted_and_every_sequence_stays_exact(checkpoint, monkeypatch):
+    """A random head (its drafts are mostly rejected: each round leaves K dead columns per row) with 8-column
+    blocks, so buffers fill with dead columns and are compacted again and again (cache.RoundKVCache) while
+    sequences join, leave and are cancelled: every sequence's tokens are its plain greedy ones. Compaction that
+    dropped a live column or kept a dead one would change them."""
+    from lattice_mlx import cache as caches
+
+    monkeypatch.setattr(caches.RoundKVCache, "GROW", 8)
+    compactions = []
+    real = caches.RoundKVCache.compact
+
+    def counted(self):
+        before = self._idx
+        real(self)
+        compactions.append(before - self._idx)
+
+    monkeypatch.setattr(caches.RoundKVCache, "compact", counted)
+    model = load(checkpoint, dtype="float32")[0]
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40)), [3] * 9]
+    engine = BatchRounds(model, k=3, max_batch=3)
+    seqs = [engine.add(p, max_tokens=n) for p, n in zip(prompts[:3], [30, 12, 24])]
+    for _ in range(4):
+        engine.step()
+    engine.cancel(seqs[1])
+    late = engine.add(prompts[3], max_tokens=20)
+    while engine.busy:
+        engine.step()
+    assert seqs[1].finish_reason == "cancelled"
+    for s, p in zip([seqs[0], seqs[2], late], [prompts[0], prompts[2], prompts[3]]):
+        assert s.tokens == solo(model, p, s.max_tokens)
+    assert engine.accepted < engine.drafted / 2 and sum(c > 0 for c in compactions) >= 3, compactions

@@ -147,22 +147,37 @@ class OracleBatchRounds(BatchRounds):
     """SYNTHETIC batched MTP rounds for benchmarks and tests (greedy only): the head drafts as in BatchRounds (its
     work stays in the verify's graph: `+ 0 * drafts`), then each sequence's draft at each position is its recorded
     greedy continuation (`references[uid]`, generated tokens) with probability `p_correct`, else a surely wrong
-    token."""
+    token; on the device (the positions are the rounds' `gen`, the draws from a key of its own), so rounds stay
+    queued one ahead as BatchRounds' are."""
 
     def __init__(self, model, *, k: int, references: dict[int, list[int]], p_correct: float, seed: int = 0,
                  **kwargs):
         super().__init__(model, k=k, **kwargs)
         self.references, self.p_correct = references, p_correct
-        self.rng = np.random.default_rng(seed)
+        self.okey = mx.random.key(seed)
+        self.table: mx.array | None = None  # each row's reference [B, L], padded with 0
 
-    def _draft(self, keys):
-        drafts, q = super()._draft(keys)
-        K, V = self.k, self.model.args.vocab_size
-        truth = []
-        for s in self.active:
-            ref, pos = self.references[s.uid], len(s.tokens)
-            truth.append([ref[i] if i < len(ref) else 0 for i in range(pos, pos + K)])
-        truth = np.array(truth, dtype=np.int32)
-        keep = self.rng.random(truth.shape) < self.p_correct
-        oracle = mx.array(np.where(keep, truth, (truth + 1) % V).astype(np.int32))
+    def _joined(self, seq) -> None:
+        ref = mx.array(self.references[seq.uid], dtype=mx.int32)[None]
+        if self.table is None:
+            self.table = ref
+            return
+        L = max(self.table.shape[1], ref.shape[1])
+        pad = lambda a: mx.pad(a, [(0, 0), (0, L - a.shape[1])])  # noqa: E731
+        self.table = mx.concatenate([pad(self.table), pad(ref)])
+
+    def _drop(self, rows):
+        keep = super()._drop(rows)
+        if keep is not None:
+            self.table = self.table[mx.array(keep, dtype=mx.int32)] if keep else None
+        return keep
+
+    def _draft(self, K, keys):
+        drafts, q = super()._draft(K, keys)
+        B, V, L = drafts.shape[0], self.model.args.vocab_size, self.table.shape[1]
+        at = self.gen[:, None] + mx.arange(K, dtype=mx.int32)[None]  # the drafts' indices among generated tokens
+        truth = mx.where(at < L, mx.take_along_axis(self.table, mx.minimum(at, L - 1), axis=1), 0)
+        self.okey, use = mx.random.split(self.okey)
+        right = mx.random.uniform(shape=(B, K), key=use) < self.p_correct
+        oracle = mx.where(right, truth, (truth + 1) % V).astype(mx.int32)
         return oracle + 0 * drafts, q

@@ -2,21 +2,26 @@
 target forward verifies all of them ([B, K + 1] rows), and each sequence keeps its own accepted count n_b, its bonus
 token and its own rollback.
 
-A round, for B sequences at depth K (shapes: B rows, P pending head slots at most, V vocabulary):
+A round, for B sequences at depth K (shapes: B rows, P pending head slots, V vocabulary), built with array ops only:
 - head: each sequence's pending slots (embed(t_{j+1}) paired with the target hidden h_j: the tokens verified in its
-  last round) in one forward [B, P], right-padded; the padding is rolled to the left of each row afterwards
-  (BatchKVCache.prepare / finalize) where the mask hides it; then K - 1 more head steps [B, 1] on its own hiddens;
+  last round, its first n_b + 1 of P valid) in one forward [B, P]; the invalid ones are marked dead in the head's
+  cache (cache.RoundKVCache.keep); then K - 1 more head steps [B, 1] on its own hiddens, trimmed afterwards;
 - verify: [y_b, d_1 .. d_K] through the target, the GDN layers recording every step's state;
 - accept: greedy, the leading drafts equal to the target's argmax; sampled, min(1, p/q) per draft with the residual
   resample (sample.accept_sampled_arrays), per sequence;
-- rollback per sequence: attention rows past n_b + 1 rolled out of the row (right padding made left padding), the GDN
-  state and conv window of step n_b picked row by row, the head's K - 1 draft rows trimmed (the same count in every
-  row).
+- rollback per sequence, on the device: attention columns past n_b + 1 marked dead (RoundKVCache.keep: no copy), the
+  GDN state and conv window of step n_b picked row by row; the next round's pending slots are this round's K + 1
+  tokens and hiddens with n_b + 1 valid, and its newest token the bonus.
+Nothing in a round is read back: round r + 1 is dispatched on round r's device arrays before the host reads round r's
+tokens (the host builds one round while the device runs the other), so a sequence that ends inside round r (its
+budget, a stop token) still has a row in round r + 1, whose tokens for it are discarded, and the others' are exact.
+A join or a cancel reads the queued round first.
+
 Greedy output equals each sequence's plain greedy decoding (fp32; tests/speculative/test_batched.py); sampled output
-keeps the plain distribution per sequence. With `adaptive`, the pipelined tuner (tuning.PipelinedTuner: costs per
-pass measured in this engine, paired against plain steps) picks K or plain steps for the batch as a whole, with its
-costs kept per batch size (a power-of-two bucket); in plain steps each sequence's head slots wait and go in with
-the next round's head forward.
+keeps the plain distribution per sequence. With `adaptive`, the pipelined tuner (tuning.PipelinedTuner: a pass's
+cost is the time between two reads, paired against plain steps; acceptance read two passes after a dispatch) picks
+K or plain steps for the batch as a whole, with its costs kept per batch size (a power-of-two bucket); before plain
+steps the pending head slots go into the head's cache, and the plain steps' own slots wait for the next round.
 """
 
 import time
@@ -26,15 +31,21 @@ from mlx_lm.models.cache import BatchKVCache
 
 from .. import cache as caches
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
-from ..sample import accept_greedy, accept_sampled_arrays, split_keys
+from ..runtime import runtime_of
+from ..sample import accept_sampled_arrays, split_keys
 from .drafters import feed_head
 from .options import SpecStats
 from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
 
 
+def _rounds_layout(cache: list) -> list:
+    """Batch caches with their attention layers as RoundKVCache (the others as they are)."""
+    return [caches.RoundKVCache.of(c) if type(c) is BatchKVCache else c for c in cache]
+
+
 class BatchRounds(BatchDecoder):
     """A BatchDecoder whose steps are MTP rounds of depth `k` (every step advances each running sequence by 1 to
-    k + 1 tokens)."""
+    k + 1 tokens), queued one ahead."""
 
     PROMPT_HIDDEN = True
 
@@ -48,51 +59,158 @@ class BatchRounds(BatchDecoder):
         super().__init__(model, **kwargs)
         self.k = self.k_max = k
         self.adaptive = adaptive
-        # adaptive: one tuner's costs per batch size bucket (a round's extra rows cost more in a larger batch);
-        # acceptance is the batch's, over every round since the engine started
-        self.memories: dict[int, dict] = {}
+        # adaptive: one tuner's costs per batch size bucket (a round's extra rows cost more in a larger batch), kept
+        # on the model as a single generation's tuner keeps its costs (tuning.tuner_memory), so the engines of later
+        # batch_generate calls start from them; acceptance is the batch's, over every round since this engine started
+        self.memories: dict[int, dict] = runtime_of(model).tuner.setdefault("batch", {})
         self.tuner, self.bucket = None, 0
         self.stats = SpecStats(draft_tokens=k)
         self.head_cache: list | None = None
-        self._pending: list[tuple[list[int], mx.array]] = []  # per row: head slots to feed (tokens, hiddens [p, H])
+        # device state of the running rows: the newest token y [B] (not fed yet); the head's pending slots, tokens
+        # [B, P] and target hiddens [B, P, H], of which each row's first `pn` [B] are valid; the generated count
+        # `gen` [B] (y's index among the sequence's tokens, + 1)
+        self.y = self.ptok = self.phid = self.pn = self.gen = None
+        self.holes = False  # whether some row has fewer than P valid pending slots (after a round or a join)
+        self._queued: tuple | None = None  # the dispatched pass not read yet: (k, n [B], tokens [B, k + 1])
+        self._tic: tuple[int, float] | None = None  # (the K of the last pass dispatched, when), for the tuner
+        self._outside = 0.0  # seconds spent prefilling since that dispatch (not the passes' cost)
         self.rounds = self.drafted = self.accepted = 0
 
+    # --- joins and leaves -----------------------------------------------------------------------------------------
+
     def _join(self, seq: Sequence, cache: list, hidden: mx.array) -> None:
-        super()._join(seq, cache, hidden)
+        super()._join(seq, cache, hidden)  # (reads the queued pass first)
+        self.cache = _rounds_layout(self.cache)
         # the prompt's slots: embed(t_{j+1}) with h_j; all but the last go in now, the last with the first round
         head = self.model.mtp.make_cache()
         tokens = [*seq.prompt[1:], seq.tokens[-1]]
         if len(tokens) > 1:
             feed_head(self.model, tokens[:-1], hidden[:-1], head)
-        self.head_cache = join_rows(self.head_cache, head)
-        self._pending.append((tokens[-1:], hidden[-1:]))
+        self.head_cache = _rounds_layout(join_rows(self.head_cache, head))
+        tok = mx.array([[tokens[-1]]], dtype=mx.int32)
+        hid = hidden[-1:][None].astype(self.phid.dtype if self.phid is not None else hidden.dtype)
+        y = mx.array([seq.tokens[-1]], dtype=mx.int32)
+        gen = mx.array([len(seq.tokens)], dtype=mx.int32)
+        if self.y is None:
+            self.y, self.ptok, self.phid, self.pn, self.gen = y, tok, hid, mx.ones((1,), mx.int32), gen
+        else:  # its one slot padded to the others' P (a slot at least: between passes P is never 0)
+            P = self.ptok.shape[1]
+            self.ptok = mx.concatenate([self.ptok, mx.pad(tok, [(0, 0), (0, P - 1)])])
+            self.phid = mx.concatenate([self.phid, mx.pad(hid, [(0, 0), (0, P - 1), (0, 0)])])
+            self.pn = mx.concatenate([self.pn, mx.ones((1,), mx.int32)])
+            self.y, self.gen = mx.concatenate([self.y, y]), mx.concatenate([self.gen, gen])
+            self.holes = self.holes or P > 1
+        self._joined(seq)
+
+    def _joined(self, seq: Sequence) -> None:
+        """A hook for subclasses: `seq` is the newest row."""
 
     def _drop(self, rows: list[int]) -> list[int] | None:
         keep = super()._drop(rows)
-        if keep is not None:
-            self._pending = [self._pending[b] for b in keep]
-            if keep:
-                filter_rows(self.head_cache, keep)
-            else:
-                self.head_cache = None
+        if keep is None:
+            return None
+        if not keep:
+            self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = None
+            self._queued, self.holes = None, False
+            return keep
+        idx = mx.array(keep, dtype=mx.int32)
+        filter_rows(self.head_cache, keep)
+        self.y, self.ptok, self.phid, self.pn, self.gen = (a[idx] for a in (self.y, self.ptok, self.phid, self.pn,
+                                                                             self.gen))
+        if self._queued is not None:  # the queued pass's rows too
+            k, n, tokens = self._queued
+            self._queued = (k, n[idx], tokens[idx])
         return keep
 
-    def _draft(self, keys: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    def _flush(self) -> None:
+        """Reads the queued pass before the batch changes (a sequence joins or is cancelled)."""
+        if self._queued is not None:
+            self._flushed += self._read(*self._queued)
+            self._queued, self._tic = None, None
+
+    def _prefill(self):
+        tic = time.perf_counter()
+        try:
+            return super()._prefill()
+        finally:
+            self._outside += time.perf_counter() - tic
+
+    # --- a pass ---------------------------------------------------------------------------------------------------
+
+    def _advance(self) -> list[tuple[Sequence, int]]:
+        """Dispatches the next pass (a round at the depth chosen, 0: a plain step) on the device state the queued
+        one leaves, then reads the queued one; with none queued, dispatches one and reads it."""
+        if self._queued is None:
+            self._queued = self._dispatch_pass(self._choose_k() if self.adaptive else self.k_max)
+            self._tic = None  # (the next pass is dispatched at once: the time between the two is not a pass's cost)
+        queued = self._queued
+        # no pass ahead where every sequence surely ends with the queued one (each takes one token at least)
+        ending = all(len(s.tokens) + 1 >= s.max_tokens for s in self.active)
+        self._queued = None if ending else self._dispatch_pass(self._choose_k() if self.adaptive else self.k_max)
+        return self._read(*queued)
+
+    def _choose_k(self) -> int:
+        """The depth of the next pass from the tuner of this batch size's bucket (a power of two), after timing the
+        pass dispatched before (the time since its dispatch, less any prefill: in the steady state one pass lasts
+        what a pass costs, host or device)."""
+        tic = time.perf_counter()
+        bucket = 1 << (len(self.active) - 1).bit_length()
+        if bucket != self.bucket:
+            self.bucket, self._tic = bucket, None
+            self.tuner = PipelinedTuner(self.k_max, self.memories.setdefault(bucket, {}), lag=2)
+        if self._tic is not None:
+            self.tuner.observe(self._tic[0], tic - self._tic[1] - self._outside)
+        k = self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                              lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+        self._tic, self._outside = (k, tic), 0.0
+        return k
+
+    def _dispatch_pass(self, k: int) -> tuple[int, mx.array, mx.array]:
+        out = self._round(k) if k else self._plain()
+        mx.async_eval(out[1], out[2])
+        return out
+
+    def _read(self, k: int, n: mx.array, tokens: mx.array) -> list[tuple[Sequence, int]]:
+        """A dispatched pass's tokens, taken by their sequences (a sequence that ended takes none)."""
+        ns, rows = n.tolist(), tokens.tolist()
+        out = []
+        for s, m, row in zip(self.active, ns, rows):
+            if s.done:
+                continue
+            for t in row[: m + 1]:
+                s._take(t)
+                out.append((s, t))
+                if s.done:
+                    break
+            if k:
+                self.stats.record(k, m)
+        if k:
+            self.rounds += 1
+            self.drafted += len(ns) * k
+            self.accepted += sum(ns)
+        self._last = [row[m] for row, m in zip(rows, ns)]
+        return out
+
+    def _feed_head(self) -> mx.array:
+        """The pending slots through the head [B, P] (the invalid ones marked dead in its cache); returns its
+        output [B, P, H]. Nothing is pending afterwards."""
+        head, model = self.model.mtp, self.model
+        for c in self.head_cache:
+            c.reserve(self.ptok.shape[1] + self.k_max)
+        x = head(model.model.embed_tokens(self.ptok), head.from_target(self.phid), self.head_cache)
+        if self.holes:
+            for c in self.head_cache:
+                c.keep(self.pn)
+        self.ptok, self.phid, self.holes = self.ptok[:, :0], self.phid[:, :0], False
+        return x
+
+    def _draft(self, K: int, keys: mx.array | None) -> tuple[mx.array, mx.array | None]:
         """drafts [B, K] and, where any sequence samples, the head's distributions q [B, K, V]; `keys` [B, K + 1, 2]:
         each sequence's keys for the round (its K drafts' draws, then the acceptance's), where any samples."""
-        model, head, K = self.model, self.model.mtp, self.k
-        B, H = len(self.active), model.args.hidden_size
-        counts = [len(t) for t, _ in self._pending]
-        P = max(counts)
-        tokens = mx.array([t + [0] * (P - len(t)) for t, _ in self._pending], dtype=mx.int32)  # [B, P]
-        hidden = mx.stack([mx.concatenate([h, mx.zeros((P - h.shape[0], H), dtype=h.dtype)]) if h.shape[0] < P
-                           else h for _, h in self._pending])  # [B, P, H]
-        x = head(model.model.embed_tokens(tokens), head.from_target(hidden), self.head_cache)  # [B, P, H]
-        if P > 1:  # each row's padding after its real slots becomes left padding, which the mask hides
-            for c in self.head_cache:
-                c.prepare(right_padding=[P - n for n in counts])
-                c.finalize()
-        x = x[mx.arange(B), mx.array(counts) - 1][:, None]  # each row's last real slot [B, 1, H]
+        model, head = self.model, self.model.mtp
+        B, pn = len(self.active), self.pn
+        x = self._feed_head()
+        x = x[mx.arange(B), pn - 1][:, None]  # each row's last valid slot [B, 1, H]
         sampled = keys is not None
         drafts, qs, h = [], [], None
         for step in range(K):
@@ -111,57 +229,46 @@ class BatchRounds(BatchDecoder):
             else:
                 d = mx.argmax(logits, axis=-1)
             drafts.append(d.astype(mx.int32))
+        for c in self.head_cache:  # the K - 1 rows built on the head's own hiddens
+            c.trim(K - 1)
         return mx.stack(drafts, axis=1), (mx.stack(qs, axis=1) if qs else None)
 
-    def _advance(self) -> list[tuple[Sequence, int]]:
-        """A round for every running sequence at the depth chosen (0: a plain step, the head's slots kept)."""
-        k = self._choose_k() if self.adaptive else self.k_max
-        tic = time.perf_counter()
-        out = self._round(k) if k else self._plain()
-        if self.tuner is not None:
-            self.tuner.observe(k, time.perf_counter() - tic)  # (both read their tokens back: the pass is over)
-        return out
+    def _plain(self) -> tuple[int, mx.array, mx.array]:
+        """One plain step of every running sequence; its token and hidden join the sequence's pending head slots
+        (the slots a round left go into the head's cache first)."""
+        if self.holes:
+            self._feed_head()
+        for c in self.cache:
+            if isinstance(c, caches.RoundKVCache):
+                c.reserve(1)
+        logits, hidden = self.model(self.y[:, None], self.cache, return_hidden=True)
+        y = self._pick(logits[:, -1]).astype(mx.int32)
+        self.ptok = mx.concatenate([self.ptok, y[:, None]], axis=1)
+        self.phid = mx.concatenate([self.phid, hidden.astype(self.phid.dtype)], axis=1)
+        self.pn = mx.full(self.pn.shape, self.ptok.shape[1], mx.int32)
+        self.y, self.gen = y, self.gen + 1
+        return 0, mx.zeros(y.shape, mx.int32), y[:, None]
 
-    def _choose_k(self) -> int:
-        """The depth of the next pass from the tuner of this batch size's bucket (a power of two)."""
-        bucket = 1 << (len(self.active) - 1).bit_length()
-        if bucket != self.bucket:
-            self.bucket = bucket
-            self.tuner = PipelinedTuner(self.k_max, self.memories.setdefault(bucket, {}))
-        return self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
-                                 lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
-
-    def _plain(self) -> list[tuple[Sequence, int]]:
-        """One plain step of every running sequence; its token and hidden join the sequence's pending head slots."""
-        x = mx.array(self._last, dtype=mx.int32)[:, None]  # [B, 1]
-        logits, hidden = self.model(x, self.cache, return_hidden=True)
-        out = self._sample(logits[:, -1])
-        for b, y in enumerate(self._last):  # (row b of the batch, whatever its sequence took)
-            tokens, h = self._pending[b]
-            self._pending[b] = (tokens + [y], mx.concatenate([h, hidden[b]]))
-        return out
-
-    def _round(self, K: int) -> list[tuple[Sequence, int]]:
-        """One round of depth K for every running sequence."""
+    def _round(self, K: int) -> tuple[int, mx.array, mx.array]:
+        """One round of depth K for every running sequence, on the device: (K, n [B], tokens [B, K + 1])."""
         self.k = K
         model, B = self.model, len(self.active)
         keys = None
         if not all(s.sampler.greedy for s in self.active):  # one split of each row's key per round
             self._keys, use = split_keys(self._keys)
             keys = mx.vmap(lambda k: mx.random.split(k, K + 1))(use)  # [B, K + 1, 2]
-        drafts, q = self._draft(keys)
+        drafts, q = self._draft(K, keys)
+        kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
         gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        for c in kv:
+            c.reserve(K + 1)
         for c in gdn:
             c.begin()
-        x = mx.concatenate([mx.array(self._last, dtype=mx.int32)[:, None], drafts], axis=1)  # [B, K + 1]
+        x = mx.concatenate([self.y[:, None], drafts], axis=1)  # [B, K + 1]
         logits, hidden = model(x, self.cache, return_hidden=True)  # [B, K + 1, V], [B, K + 1, H]
-        ns, tokens = self._accept(logits, drafts, q, keys)
-        # rollback, row by row: keep n_b + 1 of the K + 1 positions
-        n = mx.array(ns, dtype=mx.int32)
-        for c in self.cache:
-            if isinstance(c, BatchKVCache):
-                c.prepare(right_padding=[K - m for m in ns])
-                c.finalize()
+        n, tokens = self._accept(logits, drafts, q, keys)
+        for c in kv:  # rollback, row by row: keep n_b + 1 of the K + 1 positions
+            c.keep(n + 1)
         rows = mx.arange(B)
         for c in gdn:
             (conv_in,), (states,) = c._conv_in, c._states  # [B, W + K + 1, C], [B, K + 1, Hv, Dv, Dk]
@@ -170,48 +277,26 @@ class BatchRounds(BatchDecoder):
             c.commit()
             c.conv = mx.take_along_axis(conv_in, window[..., None], axis=1)
             c.ssm = states[rows, n]
-        for c in self.head_cache:
-            c.trim(K - 1)
-        out = []
-        for b, s in enumerate(self.active):
-            kept = tokens[b][: ns[b] + 1]
-            self._pending[b] = (kept, hidden[b, : ns[b] + 1])
-            for t in kept:
-                if s.done:
-                    break
-                s._take(t)
-                out.append((s, t))
-            self._last[b] = kept[-1]
-        self.rounds += 1
-        self.drafted += B * K
-        self.accepted += sum(ns)
-        for m in ns:
-            self.stats.record(K, m)
-        return out
+        self.ptok, self.phid, self.pn, self.holes = tokens, hidden, n + 1, True
+        self.y, self.gen = tokens[rows, n], self.gen + n + 1
+        return K, n, tokens
 
     def _accept(self, logits: mx.array, drafts: mx.array, q: mx.array | None,
-                keys: mx.array | None) -> tuple[list[int], list[list[int]]]:
-        """Per sequence: drafts accepted n_b, and the round's tokens (the kept drafts, then the next token)."""
-        K = self.k
-        if q is None:  # every sequence greedy
-            target = mx.argmax(logits, axis=-1)  # [B, K + 1]
-            target, d = target.tolist(), drafts.tolist()
-            ns = [accept_greedy(t, dr) for t, dr in zip(target, d)]
-            return ns, [dr[:m] + [t[m]] for dr, t, m in zip(d, target, ns)]
-        outs = []
+                keys: mx.array | None) -> tuple[mx.array, mx.array]:
+        """Per sequence, on the device: drafts accepted n [B] and the round's tokens [B, K + 1] (the first n_b + 1:
+        the kept drafts, then the next token)."""
+        K = drafts.shape[1]
+        target = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K + 1]
+        greedy = mx.cumprod((drafts == target[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
+        if q is None:  # every sequence greedy: the kept drafts equal the targets at their rows
+            return greedy, target
+        ns, rows = [], []
         for b, s in enumerate(self.active):
             if s.sampler.greedy:  # a greedy sequence beside sampled ones: its drafts against the argmax
-                target = mx.argmax(logits[b], axis=-1)
-                m = mx.cumprod((drafts[b] == target[:K]).astype(mx.int32)).sum()
-                outs.append((m, target[m], mx.concatenate([drafts[b], target[-1:]])))
+                ns.append(greedy[b])
+                rows.append(target[b])
                 continue
-            m, token, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b],  # p [K + 1, V]
-                                                   keys[b, K])
-            outs.append((m, token, toks))
-        mx.eval([o for triple in outs for o in triple])
-        ns, tokens = [], []
-        for m, token, toks in outs:
-            m, toks = int(m.item()), toks.tolist()
+            m, _, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b], keys[b, K])
             ns.append(m)
-            tokens.append(toks[:m] + [int(token.item())])
-        return ns, tokens
+            rows.append(toks)
+        return mx.stack(ns).astype(mx.int32), mx.stack(rows).astype(mx.int32)
