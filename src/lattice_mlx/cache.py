@@ -221,7 +221,7 @@ class RoundKVCache(BatchKVCache):
     to the host, per round). `offset` [B] stays each row's count of live columns, its RoPE position. A dead column
     costs room and a masked read until `reserve` finds the buffer full and compacts it (each row's live columns
     gathered to the right, the dead ones becoming left padding); joins and leaves (extend, filter) carry `live`
-    along. Attention reads the whole buffer through the mask."""
+    along. Attention reads the columns up to the write column through the mask."""
 
     GROW = 256
 
@@ -288,14 +288,13 @@ class RoundKVCache(BatchKVCache):
         self.live = self._live_of(self)
 
     def make_mask(self, N: int, **kwargs) -> mx.array:
-        """[B, 1, N, capacity] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own
+        """[B, 1, N, _idx + N] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own
         columns are live while it runs)."""
-        self.reserve(N, compact=False)
-        cols = mx.arange(self._room(N), dtype=mx.int32)
-        causal = cols[None, :] <= (self._idx + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
-        live = self.live if self.keys is not None else mx.zeros((self.offset.shape[0], 0), mx.bool_)
-        live = mx.pad(live, [(0, 0), (0, cols.shape[0] - live.shape[1])])
-        seen = live | (cols >= self._idx)[None]  # [B, cap]
+        width = self._idx + N
+        cols = mx.arange(width, dtype=mx.int32)
+        causal = cols[None, :] <= (self._idx + mx.arange(N, dtype=mx.int32))[:, None]  # [N, width]
+        live = self.live[:, : self._idx] if self.keys is not None else mx.zeros((self.offset.shape[0], 0), mx.bool_)
+        seen = mx.concatenate([live, mx.ones((live.shape[0], N), mx.bool_)], axis=1)  # [B, width]
         return causal[None, None] & seen[:, None, None, :]
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
@@ -310,7 +309,7 @@ class RoundKVCache(BatchKVCache):
         self.values[..., i : i + T, :] = v
         self.live[:, i : i + T] = True
         self.offset, self._idx, self.last = self.offset + T, i + T, (i, T)
-        return self.keys, self.values
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def keep(self, counts: mx.array) -> None:
         """Of the columns the last forward wrote, row b keeps its first counts[b] (a device array [B]); the rest

@@ -144,8 +144,9 @@ class BatchRounds(BatchDecoder):
             self._queued = self._dispatch_pass(self._choose_k() if self.adaptive else self.k_max)
             self._tic = None  # (the next pass is dispatched at once: the time between the two is not a pass's cost)
         queued = self._queued
-        # no pass ahead where every sequence surely ends with the queued one (each takes one token at least)
-        ending = all(len(s.tokens) + 1 >= s.max_tokens for s in self.active)
+        # no pass ahead where the queued one may end every sequence (it gives each 1 to k + 1 tokens): the pass
+        # ahead would likely be thrown away, where not queuing it costs one pass without overlap
+        ending = all(len(s.tokens) + queued[0] + 1 >= s.max_tokens for s in self.active)
         self._queued = None if ending else self._dispatch_pass(self._choose_k() if self.adaptive else self.k_max)
         return self._read(*queued)
 
