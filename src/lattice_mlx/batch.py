@@ -101,14 +101,18 @@ class BatchDecoder:
         return bool(self.active or self.waiting)
 
     def add(self, prompt: Iterable[int], *, max_tokens: int, sampler: Sampler | None = None,
-            stop_ids: Iterable[int] = (), prefix=None, keep_prefix: bool = False, seed: int | None = None) -> Sequence:
+            stop_ids: Iterable[int] = (), prefix=None, keep_prefix: bool = False, seed: int | None = None,
+            key: mx.array | None = None) -> Sequence:
         """Queues `prompt` for its prefill; returns its sequence, whose `tokens` grow as steps run (the first once
         its prefill's last chunk has run). `prefix` (a PromptCache holding a proper prefix of the prompt): only the
         rest is prefilled. `keep_prefix`: the prefill stops before the prompt's last token to leave the state there
         in `Sequence.prefix` (what the next turn of a conversation extends). Neither applies to MTP rounds.
         `seed`: the sequence samples from a PRNG stream of its own (mx.random.key(seed)), one draw per token (per
         round with MTP), so what it samples does not depend on its batch-mates' draws; None: a stream keyed from
-        MLX's global generator."""
+        MLX's global generator. `key` (a PRNG key [2], instead of `seed`): the stream from that key on (a stream
+        begun elsewhere going on here)."""
+        if seed is not None and key is not None:
+            raise ValueError("give a sequence a seed or a key, not both")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -117,7 +121,7 @@ class BatchDecoder:
         if self.full:
             raise ValueError(f"the batch is full ({self.max_batch} sequences): step until one leaves")
         seq = Sequence(next(self._uids), prompt, max_tokens, sampler or Sampler(), frozenset(stop_ids),
-                       key=mx.random.key(seed) if seed is not None else _fresh_key())
+                       key=key if key is not None else mx.random.key(seed) if seed is not None else _fresh_key())
         n = prefix.covers(prompt) if prefix is not None and not self.PROMPT_HIDDEN else 0
         if n:
             prefix.check(self.model)

@@ -92,8 +92,16 @@ def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_serv
 def plain_batch_server(tmp_path_factory):
     """The port of a batching server decoding plainly (--no-mtp)."""
     with _served(tmp_path_factory.mktemp("pserver"), "--max-batch", "3", "--dtype", "float32", "--no-warmup",
-                 "--no-mtp") as (port, _):
+                 "--no-mtp") as (port, log):
+        _LOGS[port] = log
         yield port
+
+
+_LOGS: dict = {}
+
+
+def plain_batch_server_log(port: int) -> str:
+    return _LOGS[port].read_text()
 
 
 def test_a_conversations_next_turn_prefills_only_its_new_tokens(plain_batch_server):
@@ -110,12 +118,32 @@ def test_a_conversations_next_turn_prefills_only_its_new_tokens(plain_batch_serv
                                           speculation=None).text
 
 
+def test_a_seeded_request_handed_to_the_batch_keeps_its_lone_text(plain_batch_server, tmp_path):
+    """A seeded request that starts alone (the single generation's path, seeding MLX's global generator) and is
+    handed to the batch when another arrives goes on with the key its next token would have drawn alone: its text
+    equals its text alone (fp32, plain decoding). Keyed by its seed again at the hand-off, the batch redrew its
+    first tokens' numbers and the text changed there."""
+    bclient = _client(plain_batch_server)
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=120, temperature=1.0, seed=7)
+    alone = bclient.completions.create(**kw).choices[0].text
+    chunks, mate = [], None
+    for chunk in bclient.completions.create(**kw, stream=True):
+        chunks.append(chunk.choices[0].text if chunk.choices else "")
+        if mate is None and len(chunks) >= 3:  # it streams alone: now another request arrives
+            mate = threading.Thread(target=lambda: bclient.completions.create(
+                model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0.9))
+            mate.start()
+    mate.join(timeout=300)
+    assert "".join(chunks) == alone
+    log = plain_batch_server_log(plain_batch_server)
+    assert "request joins the batch after" in log, log[-2000:]
+
+
 def test_a_seeded_request_samples_the_same_text_beside_others(plain_batch_server):
     """A request's seed keys its own stream: its sampled text alone equals its text beside sampled batch-mates.
     (Plain decoding: with adaptive MTP the batch's depth, chosen from measured times, decides how draws are used.)
-    The batch-mates are streaming before it is sent: a request that starts alone and is handed to the batch when
-    others arrive restarts its stream there (usage.md), and a test that only started their threads first failed when
-    its request reached the server before theirs."""
+    The batch-mates are streaming before it is sent, so it runs in the batch from its first token (a request that
+    starts alone and is handed over has the next test)."""
     bclient = _client(plain_batch_server)
     kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.3)
     alone = bclient.completions.create(**kw, seed=42).choices[0].text

@@ -286,6 +286,22 @@ class BatchEngine(Engine):
             self._join(decoder, job, handoff)
         return True
 
+    def _stream_on(self, job: Job, drawn: int) -> mx.array | None:
+        """The PRNG key a seeded job handed to the batch goes on with (None: unseeded, a fresh stream). Its lone run
+        seeded MLX's global generator, and a plain run drew one key per token, split off the generator's key as the
+        batch splits a row's: `drawn` splits of key(seed) are the key its next token draws with, so its text is its
+        lone run's (the generator itself may be a draw further: a plain step is queued one ahead). MTP rounds draw
+        per round, not per token: the generator's own key, past every key the lone run drew (keyed by its seed
+        again, the batch would draw its first tokens' numbers once more)."""
+        if job.seed is None:
+            return None
+        if self.speculation is not None:
+            return mx.array(mx.random.state[0])
+        key = mx.random.key(job.seed)
+        for _ in range(drawn):
+            key = mx.random.split(key)[0]
+        return key
+
     def _join(self, decoder, job: Job, handoff: _Handoff) -> None:
         """A job that ran alone goes on in the batch: its prompt and generated tokens prefilled (the kept prompt
         state covers its prompt), what is left of its budget to go, its text streaming on where it stopped."""
@@ -294,7 +310,7 @@ class BatchEngine(Engine):
         try:
             seq = decoder.add(ids, max_tokens=job.max_tokens - len(handoff.tokens), sampler=job.sampler,
                               stop_ids=self.eos, prefix=pc if pc is not None and pc.covers(ids) else None,
-                              seed=job.seed)
+                              key=self._stream_on(job, len(handoff.tokens)))
         except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
             log.exception("joining the batch failed")
             job.events.put(("error", f"generation failed: {e}"))
