@@ -221,9 +221,13 @@ class RoundKVCache(BatchKVCache):
     to the host, per round). `offset` [B] stays each row's count of live columns, its RoPE position. A dead column
     costs room and a masked read until `reserve` finds the buffer full and compacts it (each row's live columns
     gathered to the right, the dead ones becoming left padding); joins and leaves (extend, filter) carry `live`
-    along. Attention reads the columns up to the write column through the mask."""
+    along. Attention reads the columns up to the write column through the mask; with `whole` (a traced round,
+    speculative/batched.py) every shape is fixed: the write column is `pos` (an int32 scalar array, set from _idx
+    before the round), writes are scatters at it, and attention reads the whole buffer through the mask."""
 
     GROW = 256
+    whole = False
+    pos: mx.array | None = None
 
     @classmethod
     def of(cls, c: BatchKVCache) -> "RoundKVCache":
@@ -289,7 +293,12 @@ class RoundKVCache(BatchKVCache):
 
     def make_mask(self, N: int, **kwargs) -> mx.array:
         """[B, 1, N, _idx + N] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own
-        columns are live while it runs)."""
+        columns are live while it runs). With `whole`: [B, 1, N, capacity], from `pos`."""
+        if self.whole:
+            cols = mx.arange(self.capacity, dtype=mx.int32)
+            causal = cols[None, :] <= (self.pos + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
+            seen = self.live | (cols >= self.pos)[None]  # [B, cap]
+            return causal[None, None] & seen[:, None, None, :]
         width = self._idx + N
         cols = mx.arange(width, dtype=mx.int32)
         causal = cols[None, :] <= (self._idx + mx.arange(N, dtype=mx.int32))[:, None]  # [N, width]
@@ -305,6 +314,15 @@ class RoundKVCache(BatchKVCache):
             self.values = mx.zeros((*v.shape[:2], cap, v.shape[3]), v.dtype)
             self.live = mx.zeros((k.shape[0], cap), mx.bool_)
         self.reserve(T, compact=False)
+        if self.whole:  # (the room was reserved before the round: no shape changes inside it)
+            cols = self.pos + mx.arange(T, dtype=mx.int32)
+            self.keys = mx.put_along_axis(self.keys, cols.reshape(1, 1, T, 1), k, axis=2)
+            self.values = mx.put_along_axis(self.values, cols.reshape(1, 1, T, 1), v, axis=2)
+            self.live = mx.put_along_axis(self.live, mx.broadcast_to(cols[None], (k.shape[0], T)),
+                                          mx.ones((k.shape[0], T), mx.bool_), axis=1)
+            self.offset, self._idx, self.last = self.offset + T, i + T, (self.pos, T)
+            self.pos = self.pos + T
+            return self.keys, self.values
         self.keys[..., i : i + T, :] = k
         self.values[..., i : i + T, :] = v
         self.live[:, i : i + T] = True
@@ -315,7 +333,12 @@ class RoundKVCache(BatchKVCache):
         """Of the columns the last forward wrote, row b keeps its first counts[b] (a device array [B]); the rest
         are dead."""
         i, T = self.last
-        self.live[:, i : i + T] = mx.arange(T, dtype=mx.int32)[None] < counts[:, None]
+        kept = mx.arange(T, dtype=mx.int32)[None] < counts[:, None]  # [B, T]
+        if isinstance(i, mx.array):  # (written at `pos`: whole)
+            cols = mx.broadcast_to((i + mx.arange(T, dtype=mx.int32))[None], kept.shape)
+            self.live = mx.put_along_axis(self.live, cols, kept, axis=1)
+        else:
+            self.live[:, i : i + T] = kept
         self.offset = self.offset - T + counts.astype(self.offset.dtype)
 
     def trim(self, n: int) -> int:
@@ -323,6 +346,8 @@ class RoundKVCache(BatchKVCache):
         n = min(self._idx, n)
         self._idx -= n
         self.offset = self.offset - n
+        if self.whole and n:
+            self.pos = self.pos - n
         return n
 
     def filter(self, batch_indices) -> None:

@@ -247,3 +247,28 @@ def test_dead_columns_are_compacted_and_every_sequence_stays_exact(checkpoint, m
     for s, p in zip([seqs[0], seqs[2], late], [prompts[0], prompts[2], prompts[3]]):
         assert s.tokens == solo(model, p, s.max_tokens)
     assert engine.accepted < engine.drafted / 2 and sum(c > 0 for c in compactions) >= 3, compactions
+
+
+def test_traced_rounds_replay_exactly(checkpoint, monkeypatch):
+    """Steady-state greedy rounds replay one trace per depth and batch shape (RoundKVCache with `whole`: writes and
+    the mask at the device's write column); with 8-column blocks the buffers compact between replays and the
+    traces are made again for each capacity. Every sequence's tokens are its plain greedy ones, and the trace ran."""
+    from lattice_mlx import cache as caches
+    from lattice_mlx.runtime import runtime_of
+    from lattice_mlx.speculative import pipelined
+
+    monkeypatch.setattr(caches.RoundKVCache, "GROW", 8)
+    model = load(checkpoint, dtype="float32")[0]
+    runtime_of(model).traces.pop("batch_rounds", None)
+    replays = []
+    real = BatchRounds._replay
+    monkeypatch.setattr(BatchRounds, "_replay", lambda self, K: replays.append(K) or real(self, K))
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 40))]
+    with pipelined.tracing(True):
+        engine = BatchRounds(model, k=2, max_batch=3)
+        seqs = [engine.add(p, max_tokens=n) for p, n in zip(prompts, [40, 20, 33])]
+        while engine.busy:
+            engine.step()
+    for s, p in zip(seqs, prompts):
+        assert s.tokens == solo(model, p, s.max_tokens)
+    assert len(replays) > 10 and runtime_of(model).traces["batch_rounds"]

@@ -166,6 +166,12 @@ class OracleBatchRounds(BatchRounds):
         pad = lambda a: mx.pad(a, [(0, 0), (0, L - a.shape[1])])  # noqa: E731
         self.table = mx.concatenate([pad(self.table), pad(ref)])
 
+    def _more_state(self):
+        return [self.table, self.okey]
+
+    def _set_more_state(self, it):
+        self.table, self.okey = next(it), next(it)
+
     def _drop(self, rows):
         keep = super()._drop(rows)
         if keep is not None:

@@ -30,11 +30,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from .. import cache as caches
+from .. import traces
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
+from ..metal import kernel_policy
+from ..models import compiled
 from ..runtime import runtime_of
 from ..sample import accept_sampled_arrays, split_keys
 from .drafters import feed_head
 from .options import SpecStats
+from .pipelined import tracing_enabled
 from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
 
 
@@ -167,9 +171,86 @@ class BatchRounds(BatchDecoder):
         return k
 
     def _dispatch_pass(self, k: int) -> tuple[int, mx.array, mx.array]:
-        out = self._round(k) if k else self._plain()
+        out = (self._replay(k) if self._traceable(k) else self._round(k)) if k else self._plain()
         mx.async_eval(out[1], out[2])
         return out
+
+    # --- traced rounds --------------------------------------------------------------------------------------------
+    # A steady-state round (every sequence greedy, its K + 1 pending slots from a round of the same K) is one
+    # mx.compile trace replayed every round, as a single generation's rounds are (pipelined.py): the caches' arrays
+    # (RoundKVCache with `whole`: the write column on the device), the newest tokens and the pending slots go in and
+    # out as arguments. Each batch size and buffer capacity is a trace of its own (MLX traces again for new shapes).
+
+    def _traceable(self, K: int) -> bool:
+        return (tracing_enabled() and self.ptok.shape[1] == K + 1 and all(s.sampler.greedy for s in self.active)
+                and getattr(self.model, "sharding_group", None) is None and runtime_of(self.model).hidden_tap is None
+                and all(c.keys is not None for c in self.head_cache)
+                and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
+
+    def _round_kv(self) -> list:
+        return [c for c in self.cache if isinstance(c, caches.RoundKVCache)] + list(self.head_cache)
+
+    def _state(self) -> list[mx.array]:
+        out = [self.y, self.ptok, self.phid, self.pn, self.gen]
+        out += [a for c in self._round_kv() for a in (c.keys, c.values, c.live, c.offset, c.pos)]
+        out += [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
+        return out + self._more_state()
+
+    def _set_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        self.y, self.ptok, self.phid, self.pn, self.gen = (next(it) for _ in range(5))
+        for c in self._round_kv():
+            c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
+        for c in self.cache:
+            if isinstance(c, caches.GDNCache):
+                c.conv, c.ssm = next(it), next(it)
+        self._set_more_state(it)
+
+    def _more_state(self) -> list[mx.array]:
+        """A subclass's own arrays a round reads and writes (traced rounds carry them)."""
+        return []
+
+    def _set_more_state(self, it) -> None:
+        """Takes what _more_state gave from `it`."""
+
+    def _trace(self, K: int):
+        def body(rounds: "BatchRounds", state: list, extras: list):
+            rounds._set_state(state)
+            with compiled.forced(False):  # the per-layer traces would add nothing inside this one
+                _, n, tokens = rounds._round(K)
+            return rounds._state(), n, tokens
+
+        def fallback(state: list, extras: list):
+            B = state[0].shape[0]
+            return list(state), mx.zeros((B,), mx.int32), mx.zeros((B, K + 1), mx.int32)
+
+        return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
+
+    def _replay(self, K: int) -> tuple[int, mx.array, mx.array]:
+        """A round of depth K from its trace (made on first use): (K, n [B], tokens [B, K + 1])."""
+        kv, gdn = self._round_kv(), [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        for c in self.cache:
+            if isinstance(c, caches.RoundKVCache):
+                c.reserve(K + 1)
+        for c in self.head_cache:  # its K + 1 slots, then draft rows (as _feed_head reserves)
+            c.reserve(K + 1 + self.k_max)
+        for c in kv:
+            c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
+        idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]  # (host counts: a replay runs no Python)
+        self.holes = True  # (the trace marks the invalid pending slots dead whatever: pn says which they are)
+        key = (type(self).__qualname__, K, kernel_policy())
+        cached, _ = traces.cached(self.model, "batch_rounds", key, lambda: self._trace(K))
+        advance = 0
+        try:
+            n, tokens = traces.call(cached, key, self, [], [])
+            advance = K + 1
+        finally:
+            for c, i in zip(kv, idx):
+                c._idx, c.whole = i + advance, False
+            for c, offset in zip(gdn, offsets):
+                c.offset = offset + advance
+        self.k, self.holes = K, True
+        return K, n, tokens
 
     def _read(self, k: int, n: mx.array, tokens: mx.array) -> list[tuple[Sequence, int]]:
         """A dispatched pass's tokens, taken by their sequences (a sequence that ended takes none)."""
