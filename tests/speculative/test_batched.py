@@ -272,3 +272,28 @@ def test_traced_rounds_replay_exactly(checkpoint, monkeypatch):
     for s, p in zip(seqs, prompts):
         assert s.tokens == solo(model, p, s.max_tokens)
     assert len(replays) > 10 and runtime_of(model).traces["batch_rounds"]
+
+
+def test_traced_sampled_rounds_draw_what_rounds_built_op_by_op_draw(demo32):
+    """Seeded sampled sequences (one sampler structure, each its own temperature and top-p: numbers that are an
+    input of the trace) take the same tokens from traced rounds as from rounds built op by op: same keys, same
+    draws."""
+    from lattice_mlx.runtime import runtime_of
+    from lattice_mlx.speculative import pipelined
+
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
+    samplers = [Sampler(temp=0.7, top_p=0.9), Sampler(temp=1.2, top_p=0.8), Sampler(temp=0.9, top_p=0.95)]
+
+    def run(traced: bool):
+        with pipelined.tracing(traced):
+            engine = BatchRounds(model, k=2)
+            seqs = [engine.add(p, max_tokens=30, sampler=s, seed=i) for i, (p, s) in enumerate(zip(prompts, samplers))]
+            while engine.busy:
+                engine.step()
+        return [s.tokens for s in seqs]
+
+    runtime_of(model).traces.pop("batch_rounds", None)
+    traced = run(True)
+    assert any(key[2][0] is False for key in runtime_of(model).traces.get("batch_rounds", {}))  # a sampled trace
+    assert traced == run(False)

@@ -35,7 +35,7 @@ from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
 from ..metal import kernel_policy
 from ..models import compiled
 from ..runtime import runtime_of
-from ..sample import accept_sampled_arrays, split_keys
+from ..sample import Sampler, accept_sampled_arrays, sample_from, split_keys
 from .drafters import feed_head
 from .options import SpecStats
 from .pipelined import tracing_enabled
@@ -78,6 +78,8 @@ class BatchRounds(BatchDecoder):
         self._queued: tuple | None = None  # the dispatched pass not read yet: (k, n [B], tokens [B, k + 1])
         self._tic: tuple[int, float] | None = None  # (the K of the last pass dispatched, when), for the tuner
         self._outside = 0.0  # seconds spent prefilling since that dispatch (not the passes' cost)
+        self._values: mx.array | None = None  # the rows' sampler numbers [B, 3] inside a traced round
+        self._numbers: tuple | None = None  # (the samplers, their numbers [B, 3]) of the last traced round
         self.rounds = self.drafted = self.accepted = 0
 
     # --- joins and leaves -----------------------------------------------------------------------------------------
@@ -176,13 +178,22 @@ class BatchRounds(BatchDecoder):
         return out
 
     # --- traced rounds --------------------------------------------------------------------------------------------
-    # A steady-state round (every sequence greedy, its K + 1 pending slots from a round of the same K) is one
-    # mx.compile trace replayed every round, as a single generation's rounds are (pipelined.py): the caches' arrays
-    # (RoundKVCache with `whole`: the write column on the device), the newest tokens and the pending slots go in and
-    # out as arguments. Each batch size and buffer capacity is a trace of its own (MLX traces again for new shapes).
+    # A steady-state round (the rows' samplers of one structure, their K + 1 pending slots from a round of the same
+    # K) is one mx.compile trace replayed every round, as a single generation's rounds are (pipelined.py): the
+    # caches' arrays (RoundKVCache with `whole`: the write column on the device), the newest tokens, the pending slots
+    # and the rows' PRNG keys go in and out as arguments, the rows' sampler numbers (temperature, top-p, min-p) in.
+    # Each batch size and buffer capacity is a trace of its own (MLX traces again for new shapes).
+
+    def _structure(self) -> tuple | None:
+        """The rows' one sampler structure (Sampler.structure), None where they have several or a subclass's."""
+        samplers = [s.sampler for s in self.active]
+        if not all(type(x) is Sampler for x in samplers):
+            return None
+        shapes = {x.structure() for x in samplers}
+        return shapes.pop() if len(shapes) == 1 else None
 
     def _traceable(self, K: int) -> bool:
-        return (tracing_enabled() and self.ptok.shape[1] == K + 1 and all(s.sampler.greedy for s in self.active)
+        return (tracing_enabled() and self.ptok.shape[1] == K + 1 and self._structure() is not None
                 and getattr(self.model, "sharding_group", None) is None and runtime_of(self.model).hidden_tap is None
                 and all(c.keys is not None for c in self.head_cache)
                 and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
@@ -191,14 +202,14 @@ class BatchRounds(BatchDecoder):
         return [c for c in self.cache if isinstance(c, caches.RoundKVCache)] + list(self.head_cache)
 
     def _state(self) -> list[mx.array]:
-        out = [self.y, self.ptok, self.phid, self.pn, self.gen]
+        out = [self.y, self.ptok, self.phid, self.pn, self.gen, self._keys]
         out += [a for c in self._round_kv() for a in (c.keys, c.values, c.live, c.offset, c.pos)]
         out += [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
         return out + self._more_state()
 
     def _set_state(self, arrays: list) -> None:
         it = iter(arrays)
-        self.y, self.ptok, self.phid, self.pn, self.gen = (next(it) for _ in range(5))
+        self.y, self.ptok, self.phid, self.pn, self.gen, self._keys = (next(it) for _ in range(6))
         for c in self._round_kv():
             c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
         for c in self.cache:
@@ -216,8 +227,12 @@ class BatchRounds(BatchDecoder):
     def _trace(self, K: int):
         def body(rounds: "BatchRounds", state: list, extras: list):
             rounds._set_state(state)
-            with compiled.forced(False):  # the per-layer traces would add nothing inside this one
-                _, n, tokens = rounds._round(K)
+            rounds._values = extras[0] if extras else None  # (sampled: the rows' numbers, an input)
+            try:
+                with compiled.forced(False):  # the per-layer traces would add nothing inside this one
+                    _, n, tokens = rounds._round(K)
+            finally:
+                rounds._values = None
             return rounds._state(), n, tokens
 
         def fallback(state: list, extras: list):
@@ -225,6 +240,14 @@ class BatchRounds(BatchDecoder):
             return list(state), mx.zeros((B,), mx.int32), mx.zeros((B, K + 1), mx.int32)
 
         return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
+
+    def _sampler_numbers(self) -> mx.array:
+        """[temp, top_p, min_p] of every row, [B, 3]; made again only when the rows' samplers change."""
+        samplers = tuple(s.sampler for s in self.active)
+        if self._numbers is None or len(self._numbers[0]) != len(samplers) or \
+                any(a is not b for a, b in zip(self._numbers[0], samplers)):
+            self._numbers = (samplers, mx.stack([x.values() for x in samplers]))
+        return self._numbers[1]
 
     def _replay(self, K: int) -> tuple[int, mx.array, mx.array]:
         """A round of depth K from its trace (made on first use): (K, n [B], tokens [B, K + 1])."""
@@ -238,11 +261,13 @@ class BatchRounds(BatchDecoder):
             c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
         idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]  # (host counts: a replay runs no Python)
         self.holes = True  # (the trace marks the invalid pending slots dead whatever: pn says which they are)
-        key = (type(self).__qualname__, K, kernel_policy())
+        structure = self._structure()
+        extras = [] if structure[0] else [self._sampler_numbers()]
+        key = (type(self).__qualname__, K, structure, kernel_policy())
         cached, _ = traces.cached(self.model, "batch_rounds", key, lambda: self._trace(K))
         advance = 0
         try:
-            n, tokens = traces.call(cached, key, self, [], [])
+            n, tokens = traces.call(cached, key, self, [], extras)
             advance = K + 1
         finally:
             for c, i in zip(kv, idx):
@@ -303,9 +328,9 @@ class BatchRounds(BatchDecoder):
             h = post if head.input_hidden == "post" else x
             if sampled:
                 # q [B, V]: a greedy sequence's row is never read (its drafts are checked against the argmax)
-                q = mx.stack([s.sampler.probs(logits[b]) if not s.sampler.greedy else logits[b]
+                q = mx.stack([self._probs(b, logits[b]) if not s.sampler.greedy else logits[b]
                               for b, s in enumerate(self.active)])
-                d = mx.stack([s.sampler(logits[b], key=keys[b, step]) if not s.sampler.greedy else
+                d = mx.stack([sample_from(q[b], keys[b, step]) if not s.sampler.greedy else
                               mx.argmax(logits[b]) for b, s in enumerate(self.active)])
                 qs.append(q)
             else:
@@ -363,6 +388,12 @@ class BatchRounds(BatchDecoder):
         self.y, self.gen = tokens[rows, n], self.gen + n + 1
         return K, n, tokens
 
+    def _probs(self, b: int, logits: mx.array) -> mx.array:
+        """Row b's sampling distribution of logits [.., V]: its sampler's, with its numbers from the traced round's
+        input where one runs (`_values` [B, 3])."""
+        sampler = self.active[b].sampler
+        return sampler.probs(logits) if self._values is None else sampler.probs(logits, self._values[b])
+
     def _accept(self, logits: mx.array, drafts: mx.array, q: mx.array | None,
                 keys: mx.array | None) -> tuple[mx.array, mx.array]:
         """Per sequence, on the device: drafts accepted n [B] and the round's tokens [B, K + 1] (the first n_b + 1:
@@ -378,7 +409,7 @@ class BatchRounds(BatchDecoder):
                 ns.append(greedy[b])
                 rows.append(target[b])
                 continue
-            m, _, toks = accept_sampled_arrays(s.sampler.probs(logits[b]), q[b], drafts[b], keys[b, K])
+            m, _, toks = accept_sampled_arrays(self._probs(b, logits[b]), q[b], drafts[b], keys[b, K])
             ns.append(m)
             rows.append(toks)
         return mx.stack(ns).astype(mx.int32), mx.stack(rows).astype(mx.int32)
