@@ -362,12 +362,11 @@ class RoundKVCache(BatchKVCache):
 
     def extend(self, other: BatchKVCache) -> None:
         """mlx-lm's extend (both right-justified to the longer write column, then stacked), `live` alike."""
-        lives = [(c.live if isinstance(c, RoundKVCache) else self._live_of(c), c._idx,
-                  c.keys.shape[2] if c.keys is not None else 0) for c in (self, other)]
+        lives = [(c.live if isinstance(c, RoundKVCache) else self._live_of(c), c._idx) for c in (self, other)]
         super().extend(other)
         width = self.capacity
 
-        def place(live, idx, size):
+        def place(live, idx):
             left = self._idx - idx
             live = mx.pad(live, [(0, 0), (left, 0)])[:, :width]
             return mx.pad(live, [(0, 0), (0, width - live.shape[1])])
