@@ -326,7 +326,11 @@ class BatchRounds(BatchDecoder):
             post = head.norm(x)
             logits = model.lm_logits(head.to_target(post))[:, -1]  # [B, V]
             h = post if head.input_hidden == "post" else x
-            if sampled:
+            if sampled and self._one_sampled():  # every row sampled, one structure: [B, V] at once
+                q = self._probs_rows(logits)
+                d = sample_from(q, keys[:, step])
+                qs.append(q)
+            elif sampled:
                 # q [B, V]: a greedy sequence's row is never read (its drafts are checked against the argmax)
                 q = mx.stack([self._probs(b, logits[b]) if not s.sampler.greedy else logits[b]
                               for b, s in enumerate(self.active)])
@@ -388,6 +392,17 @@ class BatchRounds(BatchDecoder):
         self.y, self.gen = tokens[rows, n], self.gen + n + 1
         return K, n, tokens
 
+    def _one_sampled(self) -> bool:
+        """Every row samples, and with samplers of one structure: the rows' distributions are one op over the batch."""
+        structure = self._structure()
+        return structure is not None and not structure[0]
+
+    def _probs_rows(self, logits: mx.array) -> mx.array:
+        """Every row's sampling distribution of logits [B, .., V] (_one_sampled), each with its own numbers."""
+        values = self._values if self._values is not None else self._sampler_numbers()  # [B, 3]
+        values = values.T.reshape(3, -1, *([1] * (logits.ndim - 1)))  # [3, B, 1, ..]: broadcast over the rows
+        return self.active[0].sampler.probs(logits, values)
+
     def _probs(self, b: int, logits: mx.array) -> mx.array:
         """Row b's sampling distribution of logits [.., V]: its sampler's, with its numbers from the traced round's
         input where one runs (`_values` [B, 3])."""
@@ -403,6 +418,9 @@ class BatchRounds(BatchDecoder):
         greedy = mx.cumprod((drafts == target[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
         if q is None:  # every sequence greedy: the kept drafts equal the targets at their rows
             return greedy, target
+        if self._one_sampled():  # each row's rule at once (vmap: the same draws as row by row)
+            n, _, tokens = mx.vmap(accept_sampled_arrays)(self._probs_rows(logits), q, drafts, keys[:, K])
+            return n.astype(mx.int32), tokens.astype(mx.int32)
         ns, rows = [], []
         for b, s in enumerate(self.active):
             if s.sampler.greedy:  # a greedy sequence beside sampled ones: its drafts against the argmax
