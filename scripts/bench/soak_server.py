@@ -134,13 +134,16 @@ def main() -> int:
     p.add_argument("--rss-growth-mb", type=float, default=400, help="the bound on RSS growth over the quiet phase")
     p.add_argument("--out", help="summary JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-args", default="",
+                   help="more flags for the server, one string (e.g. --server-args=--no-warmup)")
     args = p.parse_args()
     random.seed(args.seed)
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     # a queue as deep as the clients: every valid request waits its turn (503 past the queue is a test of its own)
     cmd = [sys.executable, "-m", "lattice_mlx.server", "--port", str(port), "--max-queue", str(max(16, args.clients)),
-           "--request-timeout", "30", "--io-timeout", "5"] + (["--model", args.model] if args.model else [])
+           "--request-timeout", "30", "--io-timeout", "5"] + (["--model", args.model] if args.model else []) + \
+        args.server_args.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     summary: dict = {"command": " ".join(["python", "scripts/bench/soak_server.py", *sys.argv[1:]]),
                      "server": " ".join(cmd[1:]), "seconds": args.seconds, "clients": args.clients}

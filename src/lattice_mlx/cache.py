@@ -284,12 +284,9 @@ class RoundKVCache(BatchKVCache):
         keys = mx.take_along_axis(self.keys[:, :, : self._idx], pick, axis=2)
         values = mx.take_along_axis(self.values[:, :, : self._idx], pick, axis=2)
         cap = self.capacity
-        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], cap - longest, a.shape[3]), a.dtype)], 2)  # noqa: E731
-        self.keys, self.values = pad(keys), pad(values)
-        self.left_padding = longest - counts
-        self.offset = counts
-        self._idx = longest
+        self.keys, self.values, self.left_padding, self.offset, self._idx = keys, values, longest - counts, counts, longest
         self.live = self._live_of(self)
+        self._grow(cap)
 
     def make_mask(self, N: int, **kwargs) -> mx.array:
         """[B, 1, N, _idx + N] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own

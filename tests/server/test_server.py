@@ -86,13 +86,13 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[
 
 
 def test_shapes_are_compiled_before_serving(client, server):
-    """The start-up warm-up (plain, then every K up to the default 4, fixed, and the head's catch-up row counts) runs
-    before the first request is taken: logged before the 'serving' line (the first MoE generation at each K took
-    9-17 s on the H200)."""
+    """The start-up warm-up (plain, then every K up to the default 4, fixed, and the head's catch-up row counts;
+    then the batch's MTP rounds at each batch size) runs before the first request is taken: logged before the
+    'serving' line (the first MoE generation at each K took 9-17 s on the H200)."""
     text = server[1].read_text()
     warm, serving = text.find("warmed up in"), text.find("serving lattice-demo")
     assert 0 <= warm < serving and "verify shapes for K = 1..4" in text and "MTP on, K up to 4" in text, text
-    assert "batches of 1..2" in text, text
+    assert "batches of 1..2 (MTP rounds, K = 3)" in text, text
 
 
 def test_models_lists_the_served_model(client):

@@ -26,8 +26,11 @@ from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
 from ..speculative import SpecOptions, SpecStats, speculate
+from ..speculative.batched import BatchRounds
 from ..speculative.options import ADAPTIVE_MAX_K
+from ..speculative.pipelined import tracing_enabled as rounds_tracing_enabled
 from ..speculative.pipelined import warm_catch_up
+from ..speculative.tuning import PIPELINED_START_K
 from ..startup import interrupts_to_main
 from .engine import BatchEngine, Engine, Job
 from .http import Server, Site, is_loopback, make_handler
@@ -59,7 +62,8 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
     sampler structure (decode.TracedSteps, speculative/pipelined.py): greedy, and sampled without top-k / top-p /
     min-p (a request's temperature is an input of that trace). With `max_batch` > 1 where steps are traced, also a
     batch of every size 1..max_batch for a few steps, greedy and sampled: a traced batch step is traced once per
-    batch size (batch.BatchSteps), which would otherwise land on the requests that first make a batch that big."""
+    batch size (batch.BatchSteps), which would otherwise land on the requests that first make a batch that big; with
+    MTP the batch's rounds instead (speculative/batched.py), at the tuner's first depth (PIPELINED_START_K)."""
     tic = time.perf_counter()
     ids = [(7 * i + 3) % model.args.vocab_size for i in range(16)]
     depths = range(1, speculation.draft_tokens + 1) if speculation is not None else []
@@ -75,18 +79,23 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
             steps.close()
     if speculation is not None:
         warm_catch_up(model)
-    batches = max_batch if max_batch > 1 and tracing_enabled() else 0
+    # the batch's traces: plain steps (BatchSteps) without MTP; with it the batch runs MTP rounds (BatchRounds: its
+    # plain steps are not traced), whose steady-state round is traced per depth and batch size: the tuner's first
+    # depth is warmed, the others are traced when the tuner first picks them
+    traced = rounds_tracing_enabled() if speculation is not None else tracing_enabled()
+    batches = max_batch if max_batch > 1 and traced else 0
     if batches:
+        K = min(PIPELINED_START_K, speculation.draft_tokens) if speculation is not None else 0
         for sampler in (Sampler(), Sampler(temp=1.0)):
             for B in range(1, batches + 1):
-                decoder = BatchDecoder(model, max_batch=B)
+                decoder = BatchRounds(model, k=K, max_batch=B) if K else BatchDecoder(model, max_batch=B)
                 for _ in range(B):
-                    decoder.add(ids, max_tokens=4, sampler=sampler)
+                    decoder.add(ids, max_tokens=4 * (K + 1) if K else 4, sampler=sampler)
                 while decoder.busy:
                     decoder.step()
     log.info("warmed up in %.1f s: decode%s%s, greedy and sampled", time.perf_counter() - tic,
              f" and verify shapes for K = 1..{speculation.draft_tokens}" if speculation else "",
-             f", batches of 1..{batches}" if batches else "")
+             (f", batches of 1..{batches}" + (f" (MTP rounds, K = {K})" if K else "")) if batches else "")
 
 
 class Stopper:
