@@ -276,8 +276,9 @@ def test_traced_rounds_replay_exactly(checkpoint, monkeypatch):
 
 def test_traced_sampled_rounds_draw_what_rounds_built_op_by_op_draw(demo32):
     """Seeded sampled sequences (one sampler structure, each its own temperature and top-p: numbers that are an
-    input of the trace) take the same tokens from traced rounds as from rounds built op by op: same keys, same
-    draws."""
+    input of the trace) take the same tokens from traced rounds and plain steps (the adaptive engine's off state,
+    scripted here) as from rounds and steps built op by op: same keys, same draws."""
+    from lattice_mlx import decode
     from lattice_mlx.runtime import runtime_of
     from lattice_mlx.speculative import pipelined
 
@@ -285,9 +286,14 @@ def test_traced_sampled_rounds_draw_what_rounds_built_op_by_op_draw(demo32):
     prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
     samplers = [Sampler(temp=0.7, top_p=0.9), Sampler(temp=1.2, top_p=0.8), Sampler(temp=0.9, top_p=0.95)]
 
+    class Scripted(BatchRounds):
+        def _choose_k(self):
+            return next(self.schedule)
+
     def run(traced: bool):
-        with pipelined.tracing(traced):
-            engine = BatchRounds(model, k=2)
+        with pipelined.tracing(traced), decode.tracing(traced):
+            engine = Scripted(model, k=2, adaptive=True)
+            engine.schedule = iter([2, 2, 2, 0, 0, 0, 2, 2, 2, 0, 0] + [2] * 100)
             seqs = [engine.add(p, max_tokens=30, sampler=s, seed=i) for i, (p, s) in enumerate(zip(prompts, samplers))]
             while engine.busy:
                 engine.step()
@@ -295,5 +301,6 @@ def test_traced_sampled_rounds_draw_what_rounds_built_op_by_op_draw(demo32):
 
     runtime_of(model).traces.pop("batch_rounds", None)
     traced = run(True)
-    assert any(key[2][0] is False for key in runtime_of(model).traces.get("batch_rounds", {}))  # a sampled trace
+    made = runtime_of(model).traces.get("batch_rounds", {})
+    assert {(0, False), (2, False)} <= {(key[1], key[2][0]) for key in made}  # sampled traces: plain steps, K = 2
     assert traced == run(False)

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import BatchKVCache
 from .. import cache as caches
 from .. import traces
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
+from ..decode import tracing_enabled as decode_tracing_enabled
 from ..metal import kernel_policy
 from ..models import compiled
 from ..runtime import runtime_of
@@ -45,6 +46,20 @@ from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
 def _rounds_layout(cache: list) -> list:
     """Batch caches with their attention layers as RoundKVCache (the others as they are)."""
     return [caches.RoundKVCache.of(c) if type(c) is BatchKVCache else c for c in cache]
+
+
+class _PlainOwner:
+    """The owner of a traced plain step of BatchRounds (traces.call reads and sets its state): the engine's caches,
+    newest tokens and keys, not the head's slots."""
+
+    def __init__(self, engine: "BatchRounds"):
+        self.engine = engine
+
+    def _state(self) -> list:
+        return self.engine._plain_state()
+
+    def _set_state(self, arrays: list) -> None:
+        self.engine._set_plain_state(arrays)
 
 
 class BatchRounds(BatchDecoder):
@@ -75,6 +90,7 @@ class BatchRounds(BatchDecoder):
         # `gen` [B] (y's index among the sequence's tokens, + 1)
         self.y = self.ptok = self.phid = self.pn = self.gen = None
         self.holes = False  # whether some row has fewer than P valid pending slots (after a round or a join)
+        self.tail: list[tuple[mx.array, mx.array]] = []  # plain steps' slots not yet in ptok / phid (_pending)
         self._queued: tuple | None = None  # the dispatched pass not read yet: (k, n [B], tokens [B, k + 1])
         self._tic: tuple[int, float] | None = None  # (the K of the last pass dispatched, when), for the tuner
         self._outside = 0.0  # seconds spent prefilling since that dispatch (not the passes' cost)
@@ -100,6 +116,7 @@ class BatchRounds(BatchDecoder):
         if self.y is None:
             self.y, self.ptok, self.phid, self.pn, self.gen = y, tok, hid, mx.ones((1,), mx.int32), gen
         else:  # its one slot padded to the others' P (a slot at least: between passes P is never 0)
+            self._pending()
             P = self.ptok.shape[1]
             self.ptok = mx.concatenate([self.ptok, mx.pad(tok, [(0, 0), (0, P - 1)])])
             self.phid = mx.concatenate([self.phid, mx.pad(hid, [(0, 0), (0, P - 1), (0, 0)])])
@@ -117,10 +134,11 @@ class BatchRounds(BatchDecoder):
             return None
         if not keep:
             self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = None
-            self._queued, self.holes = None, False
+            self._queued, self.holes, self.tail = None, False, []
             return keep
         idx = mx.array(keep, dtype=mx.int32)
         filter_rows(self.head_cache, keep)
+        self._pending()
         self.y, self.ptok, self.phid, self.pn, self.gen = (a[idx] for a in (self.y, self.ptok, self.phid, self.pn,
                                                                              self.gen))
         if self._queued is not None:  # the queued pass's rows too
@@ -173,6 +191,8 @@ class BatchRounds(BatchDecoder):
         return k
 
     def _dispatch_pass(self, k: int) -> tuple[int, mx.array, mx.array]:
+        if k:
+            self._pending()
         out = (self._replay(k) if self._traceable(k) else self._round(k)) if k else self._plain()
         mx.async_eval(out[1], out[2])
         return out
@@ -249,6 +269,67 @@ class BatchRounds(BatchDecoder):
             self._numbers = (samplers, mx.stack([x.values() for x in samplers]))
         return self._numbers[1]
 
+    def _plain_traceable(self) -> bool:
+        return (decode_tracing_enabled() and self._structure() is not None
+                and getattr(self.model, "sharding_group", None) is None and runtime_of(self.model).hidden_tap is None
+                and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
+
+    def _plain_state(self) -> list[mx.array]:
+        kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
+        out = [self.y, self._keys] + [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
+        return out + [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
+
+    def _set_plain_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        self.y, self._keys = next(it), next(it)
+        for c in self.cache:
+            if isinstance(c, caches.RoundKVCache):
+                c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
+        for c in self.cache:
+            if isinstance(c, caches.GDNCache):
+                c.conv, c.ssm = next(it), next(it)
+
+    def _replay_plain(self) -> tuple[mx.array, mx.array]:
+        """A plain step from its trace (made on first use): (the next tokens [B], the hiddens [B, 1, H])."""
+
+        def make():  # (kept with the model: the engine it runs is the owner of the call, not this one)
+            def body(owner: _PlainOwner, state: list, extras: list):
+                engine = owner.engine
+                engine._set_plain_state(state)
+                engine._values = extras[0] if extras else None
+                try:
+                    with compiled.forced(False):
+                        y, hidden = engine._plain_body()
+                finally:
+                    engine._values = None
+                return engine._plain_state(), y, hidden
+
+            def fallback(state: list, extras: list):
+                B, H = state[0].shape[0], self.model.args.hidden_size
+                return list(state), mx.zeros((B,), mx.int32), mx.zeros((B, 1, H))
+
+            return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
+
+        kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
+        gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        for c in kv:
+            c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
+        idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]
+        structure = self._structure()
+        key = (type(self).__qualname__, 0, structure, kernel_policy())
+        cached, _ = traces.cached(self.model, "batch_rounds", key, make)
+        advance = 0
+        try:
+            extras = [] if structure[0] else [self._sampler_numbers()]
+            y, hidden = traces.call(cached, key, _PlainOwner(self), [], extras)
+            advance = 1
+        finally:
+            for c, i in zip(kv, idx):
+                c._idx, c.whole = i + advance, False
+            for c, offset in zip(gdn, offsets):
+                c.offset = offset + advance
+        return y, hidden
+
     def _replay(self, K: int) -> tuple[int, mx.array, mx.array]:
         """A round of depth K from its trace (made on first use): (K, n [B], tokens [B, K + 1])."""
         kv, gdn = self._round_kv(), [c for c in self.cache if isinstance(c, caches.GDNCache)]
@@ -298,9 +379,19 @@ class BatchRounds(BatchDecoder):
         self._last = [row[m] for row, m in zip(rows, ns)]
         return out
 
+    def _pending(self) -> None:
+        """The plain steps' slots (`tail`) appended to the pending ones, once, where a round or a change of the
+        batch needs them as arrays (a plain step appends nothing: the copy per step would grow with the stretch)."""
+        if self.tail:
+            toks, hids = zip(*self.tail)
+            self.ptok = mx.concatenate([self.ptok, *toks], axis=1)
+            self.phid = mx.concatenate([self.phid, *(h.astype(self.phid.dtype) for h in hids)], axis=1)
+            self.tail = []
+
     def _feed_head(self) -> mx.array:
         """The pending slots through the head [B, P] (the invalid ones marked dead in its cache); returns its
         output [B, P, H]. Nothing is pending afterwards."""
+        self._pending()
         head, model = self.model.mtp, self.model
         for c in self.head_cache:
             c.reserve(self.ptok.shape[1] + self.k_max)
@@ -309,6 +400,7 @@ class BatchRounds(BatchDecoder):
             for c in self.head_cache:
                 c.keep(self.pn)
         self.ptok, self.phid, self.holes = self.ptok[:, :0], self.phid[:, :0], False
+        self.pn = mx.zeros_like(self.pn)
         return x
 
     def _draft(self, K: int, keys: mx.array | None) -> tuple[mx.array, mx.array | None]:
@@ -346,19 +438,33 @@ class BatchRounds(BatchDecoder):
 
     def _plain(self) -> tuple[int, mx.array, mx.array]:
         """One plain step of every running sequence; its token and hidden join the sequence's pending head slots
-        (the slots a round left go into the head's cache first)."""
+        (the slots a round left go into the head's cache first). Replayed from a trace where steps are traced
+        (LATTICE_TRACE_STEPS) and the rows' samplers have one structure, as a plain batch's steps are."""
         if self.holes:
             self._feed_head()
         for c in self.cache:
             if isinstance(c, caches.RoundKVCache):
                 c.reserve(1)
-        logits, hidden = self.model(self.y[:, None], self.cache, return_hidden=True)
-        y = self._pick(logits[:, -1]).astype(mx.int32)
-        self.ptok = mx.concatenate([self.ptok, y[:, None]], axis=1)
-        self.phid = mx.concatenate([self.phid, hidden.astype(self.phid.dtype)], axis=1)
-        self.pn = mx.full(self.pn.shape, self.ptok.shape[1], mx.int32)
-        self.y, self.gen = y, self.gen + 1
+        if self._plain_traceable():
+            y, hidden = self._replay_plain()
+        else:
+            y, hidden = self._plain_body()
+        self.tail.append((y[:, None], hidden))
+        self.pn = self.pn + 1
+        self.gen = self.gen + 1
         return 0, mx.zeros(y.shape, mx.int32), y[:, None]
+
+    def _plain_body(self) -> tuple[mx.array, mx.array]:
+        """The step's forward and tokens: (the next tokens [B], the hiddens [B, 1, H]); y and the keys advance."""
+        logits, hidden = self.model(self.y[:, None], self.cache, return_hidden=True)
+        logits = logits[:, -1]
+        if self._values is not None and not self._structure()[0]:  # (traced, sampled: the rows' numbers an input)
+            self._keys, use = split_keys(self._keys)
+            y = sample_from(self._probs_rows(logits), use)
+        else:
+            y = self._pick(logits)
+        self.y = y.astype(mx.int32)
+        return self.y, hidden
 
     def _round(self, K: int) -> tuple[int, mx.array, mx.array]:
         """One round of depth K for every running sequence, on the device: (K, n [B], tokens [B, K + 1])."""
