@@ -8,7 +8,8 @@ Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same ag
 `ours-mtp-auto` (the same drafts, the depth up to 4 or plain steps tuned for the batch, the tuner's memory kept across
 generations as a server's engine keeps it), `mlx-lm`
 (mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `ours-untraced` (--untraced 1: plain steps
-built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps), `ours-dequant` and `ours-mtp-dequant`
+built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps; `ours-mtp-untraced`: the rounds built op by
+op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` and `ours-mtp-dequant`
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
 and multiplied instead of MLX's quantized matmul), `solo` (B = 1 only: plain generate_step, the single-stream
 reference). --skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
@@ -73,8 +74,8 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant"):
         with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
             batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
-    elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto"):
-        with dequant(args, leg):
+    elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced"):
+        with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
             got = run_rounds(target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k, args.oracle_p,
                              adaptive=leg == "ours-mtp-auto")
         if got != [r[:n] for r in refs]:
@@ -140,7 +141,8 @@ def main() -> int:
     p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
     p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
     p.add_argument("--untraced", type=int, default=1,
-                   help="1: also a leg with plain steps built op by op (LATTICE_TRACE_STEPS=0), against the traced")
+                   help="1: also legs with plain steps and MTP rounds built op by op (LATTICE_TRACE_STEPS=0, "
+                   "LATTICE_TRACE_ROUNDS=0), against the traced")
     p.add_argument("--dequant-ab", type=int, default=0, metavar="N",
                    help="add the -dequant legs: LATTICE_DEQUANT_ROWS=N (0: none)")
     p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
@@ -159,7 +161,8 @@ def main() -> int:
     kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
-            (["ours-mtp", "ours-mtp-auto"] if args.mtp_k else []) + (["solo"] if B == 1 else []) + \
+            (["ours-mtp", "ours-mtp-auto"] + (["ours-mtp-untraced"] if args.untraced else []) if args.mtp_k else []) + \
+            (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
@@ -194,6 +197,7 @@ def main() -> int:
                                                                  dequant_rows=args.dequant_ab)
         result["streams"][B] = out
         for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-mtp-auto", "ours"),
+                     ("ours-mtp", "ours-mtp-untraced"),
                      ("ours-dequant", "ours"),
                      ("ours-mtp-dequant", "ours-dequant"), ("ours-mtp-dequant", "ours")):
             if a in tps and b in tps:
