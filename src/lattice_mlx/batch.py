@@ -233,6 +233,10 @@ class BatchDecoder:
             ys, self._ahead = self._ahead, None
             self._flushed += self._take([int(y) for y in ys.tolist()])
 
+    def _discard(self) -> None:
+        """Drops the queued step unread."""
+        self._ahead = None
+
     def _pick(self, logits: mx.array) -> mx.array:
         """Each running sequence's next token from its row of logits [B, V] (device), a sampled row drawing with
         its own key (the rows' keys advance once, unless every row is greedy)."""
@@ -262,7 +266,10 @@ class BatchDecoder:
         if seq.done:
             return
         if seq in self.active:
-            self._flush()
+            try:
+                self._flush()
+            except Exception:  # noqa: BLE001 (the queued step failed when read: its tokens are lost with it, and
+                self._discard()  # a caller cancelling every sequence after a failed step empties the batch)
             if seq.done:
                 return
             seq.finish_reason = "cancelled"

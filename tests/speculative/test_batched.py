@@ -304,3 +304,30 @@ def test_traced_sampled_rounds_draw_what_rounds_built_op_by_op_draw(demo32):
     made = runtime_of(model).traces.get("batch_rounds", {})
     assert {(0, False), (2, False)} <= {(key[1], key[2][0]) for key in made}  # sampled traces: plain steps, K = 2
     assert traced == run(False)
+
+
+def test_cancels_after_a_pass_that_failed_when_read_empty_the_batch(demo32):
+    """A queued pass whose evaluation fails (out of memory, a kernel's error) raises from the step that reads it;
+    cancelling every sequence afterwards (what the server does with a failed batch) does not read it again and
+    empties the batch, and the engine then runs new sequences exactly."""
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:2]]
+    engine = BatchRounds(model, k=2)
+    seqs = [engine.add(p, max_tokens=20) for p in prompts]
+    engine.step()
+    real = engine._read
+
+    def failing(*args):
+        raise RuntimeError("[eval] the pass failed")
+
+    engine._read = failing
+    with pytest.raises(RuntimeError, match="the pass failed"):
+        engine.step()
+    for s in seqs:
+        engine.cancel(s)
+    assert not engine.busy and all(s.finish_reason == "cancelled" for s in seqs)
+    engine._read = real
+    again = engine.add(prompts[0], max_tokens=12)
+    while engine.busy:
+        engine.step()
+    assert again.tokens == solo(model, prompts[0], 12)

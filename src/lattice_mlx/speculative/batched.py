@@ -152,6 +152,9 @@ class BatchRounds(BatchDecoder):
             self._flushed += self._read(*self._queued)
             self._queued, self._tic = None, None
 
+    def _discard(self) -> None:
+        self._queued, self._tic = None, None
+
     def _prefill(self):
         tic = time.perf_counter()
         try:
