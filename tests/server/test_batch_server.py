@@ -163,3 +163,34 @@ def test_a_seeded_request_samples_the_same_text_beside_others(plain_batch_server
         t.join(timeout=300)
     assert beside == alone
     assert bclient.completions.create(**kw, seed=43).choices[0].text != alone
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_a_hand_off_leaves_the_global_generator_off_the_seeds_stream(mtp):
+    """At a seeded request's hand-off the row goes on with a key on its seed's stream (plain: the key its next token
+    draws with), and the global generator, which unseeded requests draw from, is keyed afresh: it is on no key of
+    that stream, and its next draw is none of the row's."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from lattice_mlx import SpecOptions
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.server.engine import BatchEngine, Job, unseed
+
+    job = Job([1, 2], 8, Sampler(temp=1.0), [], 11)
+    mx.random.seed(11)
+    for _ in range(5):  # a lone run's draws
+        mx.random.uniform()
+    owner = SimpleNamespace(speculation=SpecOptions() if mtp else None)
+    key = BatchEngine._stream_on(owner, job, 5)
+    chain = [mx.random.key(11)]
+    for _ in range(60):
+        chain.append(mx.random.split(chain[-1])[0])
+    if not mtp:
+        assert mx.array_equal(key, chain[5]).item()
+    unseed()
+    state = mx.random.state[0]
+    assert not any(mx.array_equal(state, c).item() for c in chain)
+    row = [mx.random.uniform(key=mx.random.split(c)[1]).item() for c in chain[5:20]]
+    assert mx.random.uniform().item() not in row

@@ -331,3 +331,22 @@ def test_cancels_after_a_pass_that_failed_when_read_empty_the_batch(demo32):
     while engine.busy:
         engine.step()
     assert again.tokens == solo(model, prompts[0], 12)
+
+
+def test_an_oracle_engine_replays_its_own_acceptance_not_the_trace_makers(checkpoint):
+    """The traced round is kept with the model: a second oracle engine of another p on the same model (same shapes)
+    accepts at its own p (p is state of the trace, not a constant of the first engine's)."""
+    from lattice_mlx.bench.oracles import OracleBatchRounds
+
+    model = load(checkpoint, dtype="float32")[0]
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    refs = {i: solo(model, pr, 40) for i, pr in enumerate(prompts)}
+    rates = []
+    for p in (1.0, 0.0):
+        engine = OracleBatchRounds(model, k=3, references=refs, p_correct=p)
+        seqs = [engine.add(pr, max_tokens=32) for pr in prompts]
+        while engine.busy:
+            engine.step()
+        assert [s.tokens for s in seqs] == [refs[i][:32] for i in range(2)]
+        rates.append(engine.accepted / engine.drafted)
+    assert rates == [1.0, 0.0]

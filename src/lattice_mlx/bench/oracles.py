@@ -154,6 +154,8 @@ class OracleBatchRounds(BatchRounds):
                  **kwargs):
         super().__init__(model, k=k, **kwargs)
         self.references, self.p_correct = references, p_correct
+        self.p = mx.array(p_correct, dtype=mx.float32)  # (state of a traced round: a number would be a constant
+        # of the trace, kept with the model for the next engine)
         self.okey = mx.random.key(seed)
         self.table: mx.array | None = None  # each row's reference [B, L], padded with 0
 
@@ -167,10 +169,10 @@ class OracleBatchRounds(BatchRounds):
         self.table = mx.concatenate([pad(self.table), pad(ref)])
 
     def _more_state(self):
-        return [self.table, self.okey]
+        return [self.table, self.okey, self.p]
 
     def _set_more_state(self, it):
-        self.table, self.okey = next(it), next(it)
+        self.table, self.okey, self.p = next(it), next(it), next(it)
 
     def _drop(self, rows):
         keep = super()._drop(rows)
@@ -184,6 +186,6 @@ class OracleBatchRounds(BatchRounds):
         at = self.gen[:, None] + mx.arange(K, dtype=mx.int32)[None]  # the drafts' indices among generated tokens
         truth = mx.where(at < L, mx.take_along_axis(self.table, mx.minimum(at, L - 1), axis=1), 0)
         self.okey, use = mx.random.split(self.okey)
-        right = mx.random.uniform(shape=(B, K), key=use) < self.p_correct
+        right = mx.random.uniform(shape=(B, K), key=use) < self.p
         oracle = mx.where(right, truth, (truth + 1) % V).astype(mx.int32)
         return oracle + 0 * drafts, q

@@ -79,9 +79,9 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
             steps.close()
     if speculation is not None:
         warm_catch_up(model)
-    # the batch's traces: plain steps (BatchSteps) without MTP; with it the batch runs MTP rounds (BatchRounds: its
-    # plain steps are not traced), whose steady-state round is traced per depth and batch size: the tuner's first
-    # depth is warmed, the others are traced when the tuner first picks them
+    # the batch's traces: plain steps (BatchSteps) without MTP; with it the batch runs MTP rounds (BatchRounds),
+    # whose steady-state round is traced per depth and batch size: the tuner's first depth is warmed; the other
+    # depths, and the engine's own plain steps (its off state), are traced when the tuner first picks them
     traced = rounds_tracing_enabled() if speculation is not None else tracing_enabled()
     batches = max_batch if max_batch > 1 and traced else 0
     if batches:

@@ -3,6 +3,7 @@ max_tokens, a stop string, its wall-time limit, its client leaving, or shutdown,
 three between tokens, so no request can hold the worker past its limit or keep the server from stopping."""
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,12 @@ class Job:
         if not self.cancelled.is_set():
             self.why = why
             self.cancelled.set()
+
+
+def unseed() -> None:
+    """MLX's global generator keyed afresh from the OS's entropy, after a seeded request used it: the requests after
+    it (unseeded ones draw from the generator) never draw the numbers its seed's stream drew or would draw next."""
+    mx.random.seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
 
 class Engine:
@@ -107,6 +114,8 @@ class Engine:
                 log.exception("generation failed")
                 job.events.put(("error", f"generation failed: {e}"))
             finally:
+                if job.seed is not None:
+                    unseed()
                 with self._lock:
                     self.current = None
         with self._lock:
@@ -273,6 +282,7 @@ class BatchEngine(Engine):
             if self._refused(job):
                 return True
             self.current = job
+        handoff = None
         try:
             handoff = self._generate(job, yield_to=lambda: not self.jobs.empty() and not self.stopping.is_set())
         except Exception as e:  # one request's failure is reported to it; the server goes on
@@ -280,10 +290,13 @@ class BatchEngine(Engine):
             job.events.put(("error", f"generation failed: {e}"))
             return True
         finally:
+            key = self._stream_on(job, len(handoff.tokens)) if handoff is not None else None
+            if job.seed is not None:
+                unseed()
             with self._lock:
                 self.current = None
         if handoff is not None:
-            self._join(decoder, job, handoff)
+            self._join(decoder, job, handoff, key)
         return True
 
     def _stream_on(self, job: Job, drawn: int) -> mx.array | None:
@@ -292,7 +305,8 @@ class BatchEngine(Engine):
         batch splits a row's: `drawn` splits of key(seed) are the key its next token draws with, so its text is its
         lone run's (the generator itself may be a draw further: a plain step is queued one ahead). MTP rounds draw
         per round, not per token: the generator's own key, past every key the lone run drew (keyed by its seed
-        again, the batch would draw its first tokens' numbers once more)."""
+        again, the batch would draw its first tokens' numbers once more). Either key lies on the generator's own
+        chain: the caller reseeds the generator afterwards (`unseed`), else later requests would draw its numbers."""
         if job.seed is None:
             return None
         if self.speculation is not None:
@@ -302,7 +316,7 @@ class BatchEngine(Engine):
             key = mx.random.split(key)[0]
         return key
 
-    def _join(self, decoder, job: Job, handoff: _Handoff) -> None:
+    def _join(self, decoder, job: Job, handoff: _Handoff, key: mx.array | None = None) -> None:
         """A job that ran alone goes on in the batch: its prompt and generated tokens prefilled (the kept prompt
         state covers its prompt), what is left of its budget to go, its text streaming on where it stopped."""
         ids = job.ids + handoff.tokens
@@ -310,7 +324,7 @@ class BatchEngine(Engine):
         try:
             seq = decoder.add(ids, max_tokens=job.max_tokens - len(handoff.tokens), sampler=job.sampler,
                               stop_ids=self.eos, prefix=pc if pc is not None and pc.covers(ids) else None,
-                              key=self._stream_on(job, len(handoff.tokens)))
+                              key=key)
         except Exception as e:  # noqa: BLE001 (one request's failure is reported to it)
             log.exception("joining the batch failed")
             job.events.put(("error", f"generation failed: {e}"))

@@ -134,7 +134,7 @@ class BatchRounds(BatchDecoder):
             return None
         if not keep:
             self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = None
-            self._queued, self.holes, self.tail = None, False, []
+            self._queued, self.holes, self.tail, self._tic, self._outside = None, False, [], None, 0.0
             return keep
         idx = mx.array(keep, dtype=mx.int32)
         filter_rows(self.head_cache, keep)
@@ -319,7 +319,7 @@ class BatchRounds(BatchDecoder):
             c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
         idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]
         structure = self._structure()
-        key = (type(self).__qualname__, 0, structure, kernel_policy())
+        key = (type(self), 0, structure, kernel_policy())
         cached, _ = traces.cached(self.model, "batch_rounds", key, make)
         advance = 0
         try:
@@ -347,7 +347,7 @@ class BatchRounds(BatchDecoder):
         self.holes = True  # (the trace marks the invalid pending slots dead whatever: pn says which they are)
         structure = self._structure()
         extras = [] if structure[0] else [self._sampler_numbers()]
-        key = (type(self).__qualname__, K, structure, kernel_policy())
+        key = (type(self), K, structure, kernel_policy())
         cached, _ = traces.cached(self.model, "batch_rounds", key, lambda: self._trace(K))
         advance = 0
         try:
