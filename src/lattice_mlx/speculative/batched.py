@@ -24,6 +24,7 @@ K or plain steps for the batch as a whole, with its costs kept per batch size (a
 steps the pending head slots go into the head's cache, and the plain steps' own slots wait for the next round.
 """
 
+import contextlib
 import time
 
 import mlx.core as mx
@@ -96,12 +97,15 @@ class BatchRounds(BatchDecoder):
         self._outside = 0.0  # seconds spent prefilling since that dispatch (not the passes' cost)
         self._values: mx.array | None = None  # the rows' sampler numbers [B, 3] inside a traced round
         self._numbers: tuple | None = None  # (the samplers, their numbers [B, 3]) of the last traced round
+        self._shape: tuple | None | bool = False  # _structure() of the running batch (False: to work out)
+        self._no_drafts: mx.array | None = None  # a plain pass's accepted counts [B] (zeros, kept per batch size)
         self.rounds = self.drafted = self.accepted = 0
 
     # --- joins and leaves -----------------------------------------------------------------------------------------
 
     def _join(self, seq: Sequence, cache: list, hidden: mx.array) -> None:
         super()._join(seq, cache, hidden)  # (reads the queued pass first)
+        self._shape = False
         self.cache = _rounds_layout(self.cache)
         # the prompt's slots: embed(t_{j+1}) with h_j; all but the last go in now, the last with the first round
         head = self.model.mtp.make_cache()
@@ -132,6 +136,7 @@ class BatchRounds(BatchDecoder):
         keep = super()._drop(rows)
         if keep is None:
             return None
+        self._shape = False
         if not keep:
             self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = None
             self._queued, self.holes, self.tail, self._tic, self._outside = None, False, [], None, 0.0
@@ -208,12 +213,13 @@ class BatchRounds(BatchDecoder):
     # Each batch size and buffer capacity is a trace of its own (MLX traces again for new shapes).
 
     def _structure(self) -> tuple | None:
-        """The rows' one sampler structure (Sampler.structure), None where they have several or a subclass's."""
-        samplers = [s.sampler for s in self.active]
-        if not all(type(x) is Sampler for x in samplers):
-            return None
-        shapes = {x.structure() for x in samplers}
-        return shapes.pop() if len(shapes) == 1 else None
+        """The rows' one sampler structure (Sampler.structure), None where they have several or a subclass's; worked
+        out again only when the batch changes (asked several times a pass)."""
+        if self._shape is False:
+            samplers = [s.sampler for s in self.active]
+            shapes = {x.structure() for x in samplers} if all(type(x) is Sampler for x in samplers) else set()
+            self._shape = shapes.pop() if len(shapes) == 1 else None
+        return self._shape
 
     def _traceable(self, K: int) -> bool:
         return (tracing_enabled() and self.ptok.shape[1] == K + 1 and self._structure() is not None
@@ -279,12 +285,13 @@ class BatchRounds(BatchDecoder):
 
     def _plain_state(self) -> list[mx.array]:
         kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
-        out = [self.y, self._keys] + [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
+        out = [self.y, self._keys, self.pn, self.gen]
+        out += [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
         return out + [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
 
     def _set_plain_state(self, arrays: list) -> None:
         it = iter(arrays)
-        self.y, self._keys = next(it), next(it)
+        self.y, self._keys, self.pn, self.gen = (next(it) for _ in range(4))
         for c in self.cache:
             if isinstance(c, caches.RoundKVCache):
                 c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
@@ -313,51 +320,46 @@ class BatchRounds(BatchDecoder):
 
             return traces.compile_traced(body, fallback, [mx.random.state, self.model.state])
 
-        kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
+        structure = self._structure()
+        key = (type(self), 0, structure, kernel_policy())
+        cached, _ = traces.cached(self.model, "batch_rounds", key, make)
+        extras = [] if structure[0] else [self._sampler_numbers()]
+        with self._columns_on_device([c for c in self.cache if isinstance(c, caches.RoundKVCache)], 1):
+            return traces.call(cached, key, _PlainOwner(self), [], extras)
+
+    @contextlib.contextmanager
+    def _columns_on_device(self, kv: list, advance: int):
+        """Around a replay: the round caches `kv` write at their device-side column (`whole`, `pos` from _idx); after
+        it, the host counts a replay does not run the Python of (the caches' _idx, the GDN layers' offsets) advance
+        by `advance` columns, by none where the replay raised."""
         gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
         for c in kv:
             c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
         idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]
-        structure = self._structure()
-        key = (type(self), 0, structure, kernel_policy())
-        cached, _ = traces.cached(self.model, "batch_rounds", key, make)
-        advance = 0
+        ran = 0
         try:
-            extras = [] if structure[0] else [self._sampler_numbers()]
-            y, hidden = traces.call(cached, key, _PlainOwner(self), [], extras)
-            advance = 1
+            yield
+            ran = advance
         finally:
             for c, i in zip(kv, idx):
-                c._idx, c.whole = i + advance, False
+                c._idx, c.whole = i + ran, False
             for c, offset in zip(gdn, offsets):
-                c.offset = offset + advance
-        return y, hidden
+                c.offset = offset + ran
 
     def _replay(self, K: int) -> tuple[int, mx.array, mx.array]:
         """A round of depth K from its trace (made on first use): (K, n [B], tokens [B, K + 1])."""
-        kv, gdn = self._round_kv(), [c for c in self.cache if isinstance(c, caches.GDNCache)]
         for c in self.cache:
             if isinstance(c, caches.RoundKVCache):
                 c.reserve(K + 1)
         for c in self.head_cache:  # its K + 1 slots, then draft rows (as _feed_head reserves)
             c.reserve(K + 1 + self.k_max)
-        for c in kv:
-            c.pos, c.whole = mx.array(c._idx, dtype=mx.int32), True
-        idx, offsets = [c._idx for c in kv], [c.offset for c in gdn]  # (host counts: a replay runs no Python)
         self.holes = True  # (the trace marks the invalid pending slots dead whatever: pn says which they are)
         structure = self._structure()
         extras = [] if structure[0] else [self._sampler_numbers()]
         key = (type(self), K, structure, kernel_policy())
         cached, _ = traces.cached(self.model, "batch_rounds", key, lambda: self._trace(K))
-        advance = 0
-        try:
+        with self._columns_on_device(self._round_kv(), K + 1):  # (the head's columns advance K + 1 too)
             n, tokens = traces.call(cached, key, self, [], extras)
-            advance = K + 1
-        finally:
-            for c, i in zip(kv, idx):
-                c._idx, c.whole = i + advance, False
-            for c, offset in zip(gdn, offsets):
-                c.offset = offset + advance
         self.k, self.holes = K, True
         return K, n, tokens
 
@@ -453,12 +455,13 @@ class BatchRounds(BatchDecoder):
         else:
             y, hidden = self._plain_body()
         self.tail.append((y[:, None], hidden))
-        self.pn = self.pn + 1
-        self.gen = self.gen + 1
-        return 0, mx.zeros(y.shape, mx.int32), y[:, None]
+        if self._no_drafts is None or self._no_drafts.shape != y.shape:
+            self._no_drafts = mx.zeros(y.shape, mx.int32)
+        return 0, self._no_drafts, y[:, None]
 
     def _plain_body(self) -> tuple[mx.array, mx.array]:
-        """The step's forward and tokens: (the next tokens [B], the hiddens [B, 1, H]); y and the keys advance."""
+        """The step's forward and tokens: (the next tokens [B], the hiddens [B, 1, H]); y, the keys and the pending
+        and generated counts advance."""
         logits, hidden = self.model(self.y[:, None], self.cache, return_hidden=True)
         logits = logits[:, -1]
         if self._values is not None and not self._structure()[0]:  # (traced, sampled: the rows' numbers an input)
@@ -466,7 +469,7 @@ class BatchRounds(BatchDecoder):
             y = sample_from(self._probs_rows(logits), use)
         else:
             y = self._pick(logits)
-        self.y = y.astype(mx.int32)
+        self.y, self.pn, self.gen = y.astype(mx.int32), self.pn + 1, self.gen + 1
         return self.y, hidden
 
     def _round(self, K: int) -> tuple[int, mx.array, mx.array]:
