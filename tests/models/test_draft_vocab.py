@@ -11,11 +11,11 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import exact_plain_joint, fit_pvalues
 
 from lattice_mlx import SpecOptions, generate
 from lattice_mlx.bench.synthetic import random_checkpoint
 from lattice_mlx.convert import convert
-from lattice_mlx.decode import generate_step
 from lattice_mlx.load import LoadError, load, quantize
 from lattice_mlx.models.mtp import DraftVocab
 from lattice_mlx.sample import Sampler
@@ -107,30 +107,22 @@ def test_traced_rounds_draft_from_the_current_rows_and_vocabulary(small_vocab_ck
     assert untraced == traced
 
 
-def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
-    """Tokens 2..5 of a generation at temperature 1 (the first comes from prefill); with spec one K=3 MTP round and
-    its bonus when all drafts are accepted."""
+def _round_tokens(model, seeds) -> list[tuple[int, ...]]:
+    """Tokens 2..5 of a generation at temperature 1 (the first comes from prefill): one K=3 MTP round and its bonus
+    when all drafts are accepted."""
     sampler, options, out = Sampler(temp=1.0), SpecOptions(draft_tokens=3, adaptive=False), []
     for seed in seeds:
         mx.random.seed(seed)
-        if spec:
-            gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
-                                   stats=SpecStats.of(options))
-        else:
-            gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
+        gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
+                        stats=SpecStats.of(options))
         out.append(tuple(next(gen) for _ in range(5))[1:])
     return out
 
 
-def _min_pvalue(plain, spec) -> float:
-    from scipy.stats import chi2_contingency
-
-    out = []
-    for idx in ((0, 1), (1, 2), (2, 3), (3,)):
-        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
-        keys = sorted(set(a) | set(b))
-        out.append(chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1])
-    return min(out)
+def _min_pvalue(joint, spec) -> float:
+    """The least chi-square p-value of the speculative tokens 2..5 against plain sampling's exact joint, over the
+    pairs (t1, t2), (t2, t3), (t3, t4) and t4 alone."""
+    return min(fit_pvalues(joint, spec, ((0, 1), (1, 2), (2, 3), (3,))).values())
 
 
 def test_sampled_mtp_with_a_draft_vocab_keeps_the_distribution(tiny_vocab_model, monkeypatch):
@@ -140,17 +132,16 @@ def test_sampled_mtp_with_a_draft_vocab_keeps_the_distribution(tiny_vocab_model,
     before = model.mtp.draft_vocab
     try:
         model.mtp.draft_vocab = DraftVocab([0, 1, 3, 6])
-        trials = 800
-        plain = _round_tokens(model, range(10, 10 + trials), spec=False)
-        seeds = range(500_000, 500_000 + trials)
-        assert _min_pvalue(plain, _round_tokens(model, seeds, spec=True)) > 1e-3
+        joint = exact_plain_joint(model, [1, 2, 1, 2, 1], 5, Sampler(temp=1.0)).sum(axis=0)  # t1..t4
+        seeds = range(500_000, 500_000 + 300)
+        assert _min_pvalue(joint, _round_tokens(model, seeds)) > 1e-3
 
         def misplaced(self, draft, q, vocab):
             token = self.ids[draft]
             return token, (None if q is None else mx.zeros((vocab,), dtype=q.dtype).at[self.ids[::-1]].add(q))
 
         monkeypatch.setattr(DraftVocab, "to_full", misplaced)
-        assert _min_pvalue(plain, _round_tokens(model, seeds, spec=True)) < 1e-4
+        assert _min_pvalue(joint, _round_tokens(model, seeds)) < 1e-4
     finally:
         model.mtp.draft_vocab = before
 

@@ -3,6 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import exact_plain_joint, fit_pvalues
 
 from lattice_mlx import cache as caches
 from lattice_mlx import generate, load
@@ -328,8 +329,8 @@ def test_kv_snapshot_is_not_changed_by_later_writes():
     assert mx.array_equal(snap[0][..., :3, :], ones)
 
 
-def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
-    """Tokens 2..5 of a generation (the first comes from prefill): with spec, exactly one K=3 round and its bonus
+def _round_tokens(model, seeds) -> list[tuple[int, ...]]:
+    """Tokens 2..5 of a speculative generation (the first comes from prefill): exactly one K=3 round and its bonus
     when all drafts are accepted. Drafts: the target's own layers sampled at temperature 0.3 against the target's
     1.0, so q is sharper than p: drafts are accepted often but with p/q < 1, where each position's own uniform
     matters."""
@@ -338,28 +339,18 @@ def _round_tokens(model, seeds, *, spec: bool) -> list[tuple[int, ...]]:
     sampler, options, out = Sampler(temp=1.0), SpecOptions(draft="self", draft_tokens=3, adaptive=False), []
     for seed in seeds:
         mx.random.seed(seed)
-        if spec:
-            drafter = SelfSpecDrafter(model, Sampler(temp=0.3), "first:4")
-            gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
-                                   stats=SpecStats.of(options), drafter=drafter)
-        else:
-            gen = generate_step(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler)
+        drafter = SelfSpecDrafter(model, Sampler(temp=0.3), "first:4")
+        gen = speculate(model, mx.array([1, 2, 1, 2, 1]), sampler=sampler, options=options,
+                        stats=SpecStats.of(options), drafter=drafter)
         out.append(tuple(next(gen) for _ in range(5))[1:])
     return out
 
 
-def _pvalues(plain, spec) -> dict:
-    """Chi-square p-values of plain vs speculative over the pairs (t1, t2), (t2, t3), (t3, t4) and t4 alone."""
-    from collections import Counter
-
-    from scipy.stats import chi2_contingency
-
-    out = {}
-    for idx in ((0, 1), (1, 2), (2, 3), (3,)):
-        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
-        keys = sorted(set(a) | set(b))
-        out[idx] = chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1]
-    return out
+def _fit(model, spec) -> dict:
+    """Chi-square p-values of the speculative tokens 2..5 against plain sampling's exact joint, over the pairs
+    (t1, t2), (t2, t3), (t3, t4) and t4 alone."""
+    joint = exact_plain_joint(model, [1, 2, 1, 2, 1], 5, Sampler(temp=1.0)).sum(axis=0)  # t1..t4
+    return fit_pvalues(joint, spec, ((0, 1), (1, 2), (2, 3), (3,)))
 
 
 def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
@@ -368,10 +359,8 @@ def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_v
     from lattice_mlx import sample
     from lattice_mlx.speculative import chain as speculative
 
-    trials = 800
-    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
-    seeds = range(500_000, 500_000 + trials)
-    right = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+    seeds = range(500_000, 500_000 + 300)
+    right = _fit(tiny_vocab_model, _round_tokens(tiny_vocab_model, seeds))
     assert min(right.values()) > 1e-3, right
     real = sample.accept_sampled
 
@@ -388,7 +377,7 @@ def test_sampled_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_v
 
     for planted in (bonus_from_wrong_row, one_shared_uniform):
         monkeypatch.setattr(speculative, "accept_sampled", planted)
-        wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+        wrong = _fit(tiny_vocab_model, _round_tokens(tiny_vocab_model, seeds))
         assert min(wrong.values()) < 1e-4, (planted.__name__, wrong)
 
 

@@ -8,6 +8,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import exact_plain_joint, fit_pvalues
 
 from lattice_mlx import cache as caches
 from lattice_mlx import decode, load, sample
@@ -153,27 +154,30 @@ def _round_tokens(model, seeds, *, spec: bool, k: int = 3, head: bool = False) -
     return out
 
 
-def _pvalues(plain, spec) -> dict:
-    from collections import Counter
-
-    from scipy.stats import chi2_contingency
-
-    out = {}
-    for idx in ((1, 2), (2, 3), (3, 4), (4,)):  # token 0 comes from the prefill in both
-        a, b = Counter(tuple(t[i] for i in idx) for t in plain), Counter(tuple(t[i] for i in idx) for t in spec)
-        keys = sorted(set(a) | set(b))
-        out[idx] = chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]]))[1]
-    return out
+GROUPS = ((1, 2), (2, 3), (3, 4), (4,))  # token 0 comes from the prefill in both
 
 
-def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, monkeypatch):
+@pytest.fixture(scope="module")
+def plain_joint(tiny_vocab_model):
+    """The exact distribution of plain sampling's first 5 tokens at temperature 1 after _round_tokens' prompt."""
+    return exact_plain_joint(tiny_vocab_model, [1, 2, 1, 2, 1], 5, Sampler(temp=1.0))
+
+
+def test_the_exact_reference_is_plain_sampling(tiny_vocab_model, plain_joint):
+    """The reference the sampled tests fit against: plain sampling's own tokens fit it, and a joint of the wrong
+    temperature does not (so the fit can fail)."""
+    plain = _round_tokens(tiny_vocab_model, range(10, 310), spec=False)
+    assert min(fit_pvalues(plain_joint, plain, GROUPS).values()) > 1e-3
+    hot = exact_plain_joint(tiny_vocab_model, [1, 2, 1, 2, 1], 5, Sampler(temp=1.5))
+    assert min(fit_pvalues(hot, plain, GROUPS).values()) < 1e-4
+
+
+def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_fail(tiny_vocab_model, plain_joint,
+                                                                                     monkeypatch):
     """Device-side sampled acceptance: every position of a K=3 round and its bonus, in adjacent pairs, against plain
     sampling; the same check catches a bonus drawn from the last draft's row and one uniform shared by all drafts."""
-    trials = 800
-    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
-    seeds = range(700_000, 700_000 + trials)
-    spec = _round_tokens(tiny_vocab_model, seeds, spec=True)
-    right = _pvalues(plain, spec)
+    seeds = range(700_000, 700_000 + 300)
+    right = fit_pvalues(plain_joint, _round_tokens(tiny_vocab_model, seeds, spec=True), GROUPS)
     assert min(right.values()) > 1e-3, right
     uniform = mx.random.uniform
     planted = {
@@ -184,23 +188,22 @@ def test_sampled_pipelined_round_keeps_the_joint_distribution_and_planted_bugs_f
     for name, plant in planted.items():
         with monkeypatch.context() as m:
             plant(m)
-            wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True))
+            wrong = fit_pvalues(plain_joint, _round_tokens(tiny_vocab_model, seeds, spec=True), GROUPS)
         assert min(wrong.values()) < 1e-4, (name, wrong)
 
 
-def test_sampled_pipelined_rounds_with_the_heads_own_drafts_keep_the_distribution(tiny_vocab_model, monkeypatch):
+def test_sampled_pipelined_rounds_with_the_heads_own_drafts_keep_the_distribution(tiny_vocab_model, plain_joint,
+                                                                                    monkeypatch):
     """The default sampled path: the MTP head's own drafts at K = 1..3, every position and the bonus in adjacent
     pairs against plain sampling. Drafts drawn by argmax while q is reported as their distribution fail it (every
     other sampled pipelined test replaces the head's drafts)."""
     from lattice_mlx.metal.argmax import argmax
     from lattice_mlx.speculative import pipelined
 
-    trials = 400
-    plain = _round_tokens(tiny_vocab_model, range(10, 10 + trials), spec=False)
-    seeds = range(900_000, 900_000 + trials)
+    seeds = range(900_000, 900_000 + 300)
     tiny_vocab_model.runtime.traces.clear()  # traces built on another test's drafts are not this test's
     for k in (1, 2, 3):
-        right = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True, k=k, head=True))
+        right = fit_pvalues(plain_joint, _round_tokens(tiny_vocab_model, seeds, spec=True, k=k, head=True), GROUPS)
         assert min(right.values()) > 1e-3, (k, right)
     real = pipelined._pick
 
@@ -211,7 +214,7 @@ def test_sampled_pipelined_rounds_with_the_heads_own_drafts_keep_the_distributio
     with monkeypatch.context() as m:
         m.setattr(pipelined, "_pick", argmax_drafts)
         tiny_vocab_model.runtime.traces.clear()
-        wrong = _pvalues(plain, _round_tokens(tiny_vocab_model, seeds, spec=True, k=2, head=True))
+        wrong = fit_pvalues(plain_joint, _round_tokens(tiny_vocab_model, seeds, spec=True, k=2, head=True), GROUPS)
     tiny_vocab_model.runtime.traces.clear()
     assert min(wrong.values()) < 1e-4, wrong
 
