@@ -75,26 +75,16 @@ def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
             return out
 
 
-def two_token_pvalue(model, prompt: list[int], sampler, speculative, *, trials: int = 300, vocab: int = 8) -> float:
-    """Chi-square p-value that the first two tokens of `speculative(seed) -> tokens` follow plain sampling.
-    Each trial seeds both runs, from disjoint seed ranges."""
+def two_token_pvalue(model, prompt: list[int], sampler, speculative, *, trials: int = 300) -> float:
+    """Chi-square p-value that the first two tokens of `speculative() -> tokens` follow plain sampling (its exact
+    joint, `exact_plain_joint`); trial i seeds MLX's generator with 500,000 + i."""
     import mlx.core as mx
-    import numpy as np
-    from scipy.stats import chi2_contingency
 
-    from lattice_mlx.decode import generate_step
-
-    counts = np.zeros((2, vocab * vocab))
+    samples = []
     for i in range(trials):
-        mx.random.seed(10 + i)
-        steps = generate_step(model, mx.array(prompt), sampler=sampler)
-        a, b = next(steps), next(steps)
-        counts[0, a * vocab + b] += 1
         mx.random.seed(500_000 + i)
-        toks = speculative()
-        counts[1, toks[0] * vocab + toks[1]] += 1
-    keep = counts.sum(0) > 0
-    return chi2_contingency(counts[:, keep])[1]
+        samples.append(tuple(speculative()[:2]))
+    return fit_pvalues(exact_plain_joint(model, prompt, 2, sampler), samples, ((0, 1),))[(0, 1)]
 
 
 def exact_plain_joint(model, prompt: list[int], n: int, sampler):
@@ -129,9 +119,14 @@ def fit_pvalues(joint, samples, groups, min_expected: float = 5.0) -> dict:
         observed = np.zeros(marginal.size)
         np.add.at(observed, np.ravel_multi_index(tuple(s[:, i] for i in idx), marginal.shape), 1)
         expected = marginal.reshape(-1) * len(s)
+        if observed[expected == 0].any():  # an outcome plain sampling never gives (top-k, top-p) was drawn
+            out[idx] = 0.0
+            continue
         small = expected < min_expected
-        o, e = np.append(observed[~small], observed[small].sum()), np.append(expected[~small], expected[small].sum())
-        out[idx] = chisquare(o, e)[1] if small.any() else chisquare(observed, expected)[1]
+        o, e = observed[~small], expected[~small]
+        if expected[small].sum() > 0:
+            o, e = np.append(o, observed[small].sum()), np.append(e, expected[small].sum())
+        out[idx] = chisquare(o, e)[1]
     return out
 
 
