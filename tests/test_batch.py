@@ -30,6 +30,31 @@ def test_batch_generate_greedy_equals_each_single_generation(model32, compile_mo
         assert r.finish_reason == "length" and r.prompt_tokens == len(prompt)
 
 
+def test_a_batched_forward_builds_one_mask_for_every_attention_layer(model32, compile_mode, monkeypatch):
+    """The attention layers' batch caches hold the same columns, so a forward masks once, not once per layer; the
+    sequences keep their single generations' tokens."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    masks, forwards, make_mask, forward = [], [], BatchKVCache.make_mask, type(model32).__call__
+
+    def counted_mask(self, N, **kwargs):
+        masks.append(N)
+        return make_mask(self, N, **kwargs)
+
+    def counted_forward(self, inputs, cache=None, *args, **kwargs):
+        if cache and any(isinstance(c, BatchKVCache) for c in cache):
+            forwards.append(inputs.shape)
+        return forward(self, inputs, cache, *args, **kwargs)
+
+    monkeypatch.setattr(BatchKVCache, "make_mask", counted_mask)
+    monkeypatch.setattr(type(model32), "__call__", counted_forward)
+    monkeypatch.setenv("LATTICE_TRACE_STEPS", "0")  # a traced step's mask is built once, at its trace
+    got = batch_generate(model32, None, PROMPTS[:3], max_tokens=5, max_batch=3)
+    for prompt, r in zip(PROMPTS[:3], got):
+        assert r.tokens == solo(model32, prompt, 5)
+    assert len(forwards) >= 3 and len(masks) == len(forwards), (forwards, masks)
+
+
 def test_arrivals_and_a_cancel_mid_generation_leave_the_others_untouched(model32):
     engine = BatchDecoder(model32, max_batch=4)
     a = engine.add(PROMPTS[2], max_tokens=14)

@@ -95,6 +95,7 @@ class CompiledLayers:
     def __call__(self, h: mx.array, cache: list) -> mx.array:
         T = h.shape[1]
         kernels = kernel_policy()
+        mask, masked = None, False
         for layer, c, fn in zip(self.layers, cache, self.fns):
             if layer.is_linear:
                 record = c.records(T)
@@ -105,10 +106,12 @@ class CompiledLayers:
                 offset = c.offset if isinstance(c.offset, mx.array) else mx.array(c.offset, dtype=mx.int32)
                 q, k, v, gate_src = attn_in(h, offset, kernels)
                 # a rotating cache (max_kv_size) masks a sliding window once it has rotated; a batch's cache its
-                # sequences' left padding
-                mask = c.make_mask(T) if isinstance(c, (RotatingKVCache, BatchKVCache)) else None
-                if mask is None and T > 1:
-                    mask = "causal"
+                # sequences' left padding. Built once a forward: every attention layer's cache holds the same columns
+                if not masked:
+                    mask = c.make_mask(T) if isinstance(c, (RotatingKVCache, BatchKVCache)) else None
+                    if mask is None and T > 1:
+                        mask = "causal"
+                    masked = True
                 k, v = c.update_and_fetch(k, v)
                 out = sdpa(q, k, v, scale=layer.self_attn.scale, mask=mask, length=getattr(c, "length", None))
                 h = attn_out(h, out, gate_src, kernels)
@@ -136,6 +139,10 @@ def run_layers(owner, layers: list, h: mx.array, cache, mask=None, tree=None, in
             compiled = rt.compiled = CompiledLayers(layers)
         return compiled(h, cache)
     cache = cache if cache is not None else [None] * len(layers)
+    if mask is None and tree is None:  # one mask for every attention layer (their caches hold the same columns)
+        first = next((c for layer, c in zip(layers, cache) if not getattr(layer, "is_linear", False)), None)
+        if isinstance(first, (RotatingKVCache, BatchKVCache)):
+            mask = first.make_mask(h.shape[1])
     for layer, c in zip(layers, cache):
         h = layer(h, c, mask, tree)
     return h
