@@ -221,29 +221,44 @@ class BatchRounds(BatchDecoder):
             self._shape = shapes.pop() if len(shapes) == 1 else None
         return self._shape
 
-    def _traceable(self, K: int) -> bool:
-        return (tracing_enabled() and self.ptok.shape[1] == K + 1 and self._structure() is not None
-                and getattr(self.model, "sharding_group", None) is None and runtime_of(self.model).hidden_tap is None
-                and all(c.keys is not None for c in self.head_cache)
+    def _replayable(self) -> bool:
+        """What a traced round and a traced plain step both need: one sampler structure, one process, no hidden
+        tap, no GDN window picks pending."""
+        return (self._structure() is not None and getattr(self.model, "sharding_group", None) is None
+                and runtime_of(self.model).hidden_tap is None
                 and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
 
+    def _traceable(self, K: int) -> bool:
+        return (tracing_enabled() and self.ptok.shape[1] == K + 1 and self._replayable()
+                and all(c.keys is not None for c in self.head_cache))
+
+    def _model_kv(self) -> list:
+        return [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
+
     def _round_kv(self) -> list:
-        return [c for c in self.cache if isinstance(c, caches.RoundKVCache)] + list(self.head_cache)
+        return self._model_kv() + list(self.head_cache)
 
-    def _state(self) -> list[mx.array]:
-        out = [self.y, self.ptok, self.phid, self.pn, self.gen, self._keys]
-        out += [a for c in self._round_kv() for a in (c.keys, c.values, c.live, c.offset, c.pos)]
-        out += [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
-        return out + self._more_state()
+    def _cache_state(self, kv: list) -> list[mx.array]:
+        """The arrays of the round caches `kv` and of the GDN layers, as a trace carries them."""
+        out = [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
+        return out + [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
 
-    def _set_state(self, arrays: list) -> None:
-        it = iter(arrays)
-        self.y, self.ptok, self.phid, self.pn, self.gen, self._keys = (next(it) for _ in range(6))
-        for c in self._round_kv():
+    def _set_cache_state(self, kv: list, it) -> None:
+        """Takes what _cache_state(kv) gave from `it`."""
+        for c in kv:
             c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
         for c in self.cache:
             if isinstance(c, caches.GDNCache):
                 c.conv, c.ssm = next(it), next(it)
+
+    def _state(self) -> list[mx.array]:
+        out = [self.y, self.ptok, self.phid, self.pn, self.gen, self._keys]
+        return out + self._cache_state(self._round_kv()) + self._more_state()
+
+    def _set_state(self, arrays: list) -> None:
+        it = iter(arrays)
+        self.y, self.ptok, self.phid, self.pn, self.gen, self._keys = (next(it) for _ in range(6))
+        self._set_cache_state(self._round_kv(), it)
         self._set_more_state(it)
 
     def _more_state(self) -> list[mx.array]:
@@ -279,25 +294,15 @@ class BatchRounds(BatchDecoder):
         return self._numbers[1]
 
     def _plain_traceable(self) -> bool:
-        return (decode_tracing_enabled() and self._structure() is not None
-                and getattr(self.model, "sharding_group", None) is None and runtime_of(self.model).hidden_tap is None
-                and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
+        return decode_tracing_enabled() and self._replayable()
 
     def _plain_state(self) -> list[mx.array]:
-        kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
-        out = [self.y, self._keys, self.pn, self.gen]
-        out += [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
-        return out + [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
+        return [self.y, self._keys, self.pn, self.gen] + self._cache_state(self._model_kv())
 
     def _set_plain_state(self, arrays: list) -> None:
         it = iter(arrays)
         self.y, self._keys, self.pn, self.gen = (next(it) for _ in range(4))
-        for c in self.cache:
-            if isinstance(c, caches.RoundKVCache):
-                c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
-        for c in self.cache:
-            if isinstance(c, caches.GDNCache):
-                c.conv, c.ssm = next(it), next(it)
+        self._set_cache_state(self._model_kv(), it)
 
     def _replay_plain(self) -> tuple[mx.array, mx.array]:
         """A plain step from its trace (made on first use): (the next tokens [B], the hiddens [B, 1, H])."""
@@ -324,7 +329,7 @@ class BatchRounds(BatchDecoder):
         key = (type(self), 0, structure, kernel_policy())
         cached, _ = traces.cached(self.model, "batch_rounds", key, make)
         extras = [] if structure[0] else [self._sampler_numbers()]
-        with self._columns_on_device([c for c in self.cache if isinstance(c, caches.RoundKVCache)], 1):
+        with self._columns_on_device(self._model_kv(), 1):
             return traces.call(cached, key, _PlainOwner(self), [], extras)
 
     @contextlib.contextmanager
