@@ -37,10 +37,11 @@ LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipeli
 
 
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
-               noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0) -> float:
+               noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
-    refilling; 1: nothing more)."""
+    refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
+    round built op by op)."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     tuner = PipelinedTuner(4, memory, lag=LAG)
     done, spent, pending, last = 1, 0.0, [], []
@@ -48,6 +49,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
                          lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
         cost = costs[k] * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
+        cost += probe if k and last and last[-1] == 0 else 0.0
         last.append(k)
         tuner.observe(k, cost)
         spent += cost
@@ -65,9 +67,11 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     return costs[0] * math.exp(noise**2 / 2) * tokens / spent  # (plain's mean pass: the noise's mean is above 1)
 
 
-def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0) -> list[float]:
+def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
+           probe: float = 0.0, tokens: int = 256) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup."""
-    return [statistics.median(generation(memory, cond, costs, rng, switch=switch) for _ in range(gens))
+    return [statistics.median(generation(memory, cond, costs, rng, tokens, switch=switch, probe=probe)
+                              for _ in range(gens))
             for rng, memory in ((random.Random(s), {}) for s in range(seeds))]
 
 
@@ -82,19 +86,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--switch", type=float, default=1.0, help="the cost of the 2 passes after a change of depth, as a "
                     "multiple of the depth's")
+    ap.add_argument("--probe-ms", type=float, default=0.0, help="ms added to the first round after plain steps")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per generation")
     args = ap.parse_args()
     if args.trace:
         cond, costs = CASES[args.trace]
         rng, memory = random.Random(0), {}
         for g in range(10):
             seen = Counter()
-            speedup = generation(memory, cond, costs, rng, seen=seen)
+            speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
+                                 probe=args.probe_ms)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
-        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch)
+        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")

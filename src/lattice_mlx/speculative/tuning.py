@@ -36,16 +36,14 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 # where the state changes hands), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
 # decoding (docs/results/code_measurements.md, 'pipelined tuner')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
-# A generation after one that ended in a plain stretch starts with a plain stretch of the length the schedule had
-# reached, up to this: at acceptance 0 a schedule that began at 64 tokens in every generation probed once or twice
-# per 256 tokens and lost to plain decoding (docs/results/code_measurements.md, 'pipelined tuner'). A text that
-# drafts well after a run of ones that did not waits at most this many tokens for its probe.
-PIPELINED_CARRIED_OFF = 256
-# ... and the stretch carried on to the generation after that one halves (below PIPELINED_FIRST_OFF: none) unless a
-# probe turns speculation off again. Carried whole, one early off decision held every later generation of up to 256
-# tokens in plain steps with no probe: the demo's head at temperature 0.7 went off after a poor start in its second
-# generation and stayed at plain speed where a fixed K=3 paid (docs/adr/0008, 'Run E').
-PIPELINED_CARRIED_DECAY = 2
+# A plain stretch is counted in the process's tokens, not per generation: a generation that ends inside one hands
+# the next generation the rest of it (memory["off"]), and the probe after it continues the schedule (memory["stretch"],
+# the last stretch's length: the next is PIPELINED_OFF_GROWTH times it, up to MAX_OFF_TOKENS). Restarting at 64
+# tokens in every generation probed once or twice per 256 tokens at acceptance 0 and lost to plain decoding
+# (docs/results/code_measurements.md, 'pipelined tuner'); carrying a stretch's whole length into every generation held
+# the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
+# halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
+# 6-20% of its time (a probe's switch from plain steps to rounds costs tens of ms besides its rounds: 'Run F').
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
 COST_WINDOW = 7
@@ -178,14 +176,13 @@ class PipelinedTuner:
             if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
                 self.k, self.left, self.off_tokens = 0, MAX_OFF_TOKENS, MAX_OFF_TOKENS
                 self.log.append(f"plain steps for {MAX_OFF_TOKENS} tokens first: no depth could pay before")
-            elif self.memory.get("off"):  # the last generation ended in a plain stretch: one here first too,
-                # as long as the schedule had reached (memory["off"]: that length)
-                first = min(int(self.memory["off"]), PIPELINED_CARRIED_OFF)
-                self.k, self.left, self.carried = 0, first, True
-                shorter = first // PIPELINED_CARRIED_DECAY  # what the next generation carries if this one never probes
-                self.memory["off"] = shorter if shorter >= PIPELINED_FIRST_OFF else False
-                self.off_tokens = min(first * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
-                self.log.append(f"plain steps for {first} tokens first: the last generation ended in plain steps")
+            elif self.memory.get("stretch"):  # the last probe ended in a plain stretch (and nothing paid since)
+                self.carried, rest = True, int(self.memory.get("off") or 0)
+                self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
+                if rest:  # the stretch goes on here: plain steps for its rest first, then a probe
+                    self.k, self.left = 0, rest
+                    self.log.append(f"plain steps for {rest} more tokens first: the last generation ended in a "
+                                    "plain stretch")
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
@@ -265,6 +262,8 @@ class PipelinedTuner:
     def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
             self.left -= 1
+            if self.k == 0 and self.memory.get("off"):  # a plain stretch's rest, for the next generation
+                self.memory["off"] = self.left
             return self.k
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
@@ -300,7 +299,7 @@ class PipelinedTuner:
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = k
-            self.memory["off"] = False
+            self.memory["off"] = self.memory["stretch"] = False
             return k
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
@@ -311,7 +310,7 @@ class PipelinedTuner:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = d
-            self.below, self.memory["off"] = 0, False
+            self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
@@ -334,8 +333,8 @@ class PipelinedTuner:
         # the next probe at the best depth if its round is traced, else at this one (no compile for a probe)
         self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
         self.k, self.left, self.below = 0, self.off_tokens - 1, 0
+        self.memory["off"], self.memory["stretch"] = self.left, self.off_tokens  # (its rest, for a later generation)
         self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
-        self.memory["off"] = self.off_tokens  # the next stretch's length: where a later generation starts
         return 0
 
 
