@@ -37,6 +37,11 @@ SETTINGS = {
                            "use 1 (traced plain steps), 0 (built per step) or leave it unset (traced on a GPU)"),
     "trace_rounds": Setting("LATTICE_TRACE_ROUNDS", GPU_ONLY, SWITCH,
                             "use 1 (traced rounds), 0 (built per round) or leave it unset (traced on a GPU)"),
+    # Prompt rows' attention on MLX's CUDA backend: MLX's fused SDPA (cuDNN, which builds a graph for every new prompt
+    # shape, in each process) with 1; written out in ops with 0 (the default), as MLX itself runs it where cuDNN does
+    # not apply (head dimensions over 128: every Qwen3.5 checkpoint's attention)
+    "cudnn_sdpa": Setting("LATTICE_CUDNN_SDPA", "0", SWITCH,
+                          "use 1 (MLX's fused attention for prompt rows on CUDA) or 0 (written out in ops)"),
     "pipeline_transport": Setting("LATTICE_PIPELINE_TRANSPORT", "", ("", "sendrecv", "collective"),
                                   "use one of sendrecv, collective"),
     "bench_lock": Setting("LATTICE_BENCH_LOCK", "/tmp/lattice_mlx_bench.lock", None, ""),
@@ -110,6 +115,7 @@ class Settings:
     compile: str
     trace_steps: str
     trace_rounds: str
+    cudnn_sdpa: str
     pipeline_transport: str
     bench_lock: str
     git_rev: str

@@ -11,7 +11,7 @@ from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
 from lattice_mlx.metal import _dialect, attention, use_kernels
-from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_kernel, sdpa_ref, supported
+from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_composed, sdpa_kernel, sdpa_ref, supported
 
 needs_gpu = pytest.mark.kernels  # a GPU backend, or the CPU render (tests/conftest.py)
 
@@ -77,10 +77,17 @@ def test_dispatch_reads_cache_views(T, mask, dtype):
     assert_close(got, spec, out_key(dtype), "dispatch vs spec")
 
 
+def rows_reference(q):
+    """What the dispatcher gives rows the kernel does not take: MLX's SDPA, or on MLX's CUDA backend the same
+    written out in ops (no cuDNN graph per prompt shape)."""
+    return sdpa_composed if attention.composed(q) else sdpa_ref
+
+
 def test_dispatch_array_mask_goes_to_reference():
     q, k, v = make_inputs(1, 8, 2, 3, 40, 64, mx.float32)
     mask = mx.array(np.random.default_rng(0).random((3, 40)) < 0.7)
-    assert mx.array_equal(sdpa(q, k, v, scale=0.125, mask=mask), sdpa_ref(q, k, v, scale=0.125, mask=mask))
+    want = rows_reference(q)(q, k, v, scale=0.125, mask=mask)
+    assert mx.array_equal(sdpa(q, k, v, scale=0.125, mask=mask), want)
 
 
 def test_dispatch_uses_reference_when_forced(monkeypatch):
@@ -88,7 +95,30 @@ def test_dispatch_uses_reference_when_forced(monkeypatch):
     assert not use_kernels()
     q, k, v = make_inputs(1, 8, 2, 4, 77, 256, mx.bfloat16)
     got = sdpa(q, k, v, scale=0.0625, mask="causal")
-    assert mx.array_equal(got, sdpa_ref(q, k, v, scale=0.0625, mask="causal"))
+    assert mx.array_equal(got, rows_reference(q)(q, k, v, scale=0.0625, mask="causal"))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mask", [None, "causal", "causal-length", "bool", "additive-4d", "bool-per-head"])
+def test_composed_matches_mlx_sdpa(mask, dtype):
+    """Prompt rows written out in ops (scores, mask, fp32 softmax, values; GQA by grouped query heads) give MLX's
+    fused attention, on cache views, for every mask the model passes: causal (bottom-right), the valid keys of a
+    fixed-capacity cache, boolean and additive arrays, per head or broadcast."""
+    T, L, Hq, Hkv = 37, 60, 8, 2
+    q, k, v = make_inputs(2, Hq, Hkv, T, L, 64, dtype, seed=len(mask or ""))
+    rng = np.random.default_rng(1)
+    length = mx.array(L - 5) if mask == "causal-length" else None
+    arr = {"bool": mx.array(rng.random((T, L)) < 0.7),
+           "additive-4d": mx.array(rng.standard_normal((2, 1, T, L)).astype(np.float32)).astype(dtype),
+           "bool-per-head": mx.array(rng.random((2, Hq, T, L)) < 0.6)}
+    m = arr.get(mask, "causal" if mask and mask.startswith("causal") else None)
+    got = sdpa_composed(q, k, v, scale=0.125, mask=m, length=length)
+    with mx.stream(mx.cpu):
+        f32 = [x.astype(mx.float32) for x in (q, k, v)]
+        m32 = m.astype(mx.float32) if isinstance(m, mx.array) and m.dtype != mx.bool_ else m
+        want = sdpa_ref(*f32, scale=0.125, mask=m32, length=length).astype(dtype)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert_close(got, want, out_key(dtype), f"composed vs MLX's SDPA, mask {mask}")
 
 
 def test_kernel_serves_every_row_count_at_every_length(monkeypatch):

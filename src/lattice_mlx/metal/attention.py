@@ -9,6 +9,7 @@ import functools
 
 import mlx.core as mx
 
+from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, use_kernels
 
 
@@ -22,6 +23,30 @@ def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
         last = length - 1 - ((T - 1 - mx.arange(T)) if mask == "causal" else 0)  # [T] or scalar
         mask = mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
+                  length: mx.array | None = None) -> mx.array:
+    """`sdpa_ref` written out in ops: scores, mask, a softmax in fp32, values (GQA by grouping the query heads). What
+    MLX itself runs where none of its fused kernels applies; on MLX's CUDA backend its fused kernel for prompt rows
+    is cuDNN's, which builds a graph for every new shape in every process (seconds on the H200 for a prompt length
+    not seen before: docs/results/code_measurements.md, 'First use of a prompt length')."""
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if isinstance(mask, str) or length is not None:  # "causal" and / or the valid keys: a boolean [T, L] mask
+        last = (L if length is None else length) - 1 - ((T - 1 - mx.arange(T)) if mask == "causal" else 0)
+        mask = mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
+    qg = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, T, D)
+    scores = qg @ mx.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, G, T, L]
+    if mask is not None:
+        if mask.ndim == 4:  # [B or 1, Hq or 1, T, L]: the query heads' axis split as q's
+            mask = mask.reshape(mask.shape[0], -1, Hq // Hkv if mask.shape[1] == Hq else 1, T, L)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ v[:, :, None]).reshape(B, Hq, T, D)
 
 
 # Flash-decoding. Threadgroup (b, kv head, row block, key split): NW warps stream the split's keys KB at a time,
@@ -326,4 +351,10 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
             return sdpa_kernel(q, k, v, scale=scale, causal=causal, length=length)
         except _dialect.KernelFailed:
             pass
-    return sdpa_ref(q, k, v, scale=scale, mask=mask, length=length)
+    return (sdpa_composed if composed(q) else sdpa_ref)(q, k, v, scale=scale, mask=mask, length=length)
+
+
+def composed(q: mx.array) -> bool:
+    """Whether rows the kernel does not take are written out in ops (`sdpa_composed`: several rows on MLX's CUDA
+    backend, unless LATTICE_CUDNN_SDPA=1) rather than given to MLX's SDPA."""
+    return q.shape[2] > 1 and mx.default_device() == mx.gpu and mx.cuda.is_available() and not settings.on("cudnn_sdpa")
