@@ -29,7 +29,7 @@ def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=N
                   length: mx.array | None = None) -> mx.array:
     """`sdpa_ref` written out in ops: scores, mask, a softmax in fp32, values (GQA by grouping the query heads). What
     MLX itself runs where none of its fused kernels applies; on MLX's CUDA backend its fused kernel for prompt rows
-    is cuDNN's, which builds a graph for every new shape in every process (seconds on the H200 for a prompt length
+    is cuDNN's, which builds a graph for every new shape in every process (seconds on a GPU for a prompt length
     not seen before: docs/results/code_measurements.md, 'First use of a prompt length')."""
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
