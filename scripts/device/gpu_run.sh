@@ -13,6 +13,8 @@
 #   invariance     whether verify rows are bitwise decode steps: 40 positions, whole oracle generations, a long
 #                  (key-split) context (batch_invariance.py)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (bench_kernels.py)
+#   first-use      a prompt length's first prefill, prompt attention in ops vs cuDNN, and the switch from plain steps to
+#                  rounds per pass (first_use.py), LIMIT s [200]
 #   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py); PER_FORWARD=1: kernels, GPU time,
 #                  busy and span per forward over T = 1..8 instead (profile_kernels.py)
 #   q4-fused       the fused 4-bit (SET=dense: unquantized) projections' GPU time by rows M, CUPTI (bench_q4_fused.py);
@@ -142,6 +144,10 @@ for mode in "$@"; do
       --paths compiled --out "$RES/invariance_loop"
     step invariance_long 100 python3 scripts/bench/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
       --paths layers --out "$RES/invariance_long" ;;
+  first-use)  # a prompt length's first prefill (prompt attention in ops vs cuDNN) and the switch from plain steps to
+    # rounds, per pass (scripts/bench/first_use.py); LIMIT s [200]
+    step first_use "${LIMIT:-200}" python3 scripts/bench/first_use.py --out "$RES/first_use"
+    cat "$RES/first_use.out" ;;
   kernels) step kernels 240 python3 scripts/bench/bench_kernels.py --out "$RES/kernels.json" ;;
   step-kernels)
     if [[ ${PER_FORWARD:-0} == 1 ]]; then
