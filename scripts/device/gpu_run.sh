@@ -13,8 +13,6 @@
 #   invariance     whether verify rows are bitwise decode steps: 40 positions, whole oracle generations, a long
 #                  (key-split) context (batch_invariance.py)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (bench_kernels.py)
-#   first-use      a prompt length's first prefill, prompt attention in ops vs cuDNN, and the switch from plain steps to
-#                  rounds per pass (first_use.py), LIMIT s [200]
 #   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py); PER_FORWARD=1: kernels, GPU time,
 #                  busy and span per forward over T = 1..8 instead (profile_kernels.py)
 #   q4-fused       the fused 4-bit (SET=dense: unquantized) projections' GPU time by rows M, CUPTI (bench_q4_fused.py);
@@ -30,7 +28,8 @@
 #   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
-#                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg
+#                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
+#                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch)
 #   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
 #                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
@@ -144,10 +143,6 @@ for mode in "$@"; do
       --paths compiled --out "$RES/invariance_loop"
     step invariance_long 100 python3 scripts/bench/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
       --paths layers --out "$RES/invariance_long" ;;
-  first-use)  # a prompt length's first prefill (prompt attention in ops vs cuDNN) and the switch from plain steps to
-    # rounds, per pass (scripts/bench/first_use.py); LIMIT s [200]
-    step first_use "${LIMIT:-200}" python3 scripts/bench/first_use.py --out "$RES/first_use"
-    cat "$RES/first_use.out" ;;
   kernels) step kernels 240 python3 scripts/bench/bench_kernels.py --out "$RES/kernels.json" ;;
   step-kernels)
     if [[ ${PER_FORWARD:-0} == 1 ]]; then
@@ -174,6 +169,11 @@ for mode in "$@"; do
   spec-default)  # the default speculation against plain and fixed K=1..4, whole generations, a fresh process per
                  # group (spec_default.py): SD_MODEL [0.8b], SD_DRAFTS [oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,
                  # oracle:1,head], SD_TEMPS [0], SD_LENGTHS [256], REPS [10], NAME, LIMIT s [520]
+    if [[ ${FIRST_USE:-0} == 1 ]]; then  # first: a prompt length's first prefill (prompt attention in ops vs cuDNN)
+      # and the switch from plain steps to rounds, per pass (first_use.py), FIRST_USE_LIMIT s [200]
+      step first_use "${FIRST_USE_LIMIT:-200}" python3 scripts/bench/first_use.py --out "$RES/first_use"
+      cat "$RES/first_use.out"
+    fi
     step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
       --drafts "${SD_DRAFTS:-oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,oracle:1,head}" --temps "${SD_TEMPS:-0}" \
       --lengths "${SD_LENGTHS:-256}" --reps "${REPS:-10}" --legs "${SD_LEGS:-plain,plain-aa,default,k1,k2,k3,k4}" \
