@@ -12,7 +12,10 @@ built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps; `ours
 op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` and `ours-mtp-dequant`
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
 and multiplied instead of MLX's quantized matmul), `solo` (B = 1 only: plain generate_step, the single-stream
-reference). --skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
+reference). The MTP legs run on the model in --mtp-dtype (float32 by default on a random shape: in bf16 its
+near-uniform logits let rounds and plain steps disagree on argmax, the SYNTHETIC drafts, plain's recorded
+continuation, then stop being accepted: batch run 2), against `ours-mtp-base`: batched plain steps on that same model.
+--skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
 DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels per decode step of `ours`
 (and `ours-untraced`, `ours-dequant`) at each B.
 """
@@ -32,7 +35,7 @@ from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.oracles import OracleBatchRounds
 from lattice_mlx.bench.report import device_name, provenance
-from lattice_mlx.bench.run import load_profiler, load_target
+from lattice_mlx.bench.run import SHAPES, load_profiler, load_target
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 
@@ -71,13 +74,14 @@ def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], 
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
-    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant"):
+    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base"):
+        model = (args.mtp_target if leg == "ours-mtp-base" else target).model
         with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
-            batch_generate(target.model, None, prompts, max_tokens=n, max_batch=len(prompts))
+            batch_generate(model, None, prompts, max_tokens=n, max_batch=len(prompts))
     elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced"):
         with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
-            got = run_rounds(target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k, args.oracle_p,
-                             adaptive=leg == "ours-mtp-auto")
+            got = run_rounds(args.mtp_target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k,
+                             args.oracle_p, adaptive=leg == "ours-mtp-auto")
         if got != [r[:n] for r in refs]:
             print(f"{leg}: greedy tokens differ from plain's", file=sys.stderr)
     elif leg == "mlx-lm":
@@ -103,7 +107,7 @@ def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[
                    dequant_rows: int | None = None) -> dict:
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
     with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows)):
-        engine = rounds_engine(target, len(prompts), refs, args.mtp_k, args.oracle_p)
+        engine = rounds_engine(args.mtp_target, len(prompts), refs, args.mtp_k, args.oracle_p)
         seqs = [engine.add(p, max_tokens=(rounds + 2) * (args.mtp_k + 1)) for p in prompts]
         engine.step()
         before = sum(len(s.tokens) for s in seqs)
@@ -140,6 +144,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
     p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
+    p.add_argument("--mtp-dtype", default="", help="the MTP legs' model's activations (default: float32 on a random "
+                   "shape, else --dtype)")
     p.add_argument("--untraced", type=int, default=1,
                    help="1: also legs with plain steps and MTP rounds built op by op (LATTICE_TRACE_STEPS=0, "
                    "LATTICE_TRACE_ROUNDS=0), against the traced")
@@ -154,20 +160,26 @@ def main() -> int:
     if target.stock is None:
         print(f"mlx-lm's model could not be built: {target.stock_note}", file=sys.stderr)
         return 1
+    mtp_dtype = args.mtp_dtype or ("float32" if args.model in SHAPES else args.dtype)
+    args.mtp_target = target if not args.mtp_k or mtp_dtype == args.dtype else \
+        load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=mtp_dtype, seed=args.seed,
+                    stock=False)
     rng = np.random.default_rng(args.seed)
     vocab = target.model.args.vocab_size
     result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-                       "argv": sys.argv, "model": target.label, "stock": target.stock_note}, "streams": {}}
+                       "argv": sys.argv, "model": target.label, "stock": target.stock_note,
+                       "mtp_model": args.mtp_target.label}, "streams": {}}
     kernel_profile = load_profiler(args.profile)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
-            (["ours-mtp", "ours-mtp-auto"] + (["ours-mtp-untraced"] if args.untraced else []) if args.mtp_k else []) + \
+            (["ours-mtp-base", "ours-mtp", "ours-mtp-auto"] + (["ours-mtp-untraced"] if args.untraced else [])
+             if args.mtp_k else []) + \
             (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
-        refs = [[r.tokens for r in batch_generate(target.model, None, prompts, max_tokens=args.tokens + 8,
+        refs = [[r.tokens for r in batch_generate(args.mtp_target.model, None, prompts, max_tokens=args.tokens + 8,
                                                   max_batch=B)] if any(leg.startswith("ours-mtp") for leg in legs)
                 else None for prompts in reps]
         for leg in legs:  # untimed: first-use compiles
@@ -184,10 +196,9 @@ def main() -> int:
                           for leg in legs if leg != "mlx-lm"},
                "seconds": secs}
         result["streams"][B] = out
-        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours"), ("ours-mtp-auto", "ours"),
-                     ("ours-mtp", "ours-mtp-untraced"),
-                     ("ours-dequant", "ours"),
-                     ("ours-mtp-dequant", "ours-dequant"), ("ours-mtp-dequant", "ours")):
+        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours-mtp-base"), ("ours-mtp-auto", "ours-mtp-base"),
+                     ("ours-mtp", "ours-mtp-untraced"), ("ours-mtp-base", "ours"),
+                     ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp-base")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "

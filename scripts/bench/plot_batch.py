@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-RATIOS = ("ours/mlx-lm", "ours-aa/mlx-lm", "ours-mtp/ours", "ours-mtp-auto/ours", "ours-dequant/ours")  # if present
+RATIOS = ("ours/mlx-lm", "ours-aa/mlx-lm", "ours-mtp/ours", "ours-mtp-auto/ours", "ours-mtp/ours-mtp-base",
+          "ours-mtp-auto/ours-mtp-base", "ours-dequant/ours")  # if present (runs before 2: ours-mtp/ours)
 
 
 def streams(result: dict) -> list[tuple[int, dict]]:
