@@ -37,18 +37,29 @@ LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipeli
 
 
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
-               noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0) -> float:
+               noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0,
+               drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
-    round built op by op)."""
+    round built op by op); `drift` (sigma, rho): a host factor common to every depth, log-AR(1) per pass with that
+    stationary sigma, carried across the process's generations in `host` (on the GPU a depth's cost drifted 1.6-2.7
+    ms in one process while i.i.d. noise of the same size averages out); plain's time is then its cost times the
+    generation's mean factor."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
+    host = {} if host is None else host
+    sigma, rho = drift
+    factors = 0.0
     tuner = PipelinedTuner(4, memory, lag=LAG)
     done, spent, pending, last = 1, 0.0, [], []
     while done < tokens:
         k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
                          lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
-        cost = costs[k] * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
+        if sigma:
+            host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
+        factor = math.exp(host.get("x", 0.0))
+        factors += factor
+        cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
         cost += probe if k and last and last[-1] == 0 else 0.0
         last.append(k)
         tuner.observe(k, cost)
@@ -64,15 +75,16 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         done += accepted + 1
         if seen is not None:
             seen[k] += 1
-    return costs[0] * math.exp(noise**2 / 2) * tokens / spent  # (plain's mean pass: the noise's mean is above 1)
+    # (plain's mean pass: the noise's mean is above 1)
+    return costs[0] * math.exp(noise**2 / 2) * tokens * (factors / len(last)) / spent
 
 
 def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
-           probe: float = 0.0, tokens: int = 256) -> list[float]:
+           probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0)) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup."""
-    return [statistics.median(generation(memory, cond, costs, rng, tokens, switch=switch, probe=probe)
-                              for _ in range(gens))
-            for rng, memory in ((random.Random(s), {}) for s in range(seeds))]
+    return [statistics.median(generation(memory, cond, costs, rng, tokens, switch=switch, probe=probe, drift=drift,
+                                         host=host) for _ in range(gens))
+            for rng, memory, host in ((random.Random(s), {}, {}) for s in range(seeds))]
 
 
 def fixed(cond: list[float], costs: dict, k: int) -> float:
@@ -88,20 +100,23 @@ def main() -> None:
                     "multiple of the depth's")
     ap.add_argument("--probe-ms", type=float, default=0.0, help="ms added to the first round after plain steps")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per generation")
+    ap.add_argument("--drift", default="0,0", help="SIGMA,RHO: a host factor common to every depth (log-AR(1) per pass)")
     args = ap.parse_args()
+    drift = tuple(float(x) for x in args.drift.split(","))
     if args.trace:
         cond, costs = CASES[args.trace]
-        rng, memory = random.Random(0), {}
+        rng, memory, host = random.Random(0), {}, {}
         for g in range(10):
             seen = Counter()
             speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
-                                 probe=args.probe_ms)
+                                 probe=args.probe_ms, drift=drift, host=host)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
-        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens)
+        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
+                      drift=drift)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")

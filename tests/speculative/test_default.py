@@ -200,10 +200,11 @@ def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
     assert SWITCH_MIN_GAIN < gain < NEW_DEPTH_MIN_GAIN and k == 4  # (K=4 estimated on the line: 2.0)
     assert at3(lambda d: d != 4)[1] == 3
     # off at acceptance 0, the best depth (K=2) untraced: the next probe is at the traced K=3
-    tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3}, lambda d: d == 3)
+    fresh = {"cost": dict(costs), "k": 3, "at": {d: 0 for d in costs}, "clock": 1}  # (plain's cost just read)
+    tuner = PipelinedTuner(4, {**fresh, "cost": dict(costs)}, lambda d: d == 3)
     tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
     assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 3
-    tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3})
+    tuner = PipelinedTuner(4, {**fresh, "cost": dict(costs)})
     tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
     assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 2
 
@@ -219,20 +220,46 @@ def _replay_module():
     return mod
 
 
-@pytest.mark.parametrize("case, floor, probe", [("demo 0.7", 0.9, 0), ("0.8B p=0.5", 0.9, 0), ("0.8B p=0", 0.96, 0),
-                                                ("demo greedy", 0.92, 0), ("0.8B p=0", 0.97, 80)])
-def test_tuner_replayed_on_run_e_costs_keeps_what_a_fixed_depth_gets(case, floor, probe):
+@pytest.mark.parametrize("case, floor, probe, drift", [
+    ("demo 0.7", 0.9, 0, None), ("0.8B p=0.5", 0.9, 0, None), ("0.8B p=0", 0.96, 0, None), ("demo greedy", 0.92, 0, None),
+    ("0.8B p=0", 0.97, 80, None), ("demo 0.7", 0.94, 15, (0.2, 0.99)), ("0.8B p=0.5", 0.94, 15, (0.3, 0.98))])
+def test_tuner_replayed_on_run_e_costs_keeps_what_a_fixed_depth_gets(case, floor, probe, drift):
     """The tuner against run E's per-pass costs and acceptance (noisy passes, Bernoulli acceptance, the pipelined
     loop's two-pass lag, ten generations per process on one memory): the median generation keeps at least `floor` of
     the best fixed depth's speedup (of plain's at acceptance 0). The tuner that ran in run E kept 0.81 (the demo at
     0.7) and 0.85 (oracle 0.5) of it in this replay, as on the H200 (0.95x and 1.03x plain against 1.24x and 1.26x).
     `probe`: ms each switch from plain steps to rounds adds (run F's oracle 0 lost 46-106 ms per probing generation);
     run F's tuner, which halved the carried plain stretch per generation, replays at 0.94 of plain there, as
-    measured."""
+    measured. `drift`: a host speed drifting over the process (run G): a tuner that compared rounds with a plain cost
+    read long before kept 0.91 and 0.84 of the best fixed depth here."""
     import statistics
 
     replay = _replay_module()
     cond, costs = replay.CASES[case]
     best = max(replay.fixed(cond, costs, k) for k in range(1, 5))
-    got = statistics.median(replay.replay(cond, costs, seeds=7, probe=probe))
+    got = statistics.median(replay.replay(cond, costs, seeds=7, probe=probe, drift=drift or (0.0, 0.0)))
     assert got >= floor * max(best, 1.0), (got, best)
+
+
+def test_tuner_reads_a_stale_plain_cost_again_before_going_off():
+    """Speculation goes off on a plain cost read STALE_PASSES passes or more ago only after CHECK_PASSES plain steps
+    read it again: a host that slowed down since made every round look dear against the old plain cost (run G).
+    Where the fresh plain cost shows the rounds paying, the tuner speculates on; where it confirms the loss, it goes
+    off without another check."""
+    from lattice_mlx.speculative.tuning import CHECK_PASSES, STALE_PASSES
+
+    rates = [0.8, 0.64, 0.5, 0.4]
+    memory: dict = {}
+    tuner = _Costs(4, memory)
+    tuner.run({0: 1.0, 1: 1.4, 2: 1.7, 3: 2.0, 4: 2.3}, rates, STALE_PASSES + 40)  # baseline, then rounds that pay
+    assert not tuner.decisions and tuner.k > 0 and tuner.stale(0)
+    slow = {0: 1.6, 1: 2.2, 2: 2.7, 3: 3.2, 4: 3.7}  # the host 1.6x slower: rounds lose against the old plain cost
+    ks = tuner.run(slow, rates, 60)
+    first = ks.index(0)
+    assert ks[first : first + CHECK_PASSES] == [0] * CHECK_PASSES and any(ks[first + CHECK_PASSES :])
+    assert not tuner.decisions and "plain's cost is stale" in " ".join(tuner.log)
+    assert tuner.cost[0] == pytest.approx(1.6)  # read afresh, not averaged with the old 1.0
+    # a real loss: a check (if plain's cost went stale again meanwhile) confirms it, and speculation goes off
+    checks = sum("stale" in line for line in tuner.log)
+    tuner.run({0: 1.6, 1: 3.0, 2: 4.0, 3: 5.0, 4: 6.0}, [0.1, 0.01, 0.0, 0.0], 80)
+    assert tuner.decisions and sum("stale" in line for line in tuner.log) - checks <= 1

@@ -44,6 +44,15 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
 # halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
 # 6-20% of its time (a probe's switch from plain steps to rounds costs tens of ms besides its rounds: 'Run F').
+# Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
+# plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (on the GPU
+# one depth read 1.6-2.7 ms per pass in one process): compared with a plain cost read in a fast spell, rounds read in
+# a slow one turned speculation off where it paid (docs/adr/0008, 'Run G'). Replayed with a drifting host
+# (scripts/bench/replay_tuner.py --drift 0.2,0.99 and 0.3,0.98), the demo at 0.7 kept 0.91-0.93 of its best fixed
+# depth without the check and 0.94-0.96 with it, oracle 0.5 0.87-0.96 and 0.97-0.98; staleness from 256 passes
+# helped less, from 64 about as much; dropping a depth's stale round costs as well changed nothing measurable.
+STALE_PASSES = 32
+CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
 COST_WINDOW = 7
@@ -130,7 +139,8 @@ class PipelinedTuner:
     cost(K) is the median of its last COST_WINDOW passes (K = 0: a plain step), tokens(K) comes from the measured
     per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
     with the most tokens per second, else a traced depth further off that pays, or 0 (plain steps) when none of them
-    beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read). The passes just after a
+    beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read; a plain cost read
+    STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps). The passes just after a
     change of K are not timed (the pipeline refills, and a verify shape's first use compiles it), and a depth is
     judged after DWELL timed passes. The schedule: plain steps first (the baseline), then PIPELINED_START_K for
     ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
@@ -168,6 +178,8 @@ class PipelinedTuner:
         # per depth: its last COST_WINDOW timed passes, kept in the memory: a depth the tuner left after a slow
         # reading kept that reading as its cost in later generations (a remembered cost alone counts as one pass)
         self.window = self.memory.setdefault("window", {})
+        self.at = self.memory.setdefault("at", {})  # per depth: the process's pass (memory["clock"]) it was last timed
+        self.checking = False  # plain steps that read plain's cost afresh before an off decision
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
@@ -206,6 +218,7 @@ class PipelinedTuner:
                             f"({self.since + 1 if k == self.prev else 0} passes at K={k} before)")
         self.since = self.since + 1 if k == self.prev else 0
         self.prev = k
+        clock = self.memory["clock"] = self.memory.get("clock", 0) + 1
         if self.since < self.SKIP:
             return
         if slow or stall:
@@ -217,9 +230,15 @@ class PipelinedTuner:
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
         # fast pass later is averaged in, as any other)
         fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
+        self.at[k] = clock
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
         window = self.window[k] = [seconds] if fresh else [*self.window.get(k, [old]), seconds][-COST_WINDOW:]
         self.cost[k] = sorted(window)[(len(window) - 1) // 2]  # (the lower one of two: stalls only add time)
+
+    def stale(self, k: int) -> bool:
+        """Whether depth k's cost was last read STALE_PASSES passes of the process ago or more (or never by this
+        count: a memory from before it)."""
+        return k in self.cost and self.memory.get("clock", 0) - self.at.get(k, -STALE_PASSES) >= STALE_PASSES
 
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
@@ -289,7 +308,7 @@ class PipelinedTuner:
                 self.k = self.probe_k = self.memory["k"] = k
                 return k
         if gain >= SPECULATE_MIN_GAIN:
-            self.below = 0
+            self.below, self.checking = 0, False
             current = gains.get(self.k)
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
@@ -323,6 +342,13 @@ class PipelinedTuner:
         self.below += 1
         if not hopeless and self.below < OFF_CONFIRM:
             return self.k
+        if not hopeless and not self.checking and self.stale(0):  # plain's cost from long ago: read it again first
+            self.checking, self.below = True, 0
+            self.probe_k = self.k
+            self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
+            self.k, self.left = 0, CHECK_PASSES - 1
+            return 0
+        self.checking = False
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
