@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..batch import DEFAULT_MAX_BATCH, BatchDecoder
 from ..cli import ArgumentParser
-from ..decode import generate_step, tracing_enabled
+from ..decode import generate_step, prefill, tracing_enabled
 from ..generate import checkpoint_sampling
 from ..load import DEMO_MODEL, LoadError, load, resolve_path
 from ..sample import Sampler
@@ -54,9 +54,17 @@ def served_name(model: str | None, given: str | None = None) -> str:
     return path.resolve().name if path.exists() else model
 
 
+# Prompt lengths the warm-up prefills once: one per row tile of MLX's 4-bit matmul on CUDA (16, 32, 64 rows: a tile
+# is built, with the elementwise fusions around it, the first time a machine runs a prompt of that many rows, 74-78 s
+# each on a fresh H100, then kept on disk: docs/results/code_measurements.md, 'First use of a prompt length'), so that
+# a fresh machine builds them at start-up, announced, and not inside a request. Milliseconds where they are built.
+# (16 and 40 rows measured so; 24 for the 32-row tile is read from MLX 0.32's source, not measured.)
+WARM_PROMPT_ROWS = (16, 24, 40)
+
+
 def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
     """A few tokens plain and with every draft depth 1..K the adaptive loop may pick, greedy and sampled, before the
-    first request (a 16-token prompt: other prompt lengths still pay their own first call). A new verify depth's first
+    first request (a 16-token prompt), and a prefill of each of WARM_PROMPT_ROWS. A new verify depth's first
     generation compiles kernels for seconds on a GPU (docs/results/code_measurements.md, 'First use'), which would
     otherwise land on whichever request first uses that depth. Plain steps and pipelined rounds are traced once per
     sampler structure (decode.TracedSteps, speculative/pipelined.py): greedy, and sampled without top-k / top-p /
@@ -77,6 +85,10 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
             for _ in zip(range(2 * (k or 1) + 2), steps):
                 pass
             steps.close()
+    for rows in WARM_PROMPT_ROWS:  # (the MTP path's prefill also returns the hiddens the head reads)
+        logits, hidden = prefill(model, mx.array(ids * (rows // len(ids) + 1))[:rows], model.make_cache(),
+                                 return_hidden=speculation is not None)
+        mx.eval(logits, *([hidden] if hidden is not None else []))
     if speculation is not None:
         warm_catch_up(model)
     # the batch's traces: plain steps (BatchSteps) without MTP; with it the batch runs MTP rounds (BatchRounds),
