@@ -17,7 +17,8 @@ near-uniform logits let rounds and plain steps disagree on argmax, the SYNTHETIC
 continuation, then stop being accepted: batch run 2), against `ours-mtp-base`: batched plain steps on that same model.
 --skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
 DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels per decode step of `ours`
-(and `ours-untraced`, `ours-dequant`) at each B.
+(and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each B, after every B's
+timings.
 """
 
 import argparse
@@ -170,6 +171,7 @@ def main() -> int:
                        "argv": sys.argv, "model": target.label, "stock": target.stock_note,
                        "mtp_model": args.mtp_target.label}, "streams": {}}
     kernel_profile = load_profiler(args.profile)
+    profile_inputs = {}  # B: (its legs, the first repetition's prompts and references)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
             (["ours-mtp-base", "ours-mtp", "ours-mtp-auto"] + (["ours-mtp-untraced"] if args.untraced else [])
@@ -198,7 +200,7 @@ def main() -> int:
         result["streams"][B] = out
         for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours-mtp-base"), ("ours-mtp-auto", "ours-mtp-base"),
                      ("ours-mtp", "ours-mtp-untraced"), ("ours-mtp-base", "ours"),
-                     ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp-base")):
+                     ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "
@@ -207,20 +209,26 @@ def main() -> int:
               flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-        if kernel_profile is not None:  # after the timings are written: a profiler that fails takes only itself
-            out["profile_ours"] = profile_steps(kernel_profile, target, reps[0], 32)
-            if "ours-untraced" in legs:
-                out["profile_ours_untraced"] = profile_steps(kernel_profile, target, reps[0], 32, traced=False)
-            if "ours-dequant" in legs:
-                out["profile_ours_dequant"] = profile_steps(kernel_profile, target, reps[0], 32,
-                                                            dequant_rows=args.dequant_ab)
-            if "ours-mtp" in legs:
-                out["profile_ours_mtp"] = profile_rounds(kernel_profile, target, reps[0], refs[0], 12, args)
-            if "ours-mtp-dequant" in legs:
-                out["profile_ours_mtp_dequant"] = profile_rounds(kernel_profile, target, reps[0], refs[0], 12, args,
-                                                                 dequant_rows=args.dequant_ab)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        profile_inputs[B] = (legs, reps[0], refs[0])
+    # every stream count's timings first, then the profiles: batch run 2's profiler crashed the process (a
+    # segmentation fault in CUPTI after four streams' timings) and took the 16-stream legs with it
+    for B, (legs, prompts, ref) in profile_inputs.items() if kernel_profile is not None else ():
+        out = result["streams"][B]
+        out["profile_ours"] = profile_steps(kernel_profile, target, prompts, 32)
+        if "ours-untraced" in legs:
+            out["profile_ours_untraced"] = profile_steps(kernel_profile, target, prompts, 32, traced=False)
+        if "ours-dequant" in legs:
+            out["profile_ours_dequant"] = profile_steps(kernel_profile, target, prompts, 32,
+                                                        dequant_rows=args.dequant_ab)
+        if "ours-mtp-base" in legs:
+            out["profile_ours_mtp_base"] = profile_steps(kernel_profile, args.mtp_target, prompts, 32)
+        if "ours-mtp" in legs:
+            out["profile_ours_mtp"] = profile_rounds(kernel_profile, target, prompts, ref, 12, args)
+        if "ours-mtp-dequant" in legs:
+            out["profile_ours_mtp_dequant"] = profile_rounds(kernel_profile, target, prompts, ref, 12, args,
+                                                             dequant_rows=args.dequant_ab)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -10,6 +10,7 @@ import pytest
 from _tol import assert_close, out_key
 from test_dialect import assert_nvcc_compiles, assert_render_is_syntax_shaped, cuda_translation_unit
 
+from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, attention, use_kernels
 from lattice_mlx.metal.attention import _BODY, _COMBINE, sdpa, sdpa_composed, sdpa_kernel, sdpa_ref, supported
 
@@ -99,7 +100,8 @@ def test_dispatch_uses_reference_when_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mask", [None, "causal", "causal-length", "bool", "additive-4d", "bool-per-head"])
+@pytest.mark.parametrize("mask", [None, "causal", "causal-length", "length", "bool", "additive-4d", "bool-per-head",
+                                  "bool-keys", "bool-3d"])
 def test_composed_matches_mlx_sdpa(mask, dtype):
     """Prompt rows written out in ops (scores, mask, fp32 softmax, values; GQA by grouped query heads) give MLX's
     fused attention, on cache views, for every mask the model passes: causal (bottom-right), the valid keys of a
@@ -107,10 +109,12 @@ def test_composed_matches_mlx_sdpa(mask, dtype):
     T, L, Hq, Hkv = 37, 60, 8, 2
     q, k, v = make_inputs(2, Hq, Hkv, T, L, 64, dtype, seed=len(mask or ""))
     rng = np.random.default_rng(1)
-    length = mx.array(L - 5) if mask == "causal-length" else None
+    length = mx.array(L - 5) if mask in ("causal-length", "length") else None
     arr = {"bool": mx.array(rng.random((T, L)) < 0.7),
            "additive-4d": mx.array(rng.standard_normal((2, 1, T, L)).astype(np.float32)).astype(dtype),
-           "bool-per-head": mx.array(rng.random((2, Hq, T, L)) < 0.6)}
+           "bool-per-head": mx.array(rng.random((2, Hq, T, L)) < 0.6),
+           "bool-keys": mx.array(rng.random((2, 1, 1, L)) < 0.7),  # [B, 1, 1, L]: a batch's padding
+           "bool-3d": mx.array(rng.random((Hq, T, L)) < 0.7)}
     m = arr.get(mask, "causal" if mask and mask.startswith("causal") else None)
     got = sdpa_composed(q, k, v, scale=0.125, mask=m, length=length)
     with mx.stream(mx.cpu):
@@ -119,6 +123,24 @@ def test_composed_matches_mlx_sdpa(mask, dtype):
         want = sdpa_ref(*f32, scale=0.125, mask=m32, length=length).astype(dtype)
     assert got.shape == q.shape and got.dtype == dtype
     assert_close(got, want, out_key(dtype), f"composed vs MLX's SDPA, mask {mask}")
+
+
+def test_prompt_rows_go_to_the_composed_form_on_cuda_only(monkeypatch):
+    """On MLX's CUDA backend rows the kernel does not take (several rows with an array mask, or the kernel off) go to
+    `sdpa_composed` unless LATTICE_CUDNN_SDPA=1; one row, or another backend, go to MLX's SDPA."""
+    calls = []
+    monkeypatch.setattr(attention, "sdpa_composed", lambda *a, **kw: calls.append("composed") or a[0])
+    monkeypatch.setattr(attention, "sdpa_ref", lambda *a, **kw: calls.append("mlx") or a[0])
+    q, k, v = make_inputs(1, 8, 2, 4, 40, 64, mx.float32)
+    mask = mx.array(np.random.default_rng(0).random((4, 40)) < 0.7)
+    one = make_inputs(1, 8, 2, 1, 40, 64, mx.float32)
+    for cuda, cudnn, inputs, want in [(True, None, (q, k, v), "composed"), (True, True, (q, k, v), "mlx"),
+                                      (True, None, one, "mlx"), (False, None, (q, k, v), "mlx")]:
+        monkeypatch.setattr(attention, "_cuda_gpu", lambda cuda=cuda: cuda)
+        calls.clear()
+        with settings.override(cudnn_sdpa=cudnn, kernels="ref"):
+            sdpa(*inputs, scale=0.125, mask=mask[:, :40] if inputs[0].shape[2] == 4 else None)
+        assert calls == [want], (cuda, cudnn, want)
 
 
 def test_kernel_serves_every_row_count_at_every_length(monkeypatch):

@@ -39,8 +39,10 @@ def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=N
     qg = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, T, D)
     scores = qg @ mx.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, G, T, L]
     if mask is not None:
-        if mask.ndim == 4:  # [B or 1, Hq or 1, T, L]: the query heads' axis split as q's
-            mask = mask.reshape(mask.shape[0], -1, Hq // Hkv if mask.shape[1] == Hq else 1, T, L)
+        if mask.ndim > 2:  # [..., Hq or 1, T or 1, L or 1]: the query heads' axis split as q's
+            m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+            heads = (Hkv, Hq // Hkv) if m.shape[1] == Hq else (1, 1)
+            mask = m.reshape(m.shape[0], *heads, m.shape[2], m.shape[3])
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
@@ -357,4 +359,8 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
 def composed(q: mx.array) -> bool:
     """Whether rows the kernel does not take are written out in ops (`sdpa_composed`: several rows on MLX's CUDA
     backend, unless LATTICE_CUDNN_SDPA=1) rather than given to MLX's SDPA."""
-    return q.shape[2] > 1 and mx.default_device() == mx.gpu and mx.cuda.is_available() and not settings.on("cudnn_sdpa")
+    return q.shape[2] > 1 and _cuda_gpu() and not settings.on("cudnn_sdpa")
+
+
+def _cuda_gpu() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()

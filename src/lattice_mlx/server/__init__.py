@@ -58,8 +58,9 @@ def served_name(model: str | None, given: str | None = None) -> str:
 # is built, with the elementwise fusions around it, the first time a machine runs a prompt of that many rows, 74-78 s
 # each on a fresh H100, then kept on disk: docs/results/code_measurements.md, 'First use of a prompt length'), so that
 # a fresh machine builds them at start-up, announced, and not inside a request. Milliseconds where they are built.
-# (16 and 40 rows measured so; 24 for the 32-row tile is read from MLX 0.32's source, not measured.)
-WARM_PROMPT_ROWS = (16, 24, 40)
+# (16 and 40 rows measured so; 24 for the 32-row tile is read from MLX 0.32's source, not measured.) Caches as a
+# request's are (not trimmable: a short forward on a trimmable cache takes the recording path).
+WARM_PROMPT_ROWS = (24, 40)  # (the 16-row tile: the 16-token prompt of the generations below)
 
 
 def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
@@ -86,7 +87,7 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
                 pass
             steps.close()
     for rows in WARM_PROMPT_ROWS:  # (the MTP path's prefill also returns the hiddens the head reads)
-        logits, hidden = prefill(model, mx.array(ids * (rows // len(ids) + 1))[:rows], model.make_cache(),
+        logits, hidden = prefill(model, mx.array(ids * (rows // len(ids) + 1))[:rows], model.make_cache(trimmable=False),
                                  return_hidden=speculation is not None)
         mx.eval(logits, *([hidden] if hidden is not None else []))
     if speculation is not None:

@@ -33,7 +33,8 @@ PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain st
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
 # The pipelined tuner's plain stretches: longer, and growing faster, than the host loop's. Each probe of speculation
 # after one has a fixed cost besides its rounds (the head's catch-up forward, a round and a plain step built op by op
-# where the state changes hands), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
+# where the state changes hands: 10-15 ms on the 0.8B shape, docs/results/code_measurements.md, 'The switch from plain
+# steps to rounds'), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
 # decoding (docs/results/code_measurements.md, 'pipelined tuner')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # A plain stretch is counted in the process's tokens, not per generation: a generation that ends inside one hands
@@ -43,14 +44,15 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # (docs/results/code_measurements.md, 'pipelined tuner'); carrying a stretch's whole length into every generation held
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
 # halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
-# 6-20% of its time (a probe's switch from plain steps to rounds costs tens of ms besides its rounds: 'Run F').
+# 6-20% of its time (the repetitions that probed lost 46-106 ms each against plain's: 'Run F').
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
-# plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (on the GPU
-# one depth read 1.6-2.7 ms per pass in one process): compared with a plain cost read in a fast spell, rounds read in
-# a slow one turned speculation off where it paid (docs/adr/0008, 'Run G'). Replayed with a drifting host
-# (scripts/bench/replay_tuner.py --drift 0.2,0.99 and 0.3,0.98), the demo at 0.7 kept 0.91-0.93 of its best fixed
-# depth without the check and 0.94-0.96 with it, oracle 0.5 0.87-0.96 and 0.97-0.98; staleness from 256 passes
-# helped less, from 64 about as much; dropping a depth's stale round costs as well changed nothing measurable.
+# plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: K=3
+# read 1.62-2.73 ms per pass in one process), and a plain cost read in a fast spell makes rounds read in a slow one look
+# dear (run G's demo at 0.7 went off in its first generation on a plain cost from the baseline: 0.73 ms, 0.92 ms when
+# read next; docs/adr/0008, 'Run G'). Replayed with a drifting host (scripts/bench/replay_tuner.py --drift 0.2,0.99
+# and 0.3,0.98, --probe-ms 15, 30 seeds), the demo at 0.7 kept 0.89-0.93 of its best fixed depth without the check and
+# 0.94-0.95 with it, oracle 0.5 0.87-0.96 and 0.97-0.98, the other cases unchanged; staleness from 256 passes helped
+# less, from 64 about as much.
 STALE_PASSES = 32
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
@@ -179,7 +181,7 @@ class PipelinedTuner:
         # reading kept that reading as its cost in later generations (a remembered cost alone counts as one pass)
         self.window = self.memory.setdefault("window", {})
         self.at = self.memory.setdefault("at", {})  # per depth: the process's pass (memory["clock"]) it was last timed
-        self.checking = False  # plain steps that read plain's cost afresh before an off decision
+        self.recheck = False  # plain's next timed pass replaces its cost (a check of a stale one) instead of joining it
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
@@ -229,7 +231,8 @@ class PipelinedTuner:
         self.rejected[k] = 0
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
         # fast pass later is averaged in, as any other)
-        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck
+        self.recheck = self.recheck and k != 0
         self.at[k] = clock
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
         window = self.window[k] = [seconds] if fresh else [*self.window.get(k, [old]), seconds][-COST_WINDOW:]
@@ -308,7 +311,7 @@ class PipelinedTuner:
                 self.k = self.probe_k = self.memory["k"] = k
                 return k
         if gain >= SPECULATE_MIN_GAIN:
-            self.below, self.checking = 0, False
+            self.below = 0
             current = gains.get(self.k)
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
@@ -342,13 +345,13 @@ class PipelinedTuner:
         self.below += 1
         if not hopeless and self.below < OFF_CONFIRM:
             return self.k
-        if not hopeless and not self.checking and self.stale(0):  # plain's cost from long ago: read it again first
-            self.checking, self.below = True, 0
+        if not hopeless and self.stale(0):  # plain's cost from long ago: read it again first (then it is fresh for
+            # STALE_PASSES passes: the decisions after the check's probe go off on it, with no second check)
+            self.recheck, self.below = True, 0
             self.probe_k = self.k
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
             return 0
-        self.checking = False
         if hopeless:
             self.off_tokens = MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
