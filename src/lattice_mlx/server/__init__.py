@@ -55,11 +55,11 @@ def served_name(model: str | None, given: str | None = None) -> str:
 
 
 # Prompt lengths the warm-up prefills once: one per row tile of MLX's 4-bit matmul on CUDA (16, 32, 64 rows: a tile
-# is built, with the elementwise fusions around it, the first time a machine runs a prompt of that many rows, 74-78 s
-# each on a fresh H100, then kept on disk: docs/results/code_measurements.md, 'First use of a prompt length'), so that
-# a fresh machine builds them at start-up, announced, and not inside a request. Milliseconds where they are built.
-# (16 and 40 rows measured so; 24 for the 32-row tile is read from MLX 0.32's source, not measured.) Caches as a
-# request's are (not trimmable: a short forward on a trimmable cache takes the recording path).
+# is built, with the elementwise fusions around it, the first time a machine runs a prompt of that many rows, over a
+# minute each on a fresh GPU machine, then kept on disk: docs/results/code_measurements.md, 'First use of a prompt
+# length'), so that a fresh machine builds them at start-up, announced, and not inside a request; milliseconds where
+# they are built. (16 and 40 rows measured so; 24 for the 32-row tile is read from MLX 0.32's source, not measured.)
+# Caches as a request's are (not trimmable: a short forward on a trimmable cache takes the recording path).
 WARM_PROMPT_ROWS = (24, 40)  # (the 16-row tile: the 16-token prompt of the generations below)
 
 

@@ -33,8 +33,8 @@ PLAIN_WARMUP_STEPS, PLAIN_TIMED_STEPS = 2, 8  # the baseline: pipelined plain st
 FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation cannot pay; doubles while it cannot
 # The pipelined tuner's plain stretches: longer, and growing faster, than the host loop's. Each probe of speculation
 # after one has a fixed cost besides its rounds (the head's catch-up forward, a round and a plain step built op by op
-# where the state changes hands: 10-15 ms on the 0.8B shape, docs/results/code_measurements.md, 'The switch from plain
-# steps to rounds'), and at acceptance 0 four probes in a 256-token generation lost 9% to plain
+# where the state changes hands: docs/results/code_measurements.md, 'The switch from plain steps to rounds'), and at
+# acceptance 0 four probes in a 256-token generation lost 9% to plain
 # decoding (docs/results/code_measurements.md, 'pipelined tuner')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # A plain stretch is counted in the process's tokens, not per generation: a generation that ends inside one hands
@@ -44,12 +44,12 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # (docs/results/code_measurements.md, 'pipelined tuner'); carrying a stretch's whole length into every generation held
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
 # halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
-# 6-20% of its time (the repetitions that probed lost 46-106 ms each against plain's: 'Run F').
+# 6-20% of its time (the repetitions that probed lost to plain's: 'Run F').
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
-# plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: K=3
-# read 1.62-2.73 ms per pass in one process), and a plain cost read in a fast spell makes rounds read in a slow one look
-# dear (run G's demo at 0.7 went off in its first generation on a plain cost from the baseline: 0.73 ms, 0.92 ms when
-# read next; docs/adr/0008, 'Run G'). Replayed with a drifting host (scripts/bench/replay_tuner.py --drift 0.2,0.99
+# plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
+# depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds read
+# in a slow one look dear (run G's demo at 0.7 went off in its first generation on a plain cost from the baseline,
+# which read a quarter higher next; docs/adr/0008, 'Run G'). Replayed with a drifting host (scripts/bench/replay_tuner.py --drift 0.2,0.99
 # and 0.3,0.98, --probe-ms 15, 30 seeds), the demo at 0.7 kept 0.89-0.93 of its best fixed depth without the check and
 # 0.94-0.95 with it, oracle 0.5 0.87-0.96 and 0.97-0.98, the other cases unchanged; staleness from 256 passes helped
 # less, from 64 about as much.
