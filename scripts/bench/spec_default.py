@@ -14,9 +14,9 @@ included (a prompt of --prompt-tokens random ids on random shapes, the bench's c
 --long-prompt N tokens of this repository's source). Only plain decoding's step trace and the prefill shapes are
 warmed before the first timed repetition (one plain generation): every other first-use cost of a process (the
 rounds' traces, the head's shapes, the tuner starting without memory) lands in the first repetition, reported apart
-as well. On a GPU the driver first runs each group once untimed in a process of its own (--machine-warmup): what
-MLX builds once per machine and keeps on disk is then built, as on a user's machine after its first run; the time
-that took is in the JSON's meta (machine_warmup_s).
+as well. On a GPU the driver first runs a group per draft source kind, temperature and length once, untimed, in a
+process of its own (--machine-warmup): what MLX builds once per machine and keeps on disk is then built, as on a
+user's machine after its first run; the time that took is in the JSON's meta (machine_warmup_s).
 """
 
 import argparse
@@ -200,9 +200,9 @@ def main() -> int:
     p.add_argument("--capacity", default=q4_matmul.CAPACITY, choices=q4_matmul.CAPACITIES,
                    help="the rows a 4-bit / dense matmul variant holds (lattice_mlx.metal.q4_matmul.CAPACITY)")
     p.add_argument("--machine-warmup", type=int, default=1,
-                   help="1 (on a GPU): before the groups, an untimed process per group prefills every prompt and "
-                   "runs each leg once, so kernels MLX builds once per machine (kept on disk) are built before the "
-                   "timed processes")
+                   help="1 (on a GPU): before the groups, an untimed process per kind of group prefills every prompt "
+                   "and runs each leg once, so kernels MLX builds once per machine (kept on disk) are built before "
+                   "the timed processes")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # (the machine warm-up's child)
     p.add_argument("--group", help=argparse.SUPPRESS)  # one group, in this process (the driver's child)
     p.add_argument("--out", default="spec_default.json")
@@ -220,8 +220,12 @@ def main() -> int:
         # whatever first runs the shape: the 4-bit matmul of a prompt's row tile took 74-78 s on an H100, inside a
         # timed repetition (docs/results/code_measurements.md, 'First use of a prompt length'). Each group's own
         # process still starts cold: its first uses stay in its first repetition.
-        t = time.perf_counter()
-        for g in groups:
+        t, warmed = time.perf_counter(), set()
+        for g in groups:  # one per kind of draft source, temperature and length (an oracle's p builds nothing new)
+            kind = (g.split(":")[0].split("|")[0], *g.split("|")[1:])
+            if kind in warmed:
+                continue
+            warmed.add(kind)
             cmd = [sys.executable, __file__, *sys.argv[1:], "--warm-only", "--group", g]
             rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
             log(f"machine warm-up, {g}: exit {rc}")
