@@ -99,8 +99,8 @@ def main() -> None:
               "--lengths", args.lengths]
     for cudnn in ("0", "1"):  # ops first: builds MLX keeps on disk, paid there, leave cuDNN's own per-process costs
         print(f"== prefill, LATTICE_CUDNN_SDPA={cudnn}", flush=True)
-        subprocess.run([*script, "--case", "prefill", "--cudnn", cudnn], env={**os.environ, "LATTICE_CUDNN_SDPA": cudnn},
-                       check=False, timeout=400)
+        subprocess.run([*script, "--case", "prefill", "--cudnn", cudnn], check=False, timeout=400,
+                       env={**os.environ, "LATTICE_CUDNN_SDPA": cudnn})
     print("== switch", flush=True)
     subprocess.run([*script, "--case", "switch"], check=False, timeout=300)
 

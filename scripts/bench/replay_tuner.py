@@ -100,7 +100,8 @@ def main() -> None:
                     "multiple of the depth's")
     ap.add_argument("--probe-ms", type=float, default=0.0, help="ms added to the first round after plain steps")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per generation")
-    ap.add_argument("--drift", default="0,0", help="SIGMA,RHO: a host factor common to every depth (log-AR(1) per pass)")
+    ap.add_argument("--drift", default="0,0",
+                    help="SIGMA,RHO: a host factor common to every depth (log-AR(1) per pass)")
     args = ap.parse_args()
     drift = tuple(float(x) for x in args.drift.split(","))
     if args.trace:

@@ -47,12 +47,12 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # 6-20% of its time (the repetitions that probed lost to plain's: 'Run F').
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
 # plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
-# depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds read
-# in a slow one look dear (run G's demo at 0.7 went off in its first generation on a plain cost from the baseline,
-# which read a quarter higher next; docs/adr/0008, 'Run G'). Replayed with a drifting host (scripts/bench/replay_tuner.py --drift 0.2,0.99
-# and 0.3,0.98, --probe-ms 15, 30 seeds), the demo at 0.7 kept 0.89-0.93 of its best fixed depth without the check and
-# 0.94-0.95 with it, oracle 0.5 0.87-0.96 and 0.97-0.98, the other cases unchanged; staleness from 256 passes helped
-# less, from 64 about as much.
+# depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds
+# read in a slow one look dear (run G's demo at 0.7 went off in its first generation on a plain cost from the
+# baseline, which read a quarter higher next; docs/adr/0008, 'Run G'). Replayed with a drifting host
+# (scripts/bench/replay_tuner.py --drift 0.2,0.99 and 0.3,0.98, --probe-ms 15, 30 seeds), the demo at 0.7 kept
+# 0.89-0.93 of its best fixed depth without the check and 0.94-0.95 with it, oracle 0.5 0.87-0.96 and 0.97-0.98, the
+# other cases unchanged; staleness from 256 passes helped less, from 64 about as much.
 STALE_PASSES = 32
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
