@@ -19,10 +19,15 @@ def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
     scalar array, mask None or "causal"): only the first `length` keys are valid (a fixed-capacity cache holding
     rows past them); causal rows then end at key length - T + t."""
     if length is not None:
-        T, L = q.shape[2], k.shape[2]
-        last = length - 1 - ((T - 1 - mx.arange(T)) if mask == "causal" else 0)  # [T] or scalar
-        mask = mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
+        mask = valid_keys(q.shape[2], k.shape[2], mask == "causal", length)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def valid_keys(T: int, L: int, causal: bool, length) -> mx.array:
+    """The boolean [T, L] (or [1, L]) mask of the keys each row reads: the first `length` (an int scalar array or
+    int), causal rows ending at key length - T + t."""
+    last = length - 1 - ((T - 1 - mx.arange(T)) if causal else 0)  # [T] or scalar
+    return mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
 
 
 def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
@@ -34,8 +39,7 @@ def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=N
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     if isinstance(mask, str) or length is not None:  # "causal" and / or the valid keys: a boolean [T, L] mask
-        last = (L if length is None else length) - 1 - ((T - 1 - mx.arange(T)) if mask == "causal" else 0)
-        mask = mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
+        mask = valid_keys(T, L, mask == "causal", L if length is None else length)
     qg = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, T, D)
     scores = qg @ mx.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, G, T, L]
     if mask is not None:

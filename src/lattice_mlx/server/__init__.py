@@ -87,7 +87,8 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
                 pass
             steps.close()
     for rows in WARM_PROMPT_ROWS:  # (the MTP path's prefill also returns the hiddens the head reads)
-        logits, hidden = prefill(model, mx.array(ids * (rows // len(ids) + 1))[:rows], model.make_cache(trimmable=False),
+        prompt = mx.array([ids[i % len(ids)] for i in range(rows)])
+        logits, hidden = prefill(model, prompt, model.make_cache(trimmable=False),
                                  return_hidden=speculation is not None)
         mx.eval(logits, *([hidden] if hidden is not None else []))
     if speculation is not None:
