@@ -263,3 +263,37 @@ def test_tuner_reads_a_stale_plain_cost_again_before_going_off():
     checks = sum("stale" in line for line in tuner.log)
     tuner.run({0: 1.6, 1: 3.0, 2: 4.0, 3: 5.0, 4: 6.0}, [0.1, 0.01, 0.0, 0.0], 80)
     assert tuner.decisions and sum("stale" in line for line in tuner.log) - checks == 1
+
+
+def test_a_depths_first_traced_passes_are_not_its_cost():
+    """The first passes at a depth with no trace in the process (its round built op by op, the trace compiled, the
+    first replays: up to three times the later passes on the H100) are not timed: the demo at temperature 0.7 read its
+    K=3 rounds from them, went off as hopeless at its first decision and never speculated again in that process
+    (docs/adr/0008, 'Run H'). Here a depth's first six passes cost three times the rest."""
+    from lattice_mlx.speculative.tuning import FIRST_TRACE_SKIP
+
+    costs, seen = {0: 0.85, 1: 1.4, 2: 1.8, 3: 2.1, 4: 2.5}, {}
+    tuner = PipelinedTuner(4, {}, lambda k: seen.get(k, 0) >= 2)  # (a depth's trace compiles at its second round)
+    rates = [0.85, 0.7, 0.56, 0.44]
+    ks = []
+    for _ in range(300):
+        k = tuner.next_k(rates, lambda: rates)
+        seen[k] = seen.get(k, 0) + 1
+        tuner.observe(k, costs[k] * (3.0 if k and seen[k] <= FIRST_TRACE_SKIP else 1.0))
+        ks.append(k)
+    assert not tuner.decisions and ks[-100:].count(0) == 0 and tuner.cost[3] == pytest.approx(2.1)
+
+
+def test_a_hopeless_stretch_is_carried_from_generation_to_generation():
+    """Plain steps taken because no depth could pay are counted in the process's tokens like any other stretch: the
+    next generation gets its rest, then a probe. Restarting the whole stretch in every generation never probed again
+    in generations shorter than it (run H), so a process that once read its rounds wrong decoded plainly for good."""
+    memory: dict = {}
+    _Costs(4, memory).run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], 60)  # hopeless
+    assert memory["hopeless"] and 0 < memory["off"] < MAX_OFF_TOKENS
+    rest, ks = memory["off"], []
+    cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    for _ in range(16):  # generations of 256 passes where rounds are cheap now
+        ks += _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], 256)
+    assert ks[:rest] == [0] * rest and ks[rest] > 0  # the stretch's rest, then a probe
+    assert ks[-256:].count(0) == 0

@@ -81,6 +81,12 @@ MIN_OFF_ROUNDS = 8
 # over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On MLX's CPU backend a round's rows
 # cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
+# Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
+# round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
+# the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 at 6.36 ms per pass from
+# them, three times its fixed leg's, went off as hopeless at its first decision and never speculated again in that
+# process (docs/adr/0008, 'Run H').
+FIRST_TRACE_SKIP = 6
 
 
 def expected_tokens(k: int, rates: list[float]) -> float:
@@ -143,8 +149,8 @@ class PipelinedTuner:
     with the most tokens per second, else a traced depth further off that pays, or 0 (plain steps) when none of them
     beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read; a plain cost read
     STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps). The passes just after a
-    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it), and a depth is
-    judged after DWELL timed passes. The schedule: plain steps first (the baseline), then PIPELINED_START_K for
+    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it; FIRST_TRACE_SKIP more
+    after a change to a depth with no trace yet), and a depth is judged after DWELL timed passes. The schedule: plain steps first (the baseline), then PIPELINED_START_K for
     ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
     after every round. Plain wins: plain steps for a stretch (64 tokens, growing 4x while speculation still cannot
     pay) and speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of
@@ -173,6 +179,7 @@ class PipelinedTuner:
         self.cost = self.memory.setdefault("cost", {})
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
+        self.skip = self.SKIP  # passes at it not timed (SKIP, or more after a depth's first trace: FIRST_TRACE_SKIP)
         self.probe_k, self.off_tokens, self.decisions = min(k_max, PIPELINED_START_K), PIPELINED_FIRST_OFF, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
@@ -187,10 +194,9 @@ class PipelinedTuner:
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
-            if self.memory.get("hopeless"):  # no depth could pay before: plain steps first, then a probe
-                self.k, self.left, self.off_tokens = 0, MAX_OFF_TOKENS, MAX_OFF_TOKENS
-                self.log.append(f"plain steps for {MAX_OFF_TOKENS} tokens first: no depth could pay before")
-            elif self.memory.get("stretch"):  # the last probe ended in a plain stretch (and nothing paid since)
+            if self.memory.get("stretch"):  # the last probe ended in a plain stretch (and nothing paid since; a
+                # hopeless one too: restarting its MAX_OFF_TOKENS in every generation never probed again in
+                # generations shorter than it, docs/adr/0008, 'Run H')
                 self.carried, rest = True, int(self.memory.get("off") or 0)
                 self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
                 if rest:  # the stretch goes on here: plain steps for its rest first, then a probe
@@ -212,7 +218,9 @@ class PipelinedTuner:
         cheapest, old = min(self.cost.values(), default=None), self.cost.get(k)
         slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
         stall = not slow and old is not None and seconds > self.SPIKE * old
-        if stall and (self.since + 1 if k == self.prev else 0) < self.SKIP:
+        if k != self.prev:  # a change of K: its first passes are not timed (more for a depth with no trace yet)
+            self.skip = self.SKIP + (0 if self.traced(k) else FIRST_TRACE_SKIP)
+        if stall and (self.since + 1 if k == self.prev else 0) < self.skip:
             stall = False  # (the passes just after a change of K are slow by nature, and not timed anyway)
         if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
             self.slow += 1
@@ -221,7 +229,7 @@ class PipelinedTuner:
         self.since = self.since + 1 if k == self.prev else 0
         self.prev = k
         clock = self.memory["clock"] = self.memory.get("clock", 0) + 1
-        if self.since < self.SKIP:
+        if self.since < self.skip:
             return
         if slow or stall:
             self.rejected[k] = self.rejected.get(k, 0) + 1
@@ -290,7 +298,7 @@ class PipelinedTuner:
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
             return self.k
-        if self.prev == self.k and self.since < self.SKIP + DWELL - 1:
+        if self.prev == self.k and self.since < self.skip + DWELL - 1:
             return self.k  # this depth's cost is not measured enough yet to judge it (or its neighbours) by
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
