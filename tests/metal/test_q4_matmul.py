@@ -82,6 +82,21 @@ def test_small_k_workaround_is_the_same_matmul(monkeypatch):
     np.testing.assert_allclose(np.array(y8), np.array(e8), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lead", [(16,), (4,), (2, 3)])
+def test_a_batch_of_rows_is_one_quantized_matmul(monkeypatch, lead):
+    """x's leading axes (a batch of sequences' steps [B, 1, K], a batched verify [B, K + 1, K]) go to MLX as one
+    problem of all the rows: MLX takes them as a batch of problems, and its CUDA kernel reads the whole weight once
+    per problem (docs/adr/0009, 'Batch run 3'). The product is the same."""
+    x, w, s, b = make(1 if len(lead) == 1 else 4, 40, 256, 64, mx.float32, lead=lead)
+    with mx.stream(mx.cpu):
+        expect = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+        shapes, qmm = [], mx.quantized_matmul
+        monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: shapes.append(x.shape) or qmm(x, *a, **k))
+        y = quantized_matmul(x, w, s, b, group_size=64, bits=4)
+    assert shapes == [(x.size // 256, 256)] and y.shape == expect.shape
+    np.testing.assert_allclose(np.array(y), np.array(expect), rtol=1e-5, atol=1e-5)
+
+
 def test_dequant_rows_picks_the_dequantized_matmul_from_its_rows(monkeypatch):
     """LATTICE_DEQUANT_ROWS=N: from N rows on (a CUDA device, made to look present here) the weight is dequantized
     and multiplied, below N MLX's quantized matmul runs; either gives the same product. A trace key (kernel_policy)
