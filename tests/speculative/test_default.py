@@ -89,10 +89,10 @@ class _Costs(PipelinedTuner):
         return ks
 
 
-def test_tuner_goes_plain_for_good_where_no_depth_can_pay():
+def test_tuner_goes_plain_for_the_longest_stretch_where_no_depth_can_pay():
     """Rounds that cost what K + 1 plain steps cost (MLX's CPU backend, by measurement) cannot pay even when every
     draft is kept: the tuner turns speculation off for the longest stretch at its first decision, and the next
-    generation in the process starts with that stretch. Where rows are cheap (a GPU) the same acceptance keeps it
+    generation in the process continues with that stretch's rest. Where rows are cheap (a GPU) the same acceptance keeps it
     speculating."""
     linear = {k: 1.0 * (k + 1) for k in range(5)}
     memory: dict = {}
@@ -273,15 +273,20 @@ def test_a_depths_first_traced_passes_are_not_its_cost():
     from lattice_mlx.speculative.tuning import FIRST_TRACE_SKIP
 
     costs, seen = {0: 0.85, 1: 1.4, 2: 1.8, 3: 2.1, 4: 2.5}, {}
-    tuner = PipelinedTuner(4, {}, lambda k: seen.get(k, 0) >= 2)  # (a depth's trace compiles at its second round)
+    # (a depth's trace compiles at its second round; plain steps have theirs)
+    tuner = PipelinedTuner(4, {}, lambda k: k == 0 or seen.get(k, 0) >= 2)
     rates = [0.85, 0.7, 0.56, 0.44]
-    ks = []
+    ks, timed = [], []
     for _ in range(300):
         k = tuner.next_k(rates, lambda: rates)
         seen[k] = seen.get(k, 0) + 1
-        tuner.observe(k, costs[k] * (3.0 if k and seen[k] <= FIRST_TRACE_SKIP else 1.0))
+        seconds, before = costs[k] * (3.0 if k and seen[k] <= FIRST_TRACE_SKIP else 1.0), tuner.at.get(k)
+        tuner.observe(k, seconds)
+        if tuner.at.get(k) != before:  # (a timed pass: its depth's clock moved)
+            timed.append((k, seconds))
         ks.append(k)
     assert not tuner.decisions and ks[-100:].count(0) == 0 and tuner.cost[3] == pytest.approx(2.1)
+    assert all(seconds == costs[k] for k, seconds in timed) and sum(k == 0 for k, _ in timed) == 8
 
 
 def test_a_hopeless_stretch_is_carried_from_generation_to_generation():

@@ -527,18 +527,17 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      bits: int, mode: str = "affine") -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, but for MLX's small-K fault on CUDA, and
     from dequant_rows() rows on, the weight dequantized into x's dtype and multiplied (cuBLAS)."""
-    if small_k_workaround(x) or dequant_applies(x):
-        dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
-        return x @ dense.T
-    if x.ndim <= 2:
-        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
     # One problem of all the rows: MLX takes x's leading axes as a batch of problems of x.shape[-2] rows each, and its
     # CUDA kernel reads and dequantizes the whole weight once per problem, so a batch of B sequences' steps
-    # ([B, 1, K]) read every weight B times, as B one-row problems in 16-row tiles (MLX's qmm dispatch read at
-    # docs/adr/0009, 'Batch run 3')
-    out = mx.quantized_matmul(x.reshape(-1, x.shape[-1]), w, scales, biases, transpose=True, group_size=group_size,
-                              bits=bits, mode=mode)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    # ([B, 1, K]) read every weight B times, as B one-row problems in 16-row tiles (docs/adr/0009, MLX's quantized
+    # matmul dispatch for a batch's steps)
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
+    if small_k_workaround(x) or dequant_applies(x):
+        dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
+        out = rows @ dense.T
+    else:
+        out = mx.quantized_matmul(rows, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
+    return out if rows is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,

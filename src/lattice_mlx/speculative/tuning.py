@@ -21,7 +21,8 @@ PIPELINED_START_K = 3
 # A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
 # one (its first round compiles the trace)
 NEW_DEPTH_MIN_GAIN = 1.10
-# Passes a depth is timed (after the SKIP untimed ones) before the tuner judges it: one slow pass read as a depth's cost
+# Passes a depth is timed (after the untimed ones: SKIP, and FIRST_TRACE_SKIP more for a depth with no trace yet)
+# before the tuner judges it: one slow pass read as a depth's cost
 # steered the tuner off that depth for the rest of the process (its memory), in a replay of run E's costs and
 # acceptance (scripts/bench/replay_tuner.py)
 DWELL = 3
@@ -76,16 +77,16 @@ OFF_HOPE = 2.0
 # rejected first drafts turned speculation off for 64 tokens or more where the demo's head at temperature 0.7 and the
 # 0.8B shape at oracle 0.5 paid at a fixed K (docs/adr/0008, 'Run E')
 MIN_OFF_ROUNDS = 8
-# No depth can pay, and speculation goes off for the longest stretch (and in later generations of the process), only
-# when keeping every draft predicts no more than plain decoding: costs read on a noisy host put the ceiling just
+# No depth can pay, and speculation goes off for the longest stretch (its rest carried into the process's later
+# generations, as any stretch's), only when keeping every draft predicts no more than plain decoding: costs read on a noisy host put the ceiling just
 # over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On MLX's CPU backend a round's rows
 # cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
 # round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
-# the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 at 6.36 ms per pass from
-# them, three times its fixed leg's, went off as hopeless at its first decision and never speculated again in that
-# process (docs/adr/0008, 'Run H').
+# the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 from them at three times
+# its fixed leg's cost, went off as hopeless at its first decision and never speculated again in that process
+# (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
 
 
@@ -149,9 +150,9 @@ class PipelinedTuner:
     with the most tokens per second, else a traced depth further off that pays, or 0 (plain steps) when none of them
     beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read; a plain cost read
     STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps). The passes just after a
-    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it; FIRST_TRACE_SKIP more
-    after a change to a depth with no trace yet), and a depth is judged after DWELL timed passes. The schedule: plain steps first (the baseline), then PIPELINED_START_K for
-    ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
+    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it; FIRST_TRACE_SKIP
+    more after a change to a depth with no trace yet), and a depth is judged after DWELL timed passes. The schedule:
+    plain steps first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
     after every round. Plain wins: plain steps for a stretch (64 tokens, growing 4x while speculation still cannot
     pay) and speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of
     rounds, the plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes
@@ -179,7 +180,7 @@ class PipelinedTuner:
         self.cost = self.memory.setdefault("cost", {})
         self.k, self.left = 0, PLAIN_WARMUP_STEPS + PLAIN_TIMED_STEPS
         self.prev, self.since = None, 0  # the K of the last pass observed, and how many passes in a row had it
-        self.skip = self.SKIP  # passes at it not timed (SKIP, or more after a depth's first trace: FIRST_TRACE_SKIP)
+        self.skip = self.SKIP  # passes at it not timed (SKIP; FIRST_TRACE_SKIP more for a depth with no trace yet)
         self.probe_k, self.off_tokens, self.decisions = min(k_max, PIPELINED_START_K), PIPELINED_FIRST_OFF, []
         self.switches, self.slow, self.log = 0, 0, []  # log: the off decisions, the first changes of K with
         # their costs, and the first slow passes
@@ -219,7 +220,7 @@ class PipelinedTuner:
         slow = cheapest is not None and seconds > self.SLOW_PASS * cheapest
         stall = not slow and old is not None and seconds > self.SPIKE * old
         if k != self.prev:  # a change of K: its first passes are not timed (more for a depth with no trace yet)
-            self.skip = self.SKIP + (0 if self.traced(k) else FIRST_TRACE_SKIP)
+            self.skip = self.SKIP + (FIRST_TRACE_SKIP if k and not self.traced(k) else 0)
         if stall and (self.since + 1 if k == self.prev else 0) < self.skip:
             stall = False  # (the passes just after a change of K are slow by nature, and not timed anyway)
         if (slow or stall) and self.slow < self.LOGGED_SWITCHES:
@@ -344,7 +345,8 @@ class PipelinedTuner:
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
-        # the longest stretch, and the process remembers it (its next generations start there).
+        # the longest stretch (its rest carried into the next generations; memory["hopeless"] records that the last
+        # off decision was one, for the log and the tests).
         ceiling = max((self.speedup(d, [1.0] * d) or 0.0 for d in range(1, self.k_max + 1)), default=0.0)
         hopeless = 0 < ceiling <= HOPELESS_CEILING
         if not hopeless and self.read() < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
