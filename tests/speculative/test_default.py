@@ -92,8 +92,8 @@ class _Costs(PipelinedTuner):
 def test_tuner_goes_plain_for_the_longest_stretch_where_no_depth_can_pay():
     """Rounds that cost what K + 1 plain steps cost (MLX's CPU backend, by measurement) cannot pay even when every
     draft is kept: the tuner turns speculation off for the longest stretch at its first decision, and the next
-    generation in the process continues with that stretch's rest. Where rows are cheap (a GPU) the same acceptance keeps it
-    speculating."""
+    generation in the process continues with that stretch's rest. Where rows are cheap (a GPU) the same acceptance
+    keeps it speculating."""
     linear = {k: 1.0 * (k + 1) for k in range(5)}
     memory: dict = {}
     tuner = _Costs(4, memory)

@@ -22,9 +22,8 @@ PIPELINED_START_K = 3
 # one (its first round compiles the trace)
 NEW_DEPTH_MIN_GAIN = 1.10
 # Passes a depth is timed (after the untimed ones: SKIP, and FIRST_TRACE_SKIP more for a depth with no trace yet)
-# before the tuner judges it: one slow pass read as a depth's cost
-# steered the tuner off that depth for the rest of the process (its memory), in a replay of run E's costs and
-# acceptance (scripts/bench/replay_tuner.py)
+# before the tuner judges it: one slow pass read as a depth's cost steered the tuner off that depth for the rest of
+# the process (its memory), in a replay of run E's costs and acceptance (scripts/bench/replay_tuner.py)
 DWELL = 3
 # Decisions in a row that find no depth paying before speculation goes off: one decision per round reads rates and
 # costs that swing around break-even, and the first dip below it went off (the same replay)
@@ -78,9 +77,9 @@ OFF_HOPE = 2.0
 # 0.8B shape at oracle 0.5 paid at a fixed K (docs/adr/0008, 'Run E')
 MIN_OFF_ROUNDS = 8
 # No depth can pay, and speculation goes off for the longest stretch (its rest carried into the process's later
-# generations, as any stretch's), only when keeping every draft predicts no more than plain decoding: costs read on a noisy host put the ceiling just
-# over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On MLX's CPU backend a round's rows
-# cost what as many plain steps cost, and the ceiling stays at or below 1.
+# generations, as any stretch's), only when keeping every draft predicts no more than plain decoding: costs read on a
+# noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On
+# MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
 # round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
@@ -152,11 +151,11 @@ class PipelinedTuner:
     STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps). The passes just after a
     change of K are not timed (the pipeline refills, and a verify shape's first use compiles it; FIRST_TRACE_SKIP
     more after a change to a depth with no trace yet), and a depth is judged after DWELL timed passes. The schedule:
-    plain steps first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the passes from a round's dispatch to its acceptance); then a decision
-    after every round. Plain wins: plain steps for a stretch (64 tokens, growing 4x while speculation still cannot
-    pay) and speculation is probed again. With a `memory` (tuner_memory) that holds costs of plain steps and of
-    rounds, the plain baseline is skipped: the tuner starts at the depth picked last, from those costs, and writes
-    what it measures back. Acceptance is always this generation's own (it depends on the text)."""
+    plain steps first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the
+    passes from a round's dispatch to its acceptance); then a decision after every round. Plain wins: plain steps
+    for a stretch (64 tokens, growing 4x while speculation still cannot pay) and speculation is probed again. With a
+    `memory` (tuner_memory) that holds costs of plain steps and of rounds, the plain baseline is skipped: the tuner
+    starts at the depth picked last, from those costs, and writes what it measures back. Acceptance is always this generation's own (it depends on the text)."""
 
     SKIP = 2  # passes after a change of K that are not timed
     LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
