@@ -155,7 +155,8 @@ class PipelinedTuner:
     passes from a round's dispatch to its acceptance); then a decision after every round. Plain wins: plain steps
     for a stretch (64 tokens, growing 4x while speculation still cannot pay) and speculation is probed again. With a
     `memory` (tuner_memory) that holds costs of plain steps and of rounds, the plain baseline is skipped: the tuner
-    starts at the depth picked last, from those costs, and writes what it measures back. Acceptance is always this generation's own (it depends on the text)."""
+    starts at the depth picked last, from those costs, and writes what it measures back. Acceptance is always this
+    generation's own (it depends on the text)."""
 
     SKIP = 2  # passes after a change of K that are not timed
     LOGGED_SWITCHES = 8  # changes of K (and slow passes) logged per generation (SpecStats.tuner_log)
