@@ -302,3 +302,22 @@ def test_a_hopeless_stretch_is_carried_from_generation_to_generation():
         ks += _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], 256)
     assert ks[:rest] == [0] * rest and ks[rest] > 0  # the stretch's rest, then a probe
     assert ks[-256:].count(0) == 0
+
+
+def test_a_hopeless_stretch_found_hopeless_again_grows():
+    """Where no depth can pay (rounds cost K + 1 plain steps: MLX's CPU backend), each probe after a hopeless stretch
+    that finds it hopeless again makes the next stretch PIPELINED_OFF_GROWTH times longer, up to HOPELESS_MAX_OFF:
+    a probe per MAX_OFF_TOKENS cost long generations on the CPU more than plain decoding. A probe that pays ends it."""
+    from lattice_mlx.speculative.tuning import HOPELESS_MAX_OFF, PIPELINED_OFF_GROWTH
+
+    memory: dict = {}
+    tuner = _Costs(4, memory)
+    passes = 2 * HOPELESS_MAX_OFF
+    ks = tuner.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], passes)
+    lengths = [int(d.split(" tokens")[0].split()[-1]) for d in tuner.decisions]
+    grown = [MAX_OFF_TOKENS * PIPELINED_OFF_GROWTH ** i for i in range(3)]
+    assert lengths[:3] == grown and set(lengths[3:]) == {HOPELESS_MAX_OFF} and grown[-1] == HOPELESS_MAX_OFF
+    assert passes - ks.count(0) < 100  # (the baseline's plain steps count as plain; every probe is a few rounds)
+    cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    ks = _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], memory["off"] + 200)
+    assert ks[-100:].count(0) == 0 and memory["stretch"] is False

@@ -81,6 +81,11 @@ MIN_OFF_ROUNDS = 8
 # noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On
 # MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
+# A hopeless stretch that a probe after it finds hopeless again grows PIPELINED_OFF_GROWTH-fold, up to this: on MLX's
+# CPU backend, where no round can pay, each probe costs the head's catch-up over the stretch and four rounds at K + 1
+# plain steps' cost each (docs/results/code_measurements.md, 'Hopeless stretches on the CPU'). A probe reads its
+# depth's cost afresh (stale costs are replaced, `observe`), so one that pays ends the growth.
+HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
 # round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
 # the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 from them at three times
@@ -239,8 +244,11 @@ class PipelinedTuner:
             old = None  # the new level: timed afresh
         self.rejected[k] = 0
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
-        # fast pass later is averaged in, as any other)
-        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck
+        # fast pass later is averaged in, as any other); a cost last read STALE_PASSES passes ago or more is replaced,
+        # not averaged: after a plain stretch the old readings of a probe's depth outvoted its few new ones, and a
+        # wrong hopeless verdict stood for as many probes as the window took to turn over
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck \
+            or self.stale(k)
         self.recheck = self.recheck and k != 0
         self.at[k] = clock
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
@@ -362,8 +370,10 @@ class PipelinedTuner:
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
             return 0
-        if hopeless:
-            self.off_tokens = MAX_OFF_TOKENS
+        if hopeless:  # the longest stretch; PIPELINED_OFF_GROWTH times the last one where it was hopeless too
+            last = int(self.memory.get("stretch") or 0) if self.memory.get("hopeless") else 0
+            self.off_tokens = min(PIPELINED_OFF_GROWTH * last, HOPELESS_MAX_OFF) if last >= MAX_OFF_TOKENS \
+                else MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
