@@ -311,7 +311,7 @@ def test_a_hopeless_stretch_found_hopeless_again_grows():
     from lattice_mlx.speculative.tuning import HOPELESS_MAX_OFF, PIPELINED_OFF_GROWTH
 
     memory: dict = {}
-    tuner = _Costs(4, memory)
+    tuner = _Costs(4, memory, lag=2)  # (the pipelined loop's lag: a round's acceptance is read two passes on)
     passes = 2 * HOPELESS_MAX_OFF
     ks = tuner.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], passes)
     lengths = [int(d.split(" tokens")[0].split()[-1]) for d in tuner.decisions]
@@ -319,5 +319,12 @@ def test_a_hopeless_stretch_found_hopeless_again_grows():
     assert lengths[:3] == grown and set(lengths[3:]) == {HOPELESS_MAX_OFF} and grown[-1] == HOPELESS_MAX_OFF
     assert passes - ks.count(0) < 100  # (the baseline's plain steps count as plain; every probe is a few rounds)
     cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
-    ks = _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], memory["off"] + 200)
-    assert ks[-100:].count(0) == 0 and memory["stretch"] is False
+    ks = _Costs(4, memory, lag=2).run(cheap, [0.95, 0.9, 0.85, 0.8], memory["off"] + 200)
+    assert ks[-100:].count(0) == 0 and memory["stretch"] is False  # (a probe that pays ends the growth)
+    # a stretch taken for another reason restarts the growth: the next hopeless one is MAX_OFF_TOKENS again
+    poor = _Costs(4, memory, lag=2)
+    poor.run(cheap, [0.0], 400)
+    assert poor.decisions and "every draft kept" not in poor.decisions[0] and memory["hopeless"] is False
+    again = _Costs(4, memory, lag=2)
+    again.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], memory["off"] + 400)
+    assert again.decisions and f"off for {MAX_OFF_TOKENS} tokens" in again.decisions[0]

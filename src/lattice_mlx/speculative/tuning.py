@@ -39,7 +39,8 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # A plain stretch is counted in the process's tokens, not per generation: a generation that ends inside one hands
 # the next generation the rest of it (memory["off"]), and the probe after it continues the schedule (memory["stretch"],
-# the last stretch's length: the next is PIPELINED_OFF_GROWTH times it, up to MAX_OFF_TOKENS). Restarting at 64
+# the last stretch's length: the next is PIPELINED_OFF_GROWTH times it, up to MAX_OFF_TOKENS, or HOPELESS_MAX_OFF
+# for hopeless ones). Restarting at 64
 # tokens in every generation probed once or twice per 256 tokens at acceptance 0 and lost to plain decoding
 # (docs/results/code_measurements.md, 'pipelined tuner'); carrying a stretch's whole length into every generation held
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
@@ -83,8 +84,8 @@ MIN_OFF_ROUNDS = 8
 HOPELESS_CEILING = 1.01
 # A hopeless stretch that a probe after it finds hopeless again grows PIPELINED_OFF_GROWTH-fold, up to this: on MLX's
 # CPU backend, where no round can pay, each probe costs the head's catch-up over the stretch and four rounds at K + 1
-# plain steps' cost each (docs/results/code_measurements.md, 'Hopeless stretches on the CPU'). A probe reads its
-# depth's cost afresh (stale costs are replaced, `observe`), so one that pays ends the growth.
+# plain steps' cost each (docs/results/code_measurements.md, 'Hopeless stretches on the CPU'). A probe that pays ends
+# the growth: its timed passes (four in the pipelined loop) outvote the three older ones left in its depth's window.
 HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
 # round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
@@ -244,11 +245,8 @@ class PipelinedTuner:
             old = None  # the new level: timed afresh
         self.rejected[k] = 0
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
-        # fast pass later is averaged in, as any other); a cost last read STALE_PASSES passes ago or more is replaced,
-        # not averaged: after a plain stretch the old readings of a probe's depth outvoted its few new ones, and a
-        # wrong hopeless verdict stood for as many probes as the window took to turn over
-        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck \
-            or self.stale(k)
+        # fast pass later is averaged in, as any other)
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck
         self.recheck = self.recheck and k != 0
         self.at[k] = clock
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
@@ -354,7 +352,7 @@ class PipelinedTuner:
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
         # the longest stretch (its rest carried into the next generations; memory["hopeless"] records that the last
-        # off decision was one, for the log and the tests).
+        # off decision was one: a hopeless one after it grows the stretch, HOPELESS_MAX_OFF).
         ceiling = max((self.speedup(d, [1.0] * d) or 0.0 for d in range(1, self.k_max + 1)), default=0.0)
         hopeless = 0 < ceiling <= HOPELESS_CEILING
         if not hopeless and self.read() < (ADAPTIVE_WARMUP_ROUNDS if self.carried else MIN_OFF_ROUNDS):
