@@ -4,6 +4,8 @@
 `LATTICE_KERNELS=cpu` runs the kernel bodies through the CPU render (tests, `python -m lattice_mlx.doctor`).
 """
 
+import functools
+
 import mlx.core as mx
 
 from lattice_mlx import settings
@@ -18,6 +20,16 @@ def use_kernels() -> bool:
     if mode == "cpu" or _dialect.collecting():
         return True
     return mx.default_device() == mx.gpu and (mx.metal.is_available() or mx.cuda.is_available())
+
+
+@functools.cache
+def _cuda() -> bool:
+    return mx.cuda.is_available()
+
+
+def cuda_gpu() -> bool:
+    """Whether ops run on MLX's CUDA backend (a CUDA device, the GPU the default device)."""
+    return _cuda() and mx.default_device() == mx.gpu
 
 
 def dequant_rows() -> int:

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
 
 def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
@@ -364,7 +365,3 @@ def composed(q: mx.array) -> bool:
     """Whether rows the kernel does not take are written out in ops (`sdpa_composed`: several rows on MLX's CUDA
     backend, unless LATTICE_CUDNN_SDPA=1) rather than given to MLX's SDPA."""
     return q.shape[2] > 1 and _cuda_gpu() and not settings.on("cudnn_sdpa")
-
-
-def _cuda_gpu() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()

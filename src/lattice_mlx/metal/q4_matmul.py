@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from lattice_mlx.metal import _dialect, dequant_rows, use_kernels
+from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
 MAX_ROWS = 8
 
@@ -501,15 +502,6 @@ def dense_matmul_kernel(x: mx.array, w: mx.array, *, pre: Pre | None = None, res
 # the tiny test shapes have a K that small, where it turned the prefill logits NaN; below SMALL_K on a CUDA device
 # the weight is dequantized and multiplied instead (the fused kernel covers up to 8 rows wherever it applies).
 SMALL_K = 256
-
-
-@cache
-def _cuda() -> bool:
-    return mx.cuda.is_available()
-
-
-def _cuda_gpu() -> bool:
-    return _cuda() and mx.default_device() == mx.gpu
 
 
 def small_k_workaround(x: mx.array) -> bool:
