@@ -92,14 +92,15 @@ class _Costs(PipelinedTuner):
 def test_tuner_goes_plain_for_the_longest_stretch_where_no_depth_can_pay():
     """Rounds that cost what K + 1 plain steps cost (MLX's CPU backend, by measurement) cannot pay even when every
     draft is kept: the tuner turns speculation off for the longest stretch at its first decision, and the next
-    generation in the process continues with that stretch's rest. Where rows are cheap (a GPU) the same acceptance
-    keeps it speculating."""
+    generation in the process continues with that stretch's rest (after one probe that confirms it: the first verdict
+    takes the ordinary stretch). Where rows are cheap (a GPU) the same acceptance keeps it speculating."""
     linear = {k: 1.0 * (k + 1) for k in range(5)}
     memory: dict = {}
     tuner = _Costs(4, memory)
-    ks = tuner.run(linear, [0.95, 0.9, 0.85, 0.8], 60)
-    assert ks.count(0) >= 50 and memory["hopeless"] and tuner.left > MAX_OFF_TOKENS - 60
-    assert "every draft kept" in tuner.decisions[0]
+    ks = tuner.run(linear, [0.95, 0.9, 0.85, 0.8], 150)
+    assert ks.count(0) >= 120 and memory["hopeless"] and tuner.left > MAX_OFF_TOKENS - 150
+    assert len(tuner.decisions) == 2 and all("every draft kept" in d for d in tuner.decisions)
+    assert f"off for {MAX_OFF_TOKENS} tokens" in tuner.decisions[1]
     nxt = _Costs(4, memory)
     assert nxt.run(linear, [0.95], 40) == [0] * 40
     cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
@@ -289,12 +290,43 @@ def test_a_depths_first_traced_passes_are_not_its_cost():
     assert all(seconds == costs[k] for k, seconds in timed) and sum(k == 0 for k, _ in timed) == 8
 
 
+def test_one_slow_spell_of_rounds_is_not_hopeless_for_good():
+    """A first hopeless verdict takes the ordinary plain stretch; only the probe after it, finding speculation hopeless
+    again on costs read afresh, takes the longest one. The demo's second greedy generation read its K=3 rounds at
+    twice their cost for a few passes, went off for the longest stretch on them and decoded four whole generations
+    plainly where a fixed K=3 ran at 1.8x plain (docs/adr/0008, 'Run I'). Rounds that stay dear (the CPU) still get
+    the longest stretch, after one probe."""
+    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF
+
+    rates, costs = [0.95, 0.9, 0.85, 0.8], {0: 0.68, 1: 0.9, 2: 1.1, 3: 1.36, 4: 1.6}
+    memory: dict = {}
+    traced = lambda k: k <= 3  # noqa: E731  (K=4 has no trace: the tuner stays at K=3, as the demo's did)
+    _Costs(4, memory, traced, lag=2).run(costs, rates, 256)  # a first generation at K=3
+    assert sorted(memory["cost"]) == [0, 3] and memory["k"] == 3 and not memory.get("stretch")
+    tuner, ks = _Costs(4, memory, traced, lag=2), []
+    for n in range(256):  # the next generation's first rounds at twice their cost (not stalls: under SPIKE)
+        k = tuner.next_k(rates, lambda: rates)
+        tuner.observe(k, costs[k] * (2.0 if k and n < 12 else 1.0))
+        ks.append(k)
+    assert len(tuner.decisions) == 1 and f"off for {PIPELINED_FIRST_OFF} tokens" in tuner.decisions[0]
+    assert "every draft kept" in tuner.decisions[0]  # (hopeless on the slow spell's costs)
+    assert ks.count(0) == PIPELINED_FIRST_OFF and ks[-100:].count(0) == 0 and not memory["stretch"]
+    # rounds dear for good (K + 1 plain steps each): the probe after the ordinary stretch confirms, then the longest
+    linear, memory = {k: 1.0 * (k + 1) for k in range(5)}, {}
+    dear = _Costs(4, memory, lag=2)
+    ks = dear.run(linear, rates, 200)
+    assert [d.split(" tokens")[0].split()[-1] for d in dear.decisions] == [str(PIPELINED_FIRST_OFF),
+                                                                          str(MAX_OFF_TOKENS)]
+    assert all("every draft kept" in d for d in dear.decisions) and memory["stretch"] == MAX_OFF_TOKENS
+    assert 200 - ks.count(0) < 40  # (two probes of a few rounds each)
+
+
 def test_a_hopeless_stretch_is_carried_from_generation_to_generation():
     """Plain steps taken because no depth could pay are counted in the process's tokens like any other stretch: the
     next generation gets its rest, then a probe. Restarting the whole stretch in every generation never probed again
     in generations shorter than it (run H), so a process that once read its rounds wrong decoded plainly for good."""
     memory: dict = {}
-    _Costs(4, memory).run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], 60)  # hopeless
+    _Costs(4, memory).run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], 150)  # hopeless, confirmed
     assert memory["hopeless"] and 0 < memory["off"] < MAX_OFF_TOKENS
     rest, ks = memory["off"], []
     cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
@@ -308,23 +340,27 @@ def test_a_hopeless_stretch_found_hopeless_again_grows():
     """Where no depth can pay (rounds cost K + 1 plain steps: MLX's CPU backend), each probe after a hopeless stretch
     that finds it hopeless again makes the next stretch PIPELINED_OFF_GROWTH times longer, up to HOPELESS_MAX_OFF:
     a probe per MAX_OFF_TOKENS cost long generations on the CPU more than plain decoding. A probe that pays ends it."""
-    from lattice_mlx.speculative.tuning import HOPELESS_MAX_OFF, PIPELINED_OFF_GROWTH
+    from lattice_mlx.speculative.tuning import HOPELESS_MAX_OFF, PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH
 
     memory: dict = {}
     tuner = _Costs(4, memory, lag=2)  # (the pipelined loop's lag: a round's acceptance is read two passes on)
     passes = 2 * HOPELESS_MAX_OFF
     ks = tuner.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], passes)
     lengths = [int(d.split(" tokens")[0].split()[-1]) for d in tuner.decisions]
-    grown = [MAX_OFF_TOKENS * PIPELINED_OFF_GROWTH ** i for i in range(3)]
-    assert lengths[:3] == grown and set(lengths[3:]) == {HOPELESS_MAX_OFF} and grown[-1] == HOPELESS_MAX_OFF
+    grown = [PIPELINED_FIRST_OFF] + [MAX_OFF_TOKENS * PIPELINED_OFF_GROWTH ** i for i in range(3)]
+    assert lengths[:4] == grown and set(lengths[4:]) == {HOPELESS_MAX_OFF} and grown[-1] == HOPELESS_MAX_OFF
     assert passes - ks.count(0) < 100  # (the baseline's plain steps count as plain; every probe is a few rounds)
     cheap = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
     ks = _Costs(4, memory, lag=2).run(cheap, [0.95, 0.9, 0.85, 0.8], memory["off"] + 200)
     assert ks[-100:].count(0) == 0 and memory["stretch"] is False  # (a probe that pays ends the growth)
-    # a stretch taken for another reason restarts the growth: the next hopeless one is MAX_OFF_TOKENS again
+    # a stretch taken for another reason restarts the growth: the next hopeless verdict takes the ordinary schedule's
+    # stretch (here the carried one's growth, 4x the poor one's), the one confirming it grows from there
     poor = _Costs(4, memory, lag=2)
     poor.run(cheap, [0.0], 400)
     assert poor.decisions and "every draft kept" not in poor.decisions[0] and memory["hopeless"] is False
     again = _Costs(4, memory, lag=2)
-    again.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], memory["off"] + 400)
-    assert again.decisions and f"off for {MAX_OFF_TOKENS} tokens" in again.decisions[0]
+    again.run({k: 1.0 * (k + 1) for k in range(5)}, [0.95, 0.9, 0.85, 0.8], memory["off"] + 1600)
+    ordinary = min(PIPELINED_OFF_GROWTH * int(poor.decisions[-1].split(" tokens")[0].split()[-1]), MAX_OFF_TOKENS)
+    confirmed = PIPELINED_OFF_GROWTH * ordinary if ordinary >= MAX_OFF_TOKENS else MAX_OFF_TOKENS
+    assert [int(d.split(" tokens")[0].split()[-1]) for d in again.decisions][:2] == [ordinary, confirmed]
+    assert confirmed < HOPELESS_MAX_OFF

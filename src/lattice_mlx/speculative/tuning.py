@@ -78,10 +78,15 @@ OFF_HOPE = 2.0
 # 0.8B shape at oracle 0.5 paid at a fixed K (docs/adr/0008, 'Run E')
 MIN_OFF_ROUNDS = 8
 # No depth can pay, and speculation goes off for the longest stretch (its rest carried into the process's later
-# generations, as any stretch's), only when keeping every draft predicts no more than plain decoding: costs read on a
+# generations, as any stretch's; after a confirmation, below), only when keeping every draft predicts no more than
+# plain decoding: costs read on a
 # noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On
 # MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling stays at or below 1.
 HOPELESS_CEILING = 1.01
+# A first hopeless verdict takes only the ordinary plain stretch (PIPELINED_FIRST_OFF, or the carried schedule's): the
+# longest one waits for the probe after it to find speculation hopeless again. A spell of slow rounds at the start
+# of the demo's second greedy generation (K=3 read at twice its cost) went off for the longest stretch, four whole
+# generations, where the fixed K=3 leg ran at 1.8x plain (docs/adr/0008, 'Run I').
 # A hopeless stretch that a probe after it finds hopeless again grows PIPELINED_OFF_GROWTH-fold, up to this: on MLX's
 # CPU backend, where no round can pay, each probe costs the head's catch-up over the stretch and four rounds at K + 1
 # plain steps' cost each (docs/results/code_measurements.md, 'Hopeless stretches on the CPU'). A probe that pays ends
@@ -368,8 +373,10 @@ class PipelinedTuner:
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
             return 0
-        if hopeless:  # the longest stretch; PIPELINED_OFF_GROWTH times the last one where it was hopeless too
-            last = int(self.memory.get("stretch") or 0) if self.memory.get("hopeless") else 0
+        # hopeless the first time: the ordinary stretch, and the probe after it confirms (with costs read afresh)
+        # before the longest one; then PIPELINED_OFF_GROWTH times the last one while it stays hopeless
+        last = int(self.memory.get("stretch") or 0) if self.memory.get("hopeless") else 0
+        if hopeless and last:
             self.off_tokens = min(PIPELINED_OFF_GROWTH * last, HOPELESS_MAX_OFF) if last >= MAX_OFF_TOKENS \
                 else MAX_OFF_TOKENS
         self.memory["hopeless"] = hopeless
