@@ -218,6 +218,7 @@ CPU_RENDER = [
     ("test_gated_delta.py", "test_kernel_none_state_and_dispatch"),
     ("test_gated_delta.py", "test_conv_kernel_matches_ref[verify-T9-Hv2Hk-fp32]"),
     ("test_gated_delta.py", "test_conv_kernel_matches_ref[T15-Dk64-fp16]"),
+    ("test_gated_delta.py", "test_conv_kernel_rows_per_warp_change_no_result[*]"),
     ("test_gated_delta.py", "test_conv_kernel_reads_the_picked_window_and_state_in_place[2-fp32]"),
     ("test_gated_delta.py", "test_conv_kernel_reads_packed_projection_in_place[bf16-4-record]"),
     ("test_gated_delta_tree.py", "test_kernel_matches_ref[drafter-2-2-1-Hv=2Hk-Dk64-Dv128-bf16]"),

@@ -284,6 +284,31 @@ def test_conv_kernel_matches_ref(case):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,step", [(1, False), (2, True)], ids=["decode", "verify"])
+def test_conv_kernel_rows_per_warp_change_no_result(T, step):
+    """A warp taking 1, 2 or 4 value rows (a batch's calls take 4: the q/k conv and gates computed once for them)
+    gives bitwise the same outputs, and each sequence of a batch is bitwise its own one-sequence call (1 row per
+    warp): a sequence's tokens do not depend on its batch-mates through this kernel."""
+    from lattice_mlx.metal.gated_delta import conv_rows_per_warp
+
+    B, Hk, Hv, Dk, Dv = 3, 2, 4, 64, 64
+    inputs = make_conv_inputs(B, T, Hk, Hv, Dk, Dv, mx.bfloat16, seed=23)
+    heads = (Hk, Dk, Hv, Dv)
+    assert conv_rows_per_warp(B, Dv) == 4 and conv_rows_per_warp(1, Dv) == 1
+    got = {r: gated_delta_conv_kernel(*inputs, heads=heads, step_states=step, rows=r, init_value=float("nan"))
+           for r in (1, 2, 4)}
+    for r in (2, 4):
+        for name, one, other in zip(("y", "state", "conv_in"), got[1], got[r]):
+            assert mx.array_equal(one, other), (r, name)
+    for i in range(B):
+        per_sequence = (0, 1, 3, 4, 7)  # qkv, the conv state, a, b, the state (not the weights)
+        alone = gated_delta_conv_kernel(*(x[i : i + 1] if n in per_sequence else x for n, x in enumerate(inputs)),
+                                        heads=heads, step_states=step)
+        for name, one, batch in zip(("y", "state", "conv_in"), alone, got[4]):
+            assert mx.array_equal(one, batch[i : i + 1]), (i, name)
+
+
+@needs_gpu
 def test_conv_kernel_decode_chain_equals_one_verify_call():
     """Nine decode steps (conv window carried through conv_in) equal one T=9 call with per-step states."""
     Hk, Hv, Dk, Dv = 2, 4, 128, 128

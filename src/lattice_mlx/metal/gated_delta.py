@@ -404,24 +404,45 @@ def gated_delta_update(
 # three contiguous copies: ~7 launches, costing more than the recurrence itself (the same page). This form
 # reads the raw projection and the conv state, keeps each channel's window in registers, and writes the
 # concatenated conv input [B, KC-1+T, C] that the cache slices (new conv state) or keeps (rollback).
-_BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
-    "S[i] = state_in[srow + lane + 32 * i];",
-    # state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
-    "S[i] = state_in[(((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv) * Dk + lane + 32 * i];",
-) + """
+# A warp takes DVW adjacent value rows (b, hv, dv0 .. dv0 + DVW - 1): the q/k conv, their norms and the gates, the
+# same for every row of a head, are computed once for DVW rows. One row per warp took 101 us of a 16-sequence step's
+# 7.4 ms of kernels per GDN layer on the 0.8B shape (H100; 10 us at one sequence): 32,768 warps of ~96 registers,
+# a dozen waves of the same latency chain (docs/adr/0009, 'Batch run 4'). Each row's arithmetic is the one-row
+# form's, in the same order, whatever DVW is.
+_BODY_CONV = """
+  constexpr int NK = Dk / 32;
+  const int lane = LX_TID_X;
+  const int dv0 = LX_GID_Y * DVW;
+  const int bh = LX_BID_Z;
+  const int bi = bh / Hv;
+  const int hv = bh % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int T = qkv_shape[1];
+  if (dv0 >= Dv) return;
+
+  const float neg_A = -LX_EXP(LX_F32(A_log[hv]));
+  const float dtb = LX_F32(dt_bias[hv]);
+  const float qscale = LX_RSQRT(float(Dk));
+
+  // state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
+  float S[DVW][NK];
+  for (int d = 0; d < DVW; ++d) {
+    const int si = (((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv0 + d) * Dk + lane;
+    for (int i = 0; i < NK; ++i) S[d][i] = state_in[si + 32 * i];
+  }
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
   constexpr int W = KC - 1;
-  const bool qk_writer = (dv == 0) && (hv % (Hv / Hk) == 0);
+  const bool qk_writer = (dv0 == 0) && (hv % (Hv / Hk) == 0);
   int cq[NK];
-  float wq[NK][KC], wk[NK][KC], wv[KC], xq[NK][KC], xk[NK][KC], xv[KC];
-  const int cv = 2 * Hk * Dk + hv * Dv + dv;
+  float wq[NK][KC], wk[NK][KC], wv[DVW][KC], xq[NK][KC], xk[NK][KC], xv[DVW][KC];
+  const int cv = 2 * Hk * Dk + hv * Dv + dv0;  // row d's channel: cv + d
   for (int i = 0; i < NK; ++i) cq[i] = hk * Dk + lane + 32 * i;
   for (int j = 0; j < KC; ++j) {
     for (int i = 0; i < NK; ++i) {
       wq[i][j] = LX_F32(conv_w[cq[i] * KC + j]);
       wk[i][j] = LX_F32(conv_w[(Hk * Dk + cq[i]) * KC + j]);
     }
-    wv[j] = LX_F32(conv_w[cv * KC + j]);
+    for (int d = 0; d < DVW; ++d) wv[d][j] = LX_F32(conv_w[(cv + d) * KC + j]);
   }
   // Window rows 0..W-1 come from the conv state (rows pick[0] .. pick[0] + W - 1 of conv_state [B, R, C]: a plain
   // window, or a previous verify's whole conv input); they are also the first rows of conv_in.
@@ -436,8 +457,10 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
         conv_in[dst + Hk * Dk + cq[i]] = static_cast<YT>(xk[i][r]);
       }
     }
-    xv[r] = LX_F32(conv_state[src + cv]);
-    if (lane == 0) conv_in[dst + cv] = static_cast<YT>(xv[r]);
+    for (int d = 0; d < DVW; ++d) {
+      xv[d][r] = LX_F32(conv_state[src + cv + d]);
+      if (lane == d) conv_in[dst + cv + d] = static_cast<YT>(xv[d][r]);
+    }
   }
   for (int t = 0; t < T; ++t) {
     // qkv, b and a rows through their row strides and first columns (constants QKV_S, QKV_C, B_S, B_C, A_S, A_C):
@@ -445,7 +468,7 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
     const int bt = bi * T + t;
     const int src = bt * QKV_S + QKV_C;
     const int dst = (bi * (W + T) + W + t) * C;
-    float qc[NK], kc[NK];
+    float qc[NK], kc[NK], vc[DVW];
     for (int i = 0; i < NK; ++i) {
       xq[i][W] = LX_F32(qkv[src + cq[i]]);
       xk[i][W] = LX_F32(qkv[src + Hk * Dk + cq[i]]);
@@ -454,13 +477,15 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
         conv_in[dst + Hk * Dk + cq[i]] = static_cast<YT>(xk[i][W]);
       }
     }
-    xv[W] = LX_F32(qkv[src + cv]);
-    if (lane == 0) conv_in[dst + cv] = static_cast<YT>(xv[W]);
     // conv + SiLU, rounded to the activation type where the unfused path rounds (conv output, SiLU output)
-    float vc = 0.0f;
-    for (int j = 0; j < KC; ++j) vc += wv[j] * xv[j];
-    vc = LX_F32(static_cast<YT>(vc));
-    vc = LX_F32(static_cast<YT>(vc / (1.0f + LX_EXP(-vc))));
+    for (int d = 0; d < DVW; ++d) {
+      xv[d][W] = LX_F32(qkv[src + cv + d]);
+      if (lane == d) conv_in[dst + cv + d] = static_cast<YT>(xv[d][W]);
+      float sv = 0.0f;
+      for (int j = 0; j < KC; ++j) sv += wv[d][j] * xv[d][j];
+      sv = LX_F32(static_cast<YT>(sv));
+      vc[d] = LX_F32(static_cast<YT>(sv / (1.0f + LX_EXP(-sv))));
+    }
     for (int i = 0; i < NK; ++i) {
       float sq = 0.0f, sk = 0.0f;
       for (int j = 0; j < KC; ++j) {
@@ -477,23 +502,61 @@ _BODY_CONV = _PREAMBLE.replace("v_shape[1]", "qkv_shape[1]").replace(
         xq[i][j] = xq[i][j + 1];
         xk[i][j] = xk[i][j + 1];
       }
-      xv[j] = xv[j + 1];
+      for (int d = 0; d < DVW; ++d) xv[d][j] = xv[d][j + 1];
     }
     const int hvt = (bi * T + t) * Hv + hv;
     const float ac = LX_F32(a[bt * A_S + A_C + hv]) + dtb;
     const float bc = LX_F32(b[bt * B_S + B_C + hv]);
 
-""" + _STEP + """\
-    if (lane == 0) y[hvt * Dv + dv] = static_cast<YT>(out);
-    if (STEP) {
-      const int so = (hvt * Dv + dv) * Dk + lane;
-      for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[i];
+    // the delta-rule step (as _STEP), its norms and gates once for the DVW rows
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < NK; ++i) {
+      qq += qc[i] * qc[i];
+      kk += kc[i] * kc[i];
+    }
+    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
+    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
+    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
+    const float g = LX_EXP(neg_A * sp);
+    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
+    for (int i = 0; i < NK; ++i) kc[i] *= kr;
+    for (int d = 0; d < DVW; ++d) {
+      float kv = 0.0f;
+      for (int i = 0; i < NK; ++i) {
+        S[d][i] *= g;
+        kv += S[d][i] * kc[i];
+      }
+      const float delta = (vc[d] - LX_SIMD_SUM(kv)) * beta;
+      float out = 0.0f;
+      for (int i = 0; i < NK; ++i) {
+        S[d][i] += kc[i] * delta;
+        out += S[d][i] * qc[i];
+      }
+      out = LX_SIMD_SUM(out) * qr;
+      if (lane == 0) y[hvt * Dv + dv0 + d] = static_cast<YT>(out);
+      if (STEP) {
+        const int so = (hvt * Dv + dv0 + d) * Dk + lane;
+        for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[d][i];
+      }
     }
   }
   if (!STEP) {
-    for (int i = 0; i < NK; ++i) state_out[srow + lane + 32 * i] = S[i];
+    for (int d = 0; d < DVW; ++d) {
+      const int so = (bh * Dv + dv0 + d) * Dk + lane;
+      for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[d][i];
+    }
   }
 """
+# Value rows per warp (DVW) of the fused form: one for a single sequence (its 2,048 warps on the 0.8B shape fit one
+# wave; more rows per warp would lengthen the one chain it waits for), CONV_ROWS_PER_WARP for a batch.
+CONV_ROWS_PER_WARP = 4
+
+
+def conv_rows_per_warp(B: int, Dv: int) -> int:
+    """DVW for a call over B sequences with Dv value rows per head."""
+    return CONV_ROWS_PER_WARP if B > 1 and Dv % CONV_ROWS_PER_WARP == 0 else 1
+
+
 # Offsets are 32-bit (the run-5 form: 96 registers against 108-110 with 64-bit ones); the wrapper checks the sizes.
 # Without a pick (plain decode and verify) the body reads step 0 and window row 0 and takes no `pick` input.
 _BODY_CONV_NO_PICK = _BODY_CONV.replace("pick[0]", "0").replace("pick[1]", "0")
@@ -554,12 +617,13 @@ def unpack(packed: tuple[mx.array, int, int], C: int, Hv: int) -> tuple[mx.array
 def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *,
                             heads: tuple[int, int, int, int], step_states: bool = False,
                             packed: tuple[mx.array, int, int] | None = None, pick: mx.array | None = None,
-                            init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                            init_value: float | None = None, rows: int | None = None
+                            ) -> tuple[mx.array, mx.array, mx.array]:
     """The GPU kernel of the fused form; same contract as `gated_delta_conv_ref`. With `packed` = (src, b_col,
     a_col), qkv, b and a are read in place as columns [0, C), [b_col, b_col + Hv), [a_col, a_col + Hv) of src
     [B, T, S] (the fused in_proj's output), and the qkv, a, b arguments are ignored: no copies of the slices.
     With `pick` the window and the state are read in place from a previous verify's conv input and per-step
-    states (`picked`): no gathers (pipelined rounds)."""
+    states (`picked`): no gathers (pipelined rounds). `rows`: value rows per warp (default `conv_rows_per_warp`)."""
     Hk, Dk, Hv, Dv = heads
     C = 2 * Hk * Dk + Hv * Dv
     KC = conv_w.shape[-1]
@@ -588,12 +652,14 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
     # 32-bit offsets in the body
     assert max(qkv.size, conv_state.size, state.size, B * (KC - 1 + T) * C, B * T * Hv * Dv * Dk) < 2**31
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
+    dvw = rows or conv_rows_per_warp(B, Dv)
+    assert Dv % dvw == 0
     y, s, conv_in = kernel(
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,
                 state if state.dtype == mx.float32 else state.astype(mx.float32), *extra],
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
-                  ("STEP", step_states)],
-        grid=(32, Dv, B * Hv),
+                  ("STEP", step_states), ("DVW", dvw)],
+        grid=(32, Dv // dvw, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), s_shape, (B, KC - 1 + T, C)],
         output_dtypes=[qkv.dtype, mx.float32, qkv.dtype],
