@@ -1,7 +1,7 @@
 """GPU kernel time of a batch's two costliest kernel families at the Qwen3.5-0.8B shape by sequences B, from CUPTI
 (`gpu_kernels.py` of ../shared/device, copied into --profiler-dir): the fused GDN conv + recurrence step with one
-value row per warp against the default (several for a batch), and the 4-bit projections in the fused kernel against
-MLX's quantized matmul (what a batch's steps of more than the fused kernel's rows take).
+value row per warp against the default (several for a batch), and the 4-bit projections in MLX's quantized matmul
+(what a batch's steps of more than the fused kernel's MAX_ROWS take) beside the fused kernel where it applies.
 
     python scripts/bench/bench_batch_kernels.py --profiler-dir .device-tools --out results.json [--bs 1,4,16,64]
 

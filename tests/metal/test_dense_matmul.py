@@ -65,8 +65,7 @@ def test_supported_cases():
     assert dense_supported(x, w, pre)
     assert not dense_supported(x, w.astype(mx.float32), pre)  # the weight in another dtype than x
     assert not dense_supported(x, weight(64, 288, mx.bfloat16, 0))  # K does not match x
-    assert dense_supported(mx.zeros((1, 16, 256), dtype=mx.bfloat16), w)  # a batch's step of 16 sequences
-    assert not dense_supported(mx.zeros((1, 17, 256), dtype=mx.bfloat16), w)  # more rows than that
+    assert not dense_supported(mx.zeros((1, 9, 256), dtype=mx.bfloat16), w)  # more rows than a verify
     assert not dense_supported(x, w[:63], glu=True)  # no [gate | up] halves
     assert dense_supported(x, w, glu=True)
 
@@ -162,7 +161,7 @@ def test_fused_kernel_rows_are_batch_invariant(kind, glu):
 
 
 @needs_gpu
-@pytest.mark.parametrize("M", [1, 4, 9, 16, 17])
+@pytest.mark.parametrize("M", [1, 4, 9])
 def test_dispatch_matches_matmul(M):
     x, _ = make_pre(None, M, 1024, mx.bfloat16, seed=M)
     w = weight(512, 1024, mx.bfloat16, M + 1)

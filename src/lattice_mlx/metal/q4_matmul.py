@@ -21,10 +21,7 @@ import mlx.nn as nn
 from lattice_mlx.metal import _dialect, dequant_rows, use_kernels
 from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
-# Rows a call takes in the fused kernel at most: a verify of up to 7 drafts (8), a batch's decode step of up to 16
-# sequences (16). Above it MLX's quantized matmul runs, whose CUDA form took 3.2 ms of a 7.4 ms 16-sequence step
-# of the 0.8B shape at 16 rows (docs/adr/0009, 'Batch run 4').
-VERIFY_ROWS, MAX_ROWS = 8, 16
+MAX_ROWS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,9 +342,6 @@ def body(kind: str, residual: bool, glu: bool = False, fmt: str = "q4") -> str:
 # Rows of w per block by M: the fastest in a sweep on the 248,320 x 1,024 lm_head (docs/results/code_measurements.md,
 # 'rows per block').
 ROWS = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
-# 9..16 rows (a batch's steps): 2 rows per block, so a thread's sums (rows per block x rows held) stay as many as a
-# verify variant's (4 x 8), not twice that in registers
-ROWS.update({M: 2 for M in range(VERIFY_ROWS + 1, MAX_ROWS + 1)})
 # Fewer rows per block (and K split over up to 4 warps where N is small) until this many warps are in flight: fewer
 # warps cannot hide the loads' latency (the same page).
 MIN_WARPS = 1024
@@ -358,8 +352,7 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # (on MLX's CUDA backend an NVRTC compile that MLX does not keep on disk for custom kernels; Metal builds a library
 # per variant too), and a verify of K + 1 rows at each new depth K built a dozen variants of its own, the bulk of a
 # first speculative generation's cost. "quad": one variant holds 2..4 rows (verifies of K = 1..3), one 5..8;
-# "shared": one variant 2..8; "exact": one per M. Decode keeps its one-row variant; a batch's 9..16 rows share one
-# of 16 under every policy but "exact". A row's arithmetic is the same
+# "shared": one variant 2..8; "exact": one per M. Decode keeps its one-row variant. A row's arithmetic is the same
 # in every variant (the loops over rows stop at M), so the choice changes no result (tests/metal/test_q4_matmul.py);
 # registers held for 8 rows slowed calls of 2-4 rows, 4 rows held for 3 did not (docs/results/code_measurements.md,
 # 'Rows a variant holds').
@@ -371,9 +364,7 @@ def capacity(M: int) -> int:
     """MM for a call of M rows under CAPACITY."""
     if M == 1 or CAPACITY == "exact":
         return M
-    if M > VERIFY_ROWS:
-        return MAX_ROWS
-    return 4 if CAPACITY == "quad" and M <= 4 else VERIFY_ROWS
+    return 4 if CAPACITY == "quad" and M <= 4 else MAX_ROWS
 
 
 def launch_shape(M: int, N: int, K: int, rows: int | None = None) -> tuple[int, int]:
@@ -427,7 +418,7 @@ def _layout_ok(x: mx.array, K: int, N: int, pre: Pre | None, residual: mx.array 
 
 def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
               residual: mx.array | None = None, glu: bool = False) -> bool:
-    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..16 rows, group 32/64/128, the
+    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
     residual and the prologue's side inputs in x's dtype and laid out as the body indexes them; the SwiGLU
     epilogue on an even number of rows and without a residual."""
     return (bits == 4 and group_size in (32, 64, 128) and w.dtype == mx.uint32 and w.ndim == 2
@@ -509,7 +500,7 @@ def dense_matmul_kernel(x: mx.array, w: mx.array, *, pre: Pre | None = None, res
 # MLX 0.32.4's CUDA quantized matmul returns wrong rows at K = 64 with group size 64 once x has two rows or more
 # (docs/results/code_measurements.md, 'small K'; one row, and group 32, are exact). Only
 # the tiny test shapes have a K that small, where it turned the prefill logits NaN; below SMALL_K on a CUDA device
-# the weight is dequantized and multiplied instead (the fused kernel covers up to 16 rows wherever it applies).
+# the weight is dequantized and multiplied instead (the fused kernel covers up to 8 rows wherever it applies).
 SMALL_K = 256
 
 
@@ -543,9 +534,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
               pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
-    """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 16 rows:
-    decode steps, verifies of up to 7 drafts, trees of up to 7 nodes, a batch's steps of up to 16 sequences), else
-    the prologue's plain ops, `mx.quantized_matmul`, the SwiGLU ops (`glu`) and an add."""
+    """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
+    decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
+    `mx.quantized_matmul`, the SwiGLU ops (`glu`) and an add."""
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
         try:
             return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre,
