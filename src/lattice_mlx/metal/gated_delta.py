@@ -405,10 +405,10 @@ def gated_delta_update(
 # reads the raw projection and the conv state, keeps each channel's window in registers, and writes the
 # concatenated conv input [B, KC-1+T, C] that the cache slices (new conv state) or keeps (rollback).
 # A warp takes DVW adjacent value rows (b, hv, dv0 .. dv0 + DVW - 1): the q/k conv, their norms and the gates, the
-# same for every row of a head, are computed once for DVW rows. One row per warp took 101 us of a 16-sequence step's
-# 7.4 ms of kernels per GDN layer on the 0.8B shape (H100; 10 us at one sequence): 32,768 warps of ~96 registers,
-# a dozen waves of the same latency chain (docs/adr/0009, 'Batch run 4'). Each row's arithmetic is the one-row
-# form's, in the same order, whatever DVW is.
+# same for every row of a head, are computed once for DVW rows. With one row per warp a batch's call was a dozen
+# waves of warps running the same latency chain, and its time grew with the sequences as if each ran alone; four rows
+# per warp cut it by a third at 16 sequences and by half at 64 (docs/results/code_measurements.md, 'GDN rows per
+# warp'). Each row's arithmetic is the one-row form's, in the same order, whatever DVW is.
 _BODY_CONV = """
   constexpr int NK = Dk / 32;
   const int lane = LX_TID_X;
