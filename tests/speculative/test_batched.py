@@ -9,6 +9,7 @@ from conftest import greedy_tokens
 from lattice_mlx import SpecOptions, batch_generate, load
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative.batched import BatchRounds
+from lattice_mlx.speculative.tuning import PipelinedTuner
 
 TEXTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "# a comment\nx = ", "for i in range(10):"]
 
@@ -168,6 +169,44 @@ def test_the_adaptive_engine_keeps_costs_per_batch_size(demo32):
     for s, p in zip(seqs, prompts):
         assert s.tokens == solo(model, p, s.max_tokens)
     assert {4, 1} <= set(engine.memories) and 0 in engine.memories[4]["cost"] and 0 in engine.memories[1]["cost"]
+
+
+def test_the_batch_tuner_leaves_a_depths_first_passes_at_a_size_untimed(demo32, monkeypatch):
+    """MLX traces a batched round again for every batch size: the adaptive engine tells its tuner which depths ran a
+    trace at this size in the process, and a depth's first passes there (built op by op, the trace compiled, the
+    first replays) go untimed, FIRST_TRACE_SKIP more than SKIP; the next engine at that size knows the trace. Greedy
+    tokens stay plain greedy's."""
+    from lattice_mlx.runtime import runtime_of
+    from lattice_mlx.speculative import pipelined
+    from lattice_mlx.speculative.tuning import FIRST_TRACE_SKIP
+
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:2]]
+    changes, real = [], PipelinedTuner.observe
+
+    def observe(self, k, seconds):  # (the untimed passes decided at each change of K)
+        changed = k != self.prev
+        real(self, k, seconds)
+        if changed:
+            changes[-1].append((k, self.skip))
+
+    monkeypatch.setattr(PipelinedTuner, "observe", observe)
+    runtime_of(model).batch_sizes.clear()
+    runtime_of(model).tuner.pop("batch", None)
+    with pipelined.tracing(True):
+        for _ in range(2):
+            changes.append([])
+            engine = BatchRounds(model, k=3, adaptive=True)
+            seqs = [engine.add(p, max_tokens=48) for p in prompts]
+            while engine.busy:
+                engine.step()
+            for s, p in zip(seqs, prompts):
+                assert s.tokens == solo(model, p, 48)
+    first = [(k, skip) for k, skip in changes[0] if k]
+    assert first and first[0] == (first[0][0], PipelinedTuner.SKIP + FIRST_TRACE_SKIP)
+    assert (BatchRounds, first[0][0], 2) in runtime_of(model).batch_sizes
+    again = [(k, skip) for k, skip in changes[1] if k == first[0][0]]
+    assert again and again[0][1] == PipelinedTuner.SKIP  # (the same depth at the same size: traced already)
 
 
 def test_batch_generate_adaptive_equals_plain(demo32):

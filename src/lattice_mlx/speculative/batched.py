@@ -93,7 +93,9 @@ class BatchRounds(BatchDecoder):
         self.holes = False  # whether some row has fewer than P valid pending slots (after a round or a join)
         self.tail: list[tuple[mx.array, mx.array]] = []  # plain steps' slots not yet in ptok / phid (_pending)
         self._queued: tuple | None = None  # the dispatched pass not read yet: (k, n [B], tokens [B, k + 1])
-        self._tic: tuple[int, float] | None = None  # (the K of the last pass dispatched, when), for the tuner
+        # (the K of the last pass dispatched, when, the batch size), for the tuner; whether that pass replayed a trace
+        self._tic: tuple[int, float, int] | None = None
+        self._replayed = False
         self._outside = 0.0  # seconds spent prefilling since that dispatch (not the passes' cost)
         self._values: mx.array | None = None  # the rows' sampler numbers [B, 3] inside a traced round
         self._numbers: tuple | None = None  # (the samplers, their numbers [B, 3]) of the last traced round
@@ -190,18 +192,29 @@ class BatchRounds(BatchDecoder):
         bucket = 1 << (len(self.active) - 1).bit_length()
         if bucket != self.bucket:
             self.bucket, self._tic = bucket, None
-            self.tuner = PipelinedTuner(self.k_max, self.memories.setdefault(bucket, {}), lag=2)
+            self.tuner = PipelinedTuner(self.k_max, self.memories.setdefault(bucket, {}), self.has_trace, lag=2)
         if self._tic is not None:
-            self.tuner.observe(self._tic[0], tic - self._tic[1] - self._outside)
+            k, start, size = self._tic
+            self.tuner.observe(k, tic - start - self._outside)
+            if k and self._replayed:  # (that pass replayed the trace at this size)
+                runtime_of(self.model).batch_sizes.add((type(self), k, size))
         k = self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
                               lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
-        self._tic, self._outside = (k, tic), 0.0
+        self._tic, self._outside = (k, tic, len(self.active)), 0.0
         return k
+
+    def has_trace(self, k: int) -> bool:
+        """Whether a round of depth k at this batch size was timed in this process before (k = 0 or untraced rounds:
+        no compile either way). MLX traces a round again for each batch size, and its first passes there (built op
+        by op, the trace compiled, the first replays) are not its cost: the tuner leaves FIRST_TRACE_SKIP more of
+        them untimed (tuning.py; a single generation's depth the same, docs/adr/0008, 'Run H')."""
+        return not k or not tracing_enabled() or (type(self), k, len(self.active)) in runtime_of(self.model).batch_sizes
 
     def _dispatch_pass(self, k: int) -> tuple[int, mx.array, mx.array]:
         if k:
             self._pending()
-        out = (self._replay(k) if self._traceable(k) else self._round(k)) if k else self._plain()
+        self._replayed = bool(k) and self._traceable(k)
+        out = (self._replay(k) if self._replayed else self._round(k)) if k else self._plain()
         mx.async_eval(out[1], out[2])
         return out
 
