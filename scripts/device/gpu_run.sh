@@ -31,7 +31,8 @@
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch)
 #   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
-#                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced)
+#                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced); KERNELS=1 first: the
+#                  GDN kernel by rows per warp, MLX's 4-bit matmul by rows (bench_batch_kernels.py)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
 #   drafters       every draft source on the demo model (bench_drafters.py)
 #   distributed    kind nvidia-h200-x2: the CLI under mlx.launch over NCCL, then per shape (DIST_SHAPES [4b 27b]) one
@@ -182,7 +183,14 @@ for mode in "$@"; do
     cat "$RES/${NAME:-spec_default}.out" ;;
   batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
           # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400];
-          # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo)
+          # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo);
+          # KERNELS=1: first a batch's GDN conv kernel by value rows per warp and MLX's 4-bit matmul by rows, CUPTI
+          # (bench_batch_kernels.py, BS [1,4,16,64])
+    if [[ ${KERNELS:-0} == 1 ]]; then
+      step batch_kernels 200 python3 scripts/bench/bench_batch_kernels.py --profiler-dir .device-tools \
+        --bs "${BS:-1,4,16,64}" --out "$RES/batch_kernels.json"
+      cat "$RES/batch_kernels.out"
+    fi
     step "${NAME:-batch_${SHAPE:-$BIG}}" "${LIMIT:-400}" python3 scripts/bench/batch_throughput.py --model "${SHAPE:-$BIG}" \
       --streams "${STREAMS:-1,4,16,64}" --tokens "${TOKENS:-128}" --reps "${REPS:-10}" \
       $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) ${BATCH_ARGS:-} --out "$RES/${NAME:-batch_${SHAPE:-$BIG}}.json"
