@@ -79,9 +79,9 @@ OFF_HOPE = 2.0
 MIN_OFF_ROUNDS = 8
 # No depth can pay, and speculation goes off for the longest stretch (its rest carried into the process's later
 # generations, as any stretch's; after a confirmation, below), only when keeping every draft predicts no more than
-# plain decoding: costs read on a
-# noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed K=3 paid (the same run). On
-# MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling stays at or below 1.
+# plain decoding: costs read on a noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed
+# K=3 paid (the same run). On MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling
+# stays at or below 1.
 HOPELESS_CEILING = 1.01
 # A first hopeless verdict takes only the ordinary plain stretch (PIPELINED_FIRST_OFF, or the carried schedule's): the
 # longest one waits for the probe after it to find speculation hopeless again. A spell of slow rounds at the start
@@ -373,8 +373,9 @@ class PipelinedTuner:
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
             return 0
-        # hopeless the first time: the ordinary stretch, and the probe after it confirms (with costs read afresh)
-        # before the longest one; then PIPELINED_OFF_GROWTH times the last one while it stays hopeless
+        # hopeless the first time: the ordinary stretch, and the probe after it (its own passes outvoting the older
+        # readings in the depth's window) confirms before the longest one; then PIPELINED_OFF_GROWTH times the last
+        # one while it stays hopeless
         last = int(self.memory.get("stretch") or 0) if self.memory.get("hopeless") else 0
         if hopeless and last:
             self.off_tokens = min(PIPELINED_OFF_GROWTH * last, HOPELESS_MAX_OFF) if last >= MAX_OFF_TOKENS \
