@@ -41,8 +41,8 @@ def gdn_cases(B: int) -> dict:
               mx.array(rng.standard_normal((B, HV, DV, DK)).astype(np.float32) * 0.1))
     heads = (HK, DK, HV, DV)
     out = {"gdn conv 1 row/warp": lambda: gated_delta_conv_kernel(*inputs, heads=heads, rows=1)}
-    if conv_rows_per_warp(B, DV) > 1:
-        out[f"gdn conv {conv_rows_per_warp(B, DV)} rows/warp (default)"] = \
+    if conv_rows_per_warp(B, DV, DK) > 1:
+        out[f"gdn conv {conv_rows_per_warp(B, DV, DK)} rows/warp (default)"] = \
             lambda: gated_delta_conv_kernel(*inputs, heads=heads)
     out["gdn conv 2 rows/warp"] = lambda: gated_delta_conv_kernel(*inputs, heads=heads, rows=2)
     return out

@@ -10,8 +10,8 @@ class Runtime:
     traces: dict[str, dict] = field(default_factory=dict)  # kind ("steps", "rounds") -> key -> (trace, slot)
     tuner: dict = field(default_factory=dict)  # greedy? -> what the pipelined tuners measured; "batch": batch size
     # bucket -> what the batched rounds' tuners measured (speculative/batched.py)
-    # (engine class, K, batch size) of the batched rounds timed in this process: MLX traces a round again for a new
-    # batch size, so a depth's first passes at a size are not its cost (speculative/batched.py, has_trace)
+    # what the batched rounds replayed from a trace in this process (engine class, K, sampler structure, kernel
+    # policy, batch-size bucket): a depth's first passes at a bucket are not its cost (speculative/batched.py)
     batch_sizes: set = field(default_factory=set)
     hidden_tap: Any = None  # lattice_mlx.make_draft_model's tap: the model publishes each forward's hidden to it
     compiled: Any = None  # models/compiled.CompiledLayers of a TextModel or MTP head, built on first use

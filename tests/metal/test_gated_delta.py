@@ -294,7 +294,8 @@ def test_conv_kernel_rows_per_warp_change_no_result(T, step):
     B, Hk, Hv, Dk, Dv = 3, 2, 4, 64, 64
     inputs = make_conv_inputs(B, T, Hk, Hv, Dk, Dv, mx.bfloat16, seed=23)
     heads = (Hk, Dk, Hv, Dv)
-    assert conv_rows_per_warp(B, Dv) == 4 and conv_rows_per_warp(1, Dv) == 1
+    assert conv_rows_per_warp(B, Dv, Dk) == 4 and conv_rows_per_warp(1, Dv, Dk) == 1
+    assert conv_rows_per_warp(B, Dv, 256) == 1  # (not measured there)
     got = {r: gated_delta_conv_kernel(*inputs, heads=heads, step_states=step, rows=r, init_value=float("nan"))
            for r in (1, 2, 4)}
     for r in (2, 4):

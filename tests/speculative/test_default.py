@@ -311,6 +311,20 @@ def test_one_slow_spell_of_rounds_is_not_hopeless_for_good():
     assert len(tuner.decisions) == 1 and f"off for {PIPELINED_FIRST_OFF} tokens" in tuner.decisions[0]
     assert "every draft kept" in tuner.decisions[0]  # (hopeless on the slow spell's costs)
     assert ks.count(0) == PIPELINED_FIRST_OFF and ks[-100:].count(0) == 0 and not memory["stretch"]
+    # the same within one generation whose schedule an earlier poor stretch of text had grown: once speculation paid
+    # again, a slow spell's first hopeless verdict takes the schedule's first stretch, not the grown one
+    one = _Costs(4, {}, traced, lag=2)
+    one.run(costs, [0.0], 900)  # drafts never right: ordinary stretches, growing
+    assert one.off_tokens == MAX_OFF_TOKENS and one.decisions
+    one.run(costs, rates, 1400)  # then drafts pay
+    assert not one.memory["stretch"] and one.k > 0
+    seen, ks = len(one.decisions), []
+    for n in range(400):
+        k = one.next_k(rates, lambda: rates)
+        one.observe(k, costs[k] * (2.0 if k and n < 40 else 1.0))
+        ks.append(k)
+    assert one.decisions[seen:] and all(f"off for {PIPELINED_FIRST_OFF} tokens" in d for d in one.decisions[seen:])
+    assert ks[-100:].count(0) == 0
     # rounds dear for good (K + 1 plain steps each): the probe after the ordinary stretch confirms, then the longest
     linear, memory = {k: 1.0 * (k + 1) for k in range(5)}, {}
     dear = _Costs(4, memory, lag=2)

@@ -548,13 +548,14 @@ _BODY_CONV = """
   }
 """
 # Value rows per warp (DVW) of the fused form: one for a single sequence (its 2,048 warps on the 0.8B shape fit one
-# wave; more rows per warp would lengthen the one chain it waits for), CONV_ROWS_PER_WARP for a batch.
+# wave; more rows per warp would lengthen the one chain it waits for), CONV_ROWS_PER_WARP for a batch with key
+# heads of up to 128 (measured there; at 256 a thread's four rows of state and windows would double its registers).
 CONV_ROWS_PER_WARP = 4
 
 
-def conv_rows_per_warp(B: int, Dv: int) -> int:
-    """DVW for a call over B sequences with Dv value rows per head."""
-    return CONV_ROWS_PER_WARP if B > 1 and Dv % CONV_ROWS_PER_WARP == 0 else 1
+def conv_rows_per_warp(B: int, Dv: int, Dk: int = 128) -> int:
+    """DVW for a call over B sequences with Dv value rows per head and key heads of Dk."""
+    return CONV_ROWS_PER_WARP if B > 1 and Dk <= 128 and Dv % CONV_ROWS_PER_WARP == 0 else 1
 
 
 # Offsets are 32-bit (the run-5 form: 96 registers against 108-110 with 64-bit ones); the wrapper checks the sizes.
@@ -652,7 +653,7 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
     # 32-bit offsets in the body
     assert max(qkv.size, conv_state.size, state.size, B * (KC - 1 + T) * C, B * T * Hv * Dv * Dk) < 2**31
     s_shape = (B, T, Hv, Dv, Dk) if step_states else (B, Hv, Dv, Dk)
-    dvw = rows or conv_rows_per_warp(B, Dv)
+    dvw = rows or conv_rows_per_warp(B, Dv, Dk)
     assert Dv % dvw == 0
     y, s, conv_in = kernel(
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,

@@ -196,19 +196,28 @@ class BatchRounds(BatchDecoder):
         if self._tic is not None:
             k, start, size = self._tic
             self.tuner.observe(k, tic - start - self._outside)
-            if k and self._replayed:  # (that pass replayed the trace at this size)
-                runtime_of(self.model).batch_sizes.add((type(self), k, size))
+            if k and self._replayed:  # (that pass replayed the trace at this bucket)
+                runtime_of(self.model).batch_sizes.add(self._trace_size_key(k, size))
         k = self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
                               lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
         self._tic, self._outside = (k, tic, len(self.active)), 0.0
         return k
 
     def has_trace(self, k: int) -> bool:
-        """Whether a round of depth k at this batch size was timed in this process before (k = 0 or untraced rounds:
-        no compile either way). MLX traces a round again for each batch size, and its first passes there (built op
-        by op, the trace compiled, the first replays) are not its cost: the tuner leaves FIRST_TRACE_SKIP more of
-        them untimed (tuning.py; a single generation's depth the same, docs/adr/0008, 'Run H')."""
-        return not k or not tracing_enabled() or (type(self), k, len(self.active)) in runtime_of(self.model).batch_sizes
+        """Whether a round of depth k replayed a trace at this batch-size bucket in this process before (k = 0, or
+        rounds that are not traced: no compile either way). MLX traces a round again for each batch size, and a
+        depth's first passes (built op by op, the trace compiled, the first replays) are not its cost: the tuner,
+        one per bucket, leaves FIRST_TRACE_SKIP more of them untimed after a change to a depth without a trace
+        (tuning.py; a single generation's depth the same, docs/adr/0008, 'Run H'). Kept per bucket, as the tuner's
+        costs are: a new exact size inside a bucket retraces with its passes timed, as before."""
+        if not k or not tracing_enabled() or not self._replayable():
+            return True
+        return self._trace_size_key(k, len(self.active)) in runtime_of(self.model).batch_sizes
+
+    def _trace_size_key(self, k: int, size: int) -> tuple:
+        """What a traced round of depth k at `size` rows is known by (Runtime.batch_sizes): as the trace's own key,
+        with the batch-size bucket."""
+        return type(self), k, self._structure(), kernel_policy(), 1 << (size - 1).bit_length()
 
     def _dispatch_pass(self, k: int) -> tuple[int, mx.array, mx.array]:
         if k:

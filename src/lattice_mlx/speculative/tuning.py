@@ -380,6 +380,9 @@ class PipelinedTuner:
         if hopeless and last:
             self.off_tokens = min(PIPELINED_OFF_GROWTH * last, HOPELESS_MAX_OFF) if last >= MAX_OFF_TOKENS \
                 else MAX_OFF_TOKENS
+        elif hopeless and not self.memory.get("stretch"):  # speculation paid since the last stretch (or there was
+            # none): the first stretch of the schedule, not the one an earlier poor stretch of text had grown to
+            self.off_tokens = PIPELINED_FIRST_OFF
         self.memory["hopeless"] = hopeless
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
