@@ -3,8 +3,10 @@
 A T-token forward (a verify, as the speculative loop runs it: recording, return_hidden) against T one-token
 forwards (plain decoding) from the same cache. Reports, per path (layer by layer; compiled), whether each row's
 logits are bitwise equal and, on the layer path, the first op whose output row differs although its inputs did not.
+`--batch B`: B sequences of the same length in one forward ([B, T] against B rows of one token each), the shapes of
+a batch's verify against its plain steps (every 4-bit matmul of more than the fused kernel's rows is MLX's).
 
-Usage: python scripts/bench/batch_invariance.py [--model 0.8b] [--dtype bfloat16] [--ts 2,4] [--out DIR]
+Usage: python scripts/bench/batch_invariance.py [--model 0.8b] [--dtype bfloat16] [--ts 2,4] [--batch 1] [--out DIR]
 """
 
 import argparse
@@ -20,14 +22,15 @@ from lattice_mlx.bench.oracles import OracleDrafter
 from lattice_mlx.bench.run import DTYPES, SHAPES
 from lattice_mlx.bench.synthetic import random_model
 from lattice_mlx.decode import generate_step
-from lattice_mlx.models import compiled
+from lattice_mlx.models import compiled, layers
 from lattice_mlx.models import qwen3_5 as q35
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
 
 # (module, name, axis of T in the output, output index when the op returns a tuple)
 PATCH = [
-    (q35, "q4_matmul", 1, None),
+    (layers, "q4_matmul", 1, None),
+    (layers, "dense_matmul", 1, None),
     (q35, "sdpa", 2, None),
     (q35, "gated_delta_conv_update", 1, 0),
     (q35, "qk_norm_rope", 2, "all"),
@@ -66,35 +69,38 @@ def bits_equal(a: mx.array, b: mx.array) -> bool:
 
 
 def compare(model, prompt: mx.array, T: int, *, record_ops: bool, cache=None, seed: int = 1) -> dict:
+    """prompt [B, P]: B sequences side by side (rows b * T + t in the report)."""
+    B = prompt.shape[0]
     if cache is None:
         cache = model.make_cache()
-        model(prompt[None], cache)
+        model(prompt, cache)
         mx.eval([c.state for c in cache])
     snap = cache_ops.snapshot(cache)
-    toks = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, T).astype(np.int32))
+    toks = mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, (B, T)).astype(np.int32))
 
     step_logits, step_calls = [], []
     for t in range(T):
         with Recorder() if record_ops else _null() as rec:
-            lg = model(toks[None, t : t + 1], cache)  # plain decode step: final norm fused into the lm_head
+            lg = model(toks[:, t : t + 1], cache)  # plain decode step: final norm fused into the lm_head
             mx.eval(lg, [c.state for c in cache])
-        step_logits.append(lg[0, 0])
+        step_logits.append(lg[:, 0])
         step_calls.append(rec.calls if rec else [])
     cache_ops.restore(cache, snap)
     cache_ops.begin(cache)
     with Recorder() if record_ops else _null() as rec:
-        lg, hidden = model(toks[None], cache, return_hidden=True)  # the verify forward
+        lg, hidden = model(toks, cache, return_hidden=True)  # the verify forward
         mx.eval(lg, hidden)
     cache_ops.commit(cache)
     cache_ops.restore(cache, snap)
     verify_calls = rec.calls if rec else []
 
     rows = []
-    for t in range(T):
-        a, b = lg[0, t].astype(mx.float32), step_logits[t].astype(mx.float32)
-        rows.append({"row": t, "bitwise": bits_equal(lg[0, t], step_logits[t]),
-                     "max_abs": mx.abs(a - b).max().item(),
-                     "argmax_equal": mx.argmax(a).item() == mx.argmax(b).item()})
+    for b in range(B):
+        for t in range(T):
+            x, y = lg[b, t].astype(mx.float32), step_logits[t][b].astype(mx.float32)
+            rows.append({"row": b * T + t, "bitwise": bits_equal(lg[b, t], step_logits[t][b]),
+                         "max_abs": mx.abs(x - y).max().item(),
+                         "argmax_equal": mx.argmax(x).item() == mx.argmax(y).item()})
     res = {"T": T, "rows": rows}
     if record_ops:
         first = []
@@ -133,7 +139,7 @@ def sweep(model, prompt: mx.array, T: int, positions: int, *, record_ops: bool) 
     often."""
     import collections
     cache = model.make_cache()
-    model(prompt[None], cache)
+    model(prompt, cache)
     mx.eval([c.state for c in cache])
     firsts, rows_bad = collections.Counter(), 0
     for j in range(positions):
@@ -142,7 +148,7 @@ def sweep(model, prompt: mx.array, T: int, positions: int, *, record_ops: bool) 
         for f in r.get("first_diff", []):
             if f["first_diff"] is not None:
                 firsts[f"{f['first_diff']['name']}#{f['first_diff']['op']}"] += 1
-        lg = model(mx.array([[j + 1]]), cache)
+        lg = model(mx.full((prompt.shape[0], 1), j + 1, dtype=mx.int32), cache)
         mx.eval(lg, [c.state for c in cache])
     return {"T": T, "positions": positions, "rows_not_bitwise": rows_bad, "first_diff_ops": dict(firsts)}
 
@@ -175,6 +181,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--ts", default="2,4")
     ap.add_argument("--prompt", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=1, help="sequences side by side in each forward (same length)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--loop", type=int, default=0, help="also N prompts of whole generations (plain vs oracle MTP)")
     ap.add_argument("--tokens", type=int, default=112)
@@ -182,8 +189,10 @@ def main() -> int:
     ap.add_argument("--paths", default="layers,compiled", help="paths to check (layers, compiled)")
     args = ap.parse_args()
     model = random_model(**SHAPES[args.model], bits=4, group_size=64, dtype=DTYPES[args.dtype])
-    prompt = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, args.prompt).astype(np.int32))
-    out = {"model": args.model, "dtype": args.dtype, "device": str(mx.default_device()), "results": []}
+    prompt = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (args.batch, args.prompt))
+                      .astype(np.int32))
+    out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "device": str(mx.default_device()),
+           "results": []}
     paths = args.paths.split(",")
     for T in map(int, filter(None, args.ts.split(","))) if not args.sweep else ():
         for path in paths:

@@ -11,7 +11,8 @@
 #                  (kernel_cache_ab.py)
 #   model-checks   kernels vs reference logits, forward cost over T, exact greedy MTP (gpu_model_checks.py)
 #   invariance     whether verify rows are bitwise decode steps: 40 positions, whole oracle generations, a long
-#                  (key-split) context (batch_invariance.py)
+#                  (key-split) context (batch_invariance.py); INV_BATCH=B: also B sequences' verify against their
+#                  plain steps, op by op (INV_DTYPE [float32], as the batch bench's MTP legs)
 #   kernels        every kernel vs its plain-ops reference and MLX's built-ins (bench_kernels.py)
 #   step-kernels   a decode step's kernels alone, CUPTI (bench_step_kernels.py); PER_FORWARD=1: kernels, GPU time,
 #                  busy and span per forward over T = 1..8 instead (profile_kernels.py)
@@ -143,7 +144,12 @@ for mode in "$@"; do
     step invariance_loop 100 python3 scripts/bench/batch_invariance.py --model "$BIG" --ts "" --loop 3 --tokens 100 \
       --paths compiled --out "$RES/invariance_loop"
     step invariance_long 100 python3 scripts/bench/batch_invariance.py --model "$BIG" --ts 4 --sweep 8 --prompt 600 \
-      --paths layers --out "$RES/invariance_long" ;;
+      --paths layers --out "$RES/invariance_long"
+    if [[ -n ${INV_BATCH:-} ]]; then  # INV_BATCH=16: a batch's verify (16 x 4 rows) against its plain steps, op by op
+      step invariance_batch 150 python3 scripts/bench/batch_invariance.py --model "$BIG" --dtype "${INV_DTYPE:-float32}" \
+        --ts 4 --batch "$INV_BATCH" --prompt 64 --paths layers --out "$RES/invariance_batch"
+      tail -n 20 "$RES/invariance_batch.out"
+    fi ;;
   kernels) step kernels 240 python3 scripts/bench/bench_kernels.py --out "$RES/kernels.json" ;;
   step-kernels)
     if [[ ${PER_FORWARD:-0} == 1 ]]; then
