@@ -212,7 +212,8 @@ def test_the_batch_tuner_leaves_a_depths_first_passes_at_a_size_untimed(demo32, 
     mixed.add(prompts[0], max_tokens=8)
     mixed.add(prompts[1], max_tokens=8, sampler=Sampler(temp=0.7), seed=1)
     with pipelined.tracing(True):
-        assert not mixed._replayable() and all(mixed.has_trace(k) for k in range(4))
+        mixed.step()  # (the rows join the batch)
+        assert len(mixed.active) == 2 and not mixed._replayable() and all(mixed.has_trace(k) for k in range(4))
 
 
 def test_batch_generate_adaptive_equals_plain(demo32):
