@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from lattice_mlx.bench.report import device_name
-from lattice_mlx.bench.run import load_profiler
+from lattice_mlx.bench.run import load_profiler, profile_calls
 from lattice_mlx.metal import q4_matmul as q4_module
 from lattice_mlx.metal.gated_delta import conv_rows_per_warp, gated_delta_conv_kernel
 from lattice_mlx.metal.q4_matmul import Pre, q4_matmul_kernel
@@ -79,12 +79,7 @@ def main() -> None:
     results: dict = {"device": device_name()}
     for B in map(int, args.bs.split(",")):
         for name, fn in (gdn_cases(B) | q4_cases(B)).items():
-            for _ in range(3):
-                mx.eval(fn())  # build, warm
-            with kernel_profile(steps=args.calls) as prof:
-                for _ in range(args.calls):
-                    mx.eval(fn())
-            s = prof.summary(top=2)
+            s = profile_calls(kernel_profile, fn, args.calls, top=2)
             results.setdefault(name, {})[B] = {"us": round(s["kernel_us_per_step"], 2),
                                                "kernels": s["kernels_per_step"],
                                                "top": [t["name"][:80] for t in s.get("top_kernels", [])]}

@@ -18,6 +18,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from lattice_mlx.bench.run import profile_calls
 from lattice_mlx.metal import q4_matmul as q4_module
 from lattice_mlx.metal.q4_matmul import Pre, dense_matmul_kernel, q4_matmul_kernel, unfused
 
@@ -116,12 +117,7 @@ def main() -> None:
             if args.only and name not in args.only.split(","):
                 continue
             name = f"{name} [{policy}]" if len(policies) > 1 else name
-            for _ in range(3):
-                mx.eval(fn())  # compile, warm
-            with prof_mod.kernel_profile(steps=args.calls) as prof:
-                for _ in range(args.calls):
-                    mx.eval(fn())
-            s = prof.summary(top=3)
+            s = profile_calls(prof_mod.kernel_profile, fn, args.calls)
             results.setdefault(name, {})[M] = {"us": round(s["kernel_us_per_step"], 2),
                                                "kernels": s["kernels_per_step"]} if args.set == "dense" \
                 else round(s["kernel_us_per_step"], 2)

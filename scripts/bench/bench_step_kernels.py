@@ -22,6 +22,7 @@ import os
 
 import mlx.core as mx
 
+from lattice_mlx.bench.run import profile_calls
 from lattice_mlx.metal import attention
 from lattice_mlx.metal.argmax import argmax_kernel, argmax_ref
 from lattice_mlx.metal.gated_delta import gated_delta_conv_kernel
@@ -140,16 +141,11 @@ def main() -> None:
         try:  # one case's failure is recorded, the others still run
             if hasattr(fn, "check") and not fn.check():
                 raise AssertionError("outputs differ from the shipped kernel's")
-            for _ in range(3):
-                mx.eval(fn())  # compile, warm
-            with prof_mod.kernel_profile(steps=args.calls) as prof:
-                for _ in range(args.calls):
-                    mx.eval(fn())
+            s = profile_calls(prof_mod.kernel_profile, fn, args.calls)
         except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: {results[name]['error']}", flush=True)
             continue
-        s = prof.summary(top=3)
         results[name] = {"us": round(s["kernel_us_per_step"], 2), "kernels": s["kernels_per_step"]}
         print(f"{name}: {s['kernel_us_per_step']:.2f} us ({s['kernels_per_step']:.1f} kernels)", flush=True)
     with open(args.out, "w") as f:

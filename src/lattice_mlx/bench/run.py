@@ -782,6 +782,17 @@ def load_profiler(folder: str | None):
     return module.kernel_profile
 
 
+def profile_calls(kernel_profile, fn, calls: int, top: int = 3) -> dict:
+    """The CUPTI summary (kernel_profile: `load_profiler`'s) of `calls` evaluations of fn(), each its own launch,
+    after three untimed ones (builds, warm-up)."""
+    for _ in range(3):
+        mx.eval(fn())
+    with kernel_profile(steps=calls) as prof:
+        for _ in range(calls):
+            mx.eval(fn())
+    return prof.summary(top=top)
+
+
 def parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 

@@ -133,7 +133,8 @@ def gated_delta_tree_ref(q, k, v, a, b, A_log, dt_bias, state, parents: list[int
 
 
 # Shared by both forms: thread -> (b, hv, dv) row, gate constants, the state row into registers.
-_PREAMBLE = """
+# (the thread's ids and the head's constants, without the state: the conv-fused body loads several rows of it)
+_IDS = """
   constexpr int NK = Dk / 32;
   const int lane = LX_TID_X;
   const int dv = LX_GID_Y;
@@ -147,7 +148,8 @@ _PREAMBLE = """
   const float neg_A = -LX_EXP(LX_F32(A_log[hv]));
   const float dtb = LX_F32(dt_bias[hv]);
   const float qscale = LX_RSQRT(float(Dk));
-
+"""
+_PREAMBLE = _IDS + """
   float S[NK];
   const int srow = (bh * Dv + dv) * Dk;
   for (int i = 0; i < NK; ++i) S[i] = state_in[srow + lane + 32 * i];
@@ -155,7 +157,8 @@ _PREAMBLE = """
 
 # One delta-rule step on registers, shared by the serial, conv-fused and tree bodies: from raw q/k (qc, kc), v (vc)
 # and gate inputs (ac = a + dt_bias, bc = b), the L2 norms, gates and the update of S; leaves y in `out`.
-_STEP = """\
+# (_GATES: its norms and gates, the same for every value row of a head; the conv-fused body shares them among rows)
+_GATES = """\
     float qq = 0.0f, kk = 0.0f;
     for (int i = 0; i < NK; ++i) {
       qq += qc[i] * qc[i];
@@ -166,7 +169,8 @@ _STEP = """\
     const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
     const float g = LX_EXP(neg_A * sp);
     const float beta = 1.0f / (1.0f + LX_EXP(-bc));
-
+"""
+_STEP = _GATES + """
     float kv = 0.0f;
     for (int i = 0; i < NK; ++i) {
       kc[i] *= kr;
@@ -404,38 +408,24 @@ def gated_delta_update(
 # three contiguous copies: ~7 launches, costing more than the recurrence itself (the same page). This form
 # reads the raw projection and the conv state, keeps each channel's window in registers, and writes the
 # concatenated conv input [B, KC-1+T, C] that the cache slices (new conv state) or keeps (rollback).
-# A warp takes DVW adjacent value rows (b, hv, dv0 .. dv0 + DVW - 1): the q/k conv, their norms and the gates, the
+# A warp takes DVW adjacent value rows (b, hv, dv .. dv + DVW - 1): the q/k conv, their norms and the gates, the
 # same for every row of a head, are computed once for DVW rows. With one row per warp a batch's call was a dozen
 # waves of warps running the same latency chain, and its time grew with the sequences as if each ran alone; four rows
 # per warp cut it by a third at 16 sequences and by half at 64 (docs/results/code_measurements.md, 'GDN rows per
 # warp'). Each row's arithmetic is the one-row form's, in the same order, whatever DVW is.
-_BODY_CONV = """
-  constexpr int NK = Dk / 32;
-  const int lane = LX_TID_X;
-  const int dv0 = LX_GID_Y * DVW;
-  const int bh = LX_BID_Z;
-  const int bi = bh / Hv;
-  const int hv = bh % Hv;
-  const int hk = hv / (Hv / Hk);
-  const int T = qkv_shape[1];
-  if (dv0 >= Dv) return;
-
-  const float neg_A = -LX_EXP(LX_F32(A_log[hv]));
-  const float dtb = LX_F32(dt_bias[hv]);
-  const float qscale = LX_RSQRT(float(Dk));
-
+_BODY_CONV = _IDS.replace("v_shape[1]", "qkv_shape[1]").replace("LX_GID_Y;", "LX_GID_Y * DVW;  // the first row") + """
   // state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
   float S[DVW][NK];
   for (int d = 0; d < DVW; ++d) {
-    const int si = (((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv0 + d) * Dk + lane;
+    const int si = (((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv + d) * Dk + lane;
     for (int i = 0; i < NK; ++i) S[d][i] = state_in[si + 32 * i];
   }
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
   constexpr int W = KC - 1;
-  const bool qk_writer = (dv0 == 0) && (hv % (Hv / Hk) == 0);
+  const bool qk_writer = (dv == 0) && (hv % (Hv / Hk) == 0);
   int cq[NK];
   float wq[NK][KC], wk[NK][KC], wv[DVW][KC], xq[NK][KC], xk[NK][KC], xv[DVW][KC];
-  const int cv = 2 * Hk * Dk + hv * Dv + dv0;  // row d's channel: cv + d
+  const int cv = 2 * Hk * Dk + hv * Dv + dv;  // row d's channel: cv + d
   for (int i = 0; i < NK; ++i) cq[i] = hk * Dk + lane + 32 * i;
   for (int j = 0; j < KC; ++j) {
     for (int i = 0; i < NK; ++i) {
@@ -509,16 +499,7 @@ _BODY_CONV = """
     const float bc = LX_F32(b[bt * B_S + B_C + hv]);
 
     // the delta-rule step (as _STEP), its norms and gates once for the DVW rows
-    float qq = 0.0f, kk = 0.0f;
-    for (int i = 0; i < NK; ++i) {
-      qq += qc[i] * qc[i];
-      kk += kc[i] * kc[i];
-    }
-    const float qr = LX_RSQRT(LX_SIMD_SUM(qq) + 1e-6f) * qscale;
-    const float kr = LX_RSQRT(LX_SIMD_SUM(kk) + 1e-6f);
-    const float sp = LX_FMAX(ac, 0.0f) + LX_LOG(1.0f + LX_EXP(-LX_FABS(ac)));
-    const float g = LX_EXP(neg_A * sp);
-    const float beta = 1.0f / (1.0f + LX_EXP(-bc));
+""" + _GATES + """\
     for (int i = 0; i < NK; ++i) kc[i] *= kr;
     for (int d = 0; d < DVW; ++d) {
       float kv = 0.0f;
@@ -533,16 +514,16 @@ _BODY_CONV = """
         out += S[d][i] * qc[i];
       }
       out = LX_SIMD_SUM(out) * qr;
-      if (lane == 0) y[hvt * Dv + dv0 + d] = static_cast<YT>(out);
+      if (lane == 0) y[hvt * Dv + dv + d] = static_cast<YT>(out);
       if (STEP) {
-        const int so = (hvt * Dv + dv0 + d) * Dk + lane;
+        const int so = (hvt * Dv + dv + d) * Dk + lane;
         for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[d][i];
       }
     }
   }
   if (!STEP) {
     for (int d = 0; d < DVW; ++d) {
-      const int so = (bh * Dv + dv0 + d) * Dk + lane;
+      const int so = (bh * Dv + dv + d) * Dk + lane;
       for (int i = 0; i < NK; ++i) state_out[so + 32 * i] = S[d][i];
     }
   }
