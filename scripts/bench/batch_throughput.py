@@ -4,7 +4,7 @@ of random prompts, whole generations (prefill included), legs interleaved (ABBA)
 Usage: python scripts/bench/batch_throughput.py --model 0.8b [--streams 1,4,16,64] [--tokens 128] [--reps 10]
          [--dtype bfloat16] [--bits 4] [--profile DIR] [--out FILE.json]
 Legs: `ours` (lattice_mlx.batch_generate, max_batch = B), `ours-aa` (the same again: the A/A control), `ours-mtp`
-(MTP rounds of depth --mtp-k over the batch, SYNTHETIC drafts accepted at --oracle-p: bench/oracles.py),
+(MTP rounds of depth --mtp-k over the batch, SYNTHETIC acceptance at --oracle-p: bench/oracles.py),
 `ours-mtp-auto` (the same drafts, the depth up to 4 or plain steps tuned for the batch, the tuner's memory kept across
 generations as a server's engine keeps it), `mlx-lm`
 (mlx_lm.batch_generate on mlx-lm's qwen3_5 sharing our weight arrays), `ours-untraced` (--untraced 1: plain steps
@@ -12,14 +12,18 @@ built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps; `ours
 op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` and `ours-mtp-dequant`
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
 and multiplied instead of MLX's quantized matmul), `solo` (B = 1 only: plain generate_step, the single-stream
-reference). The MTP legs run on the model in --mtp-dtype (float32 by default on a random shape: in bf16 its
-near-uniform logits let rounds and plain steps disagree on argmax, the SYNTHETIC drafts, plain's recorded
-continuation, then stop being accepted: batch run 2), against `ours-mtp-base`: batched plain steps on that same model.
---skip drops legs by name. Each leg runs once untimed per B first. With --profile (CUPTI,
-DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels per decode step of `ours`
-(and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each B, after every B's
-timings. Per MTP leg and timed repetition, `mtp_rounds` holds the tokens per round and how many rows' tokens left
-plain's recorded continuation (after which their drafts are never right: the acceptance falls under --oracle-p).
+reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
+draft is kept with probability --oracle-p whatever the target says (ForcedBatchRounds), so the MTP legs run on the
+bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
+continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
+continuation and its drafts are never right again (batch runs 2-4, even in float32 on a GPU), so these legs run on the
+model in --mtp-dtype (float32 by default on a random shape) against `ours-mtp-base`, batched plain steps on that model,
+and `mtp_rounds` counts the rows that left. --skip drops legs by name. Each leg runs once untimed per B first.
+With --profile (CUPTI, DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels
+per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each
+B, after every B's timings. Per MTP leg and timed repetition, `mtp_rounds` holds the tokens per round (a fixed
+depth K at p keeps 1 + p + .. + p^K on average) and, with --oracle recorded, how many rows left plain's recorded
+continuation.
 """
 
 import argparse
@@ -35,7 +39,7 @@ import numpy as np
 from lattice_mlx import batch_generate, settings
 from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
-from lattice_mlx.bench.oracles import OracleBatchRounds
+from lattice_mlx.bench.oracles import ForcedBatchRounds, OracleBatchRounds
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import SHAPES, load_profiler, load_target
 from lattice_mlx.decode import generate_step
@@ -50,7 +54,8 @@ def dequant(args, leg: str):
 
 
 # per MTP leg, what each of its generations got: (tokens per round, rows whose tokens left plain's recorded
-# continuation); after a row leaves it, its SYNTHETIC drafts are never right again (batch run 3: 3 of 5 repetitions)
+# continuation, with --oracle recorded; None with forced); after a row leaves it, its SYNTHETIC drafts are never right
+# again (batch run 3: 3 of 5 repetitions)
 ROUNDS: dict[str, list[tuple[float, int]]] = {}
 
 # the adaptive leg's tuner memories (costs per batch-size bucket), kept from one generation to the next as a server's
@@ -58,9 +63,14 @@ ROUNDS: dict[str, list[tuple[float, int]]] = {}
 MEMORIES: dict = {}
 
 
-def rounds_engine(target, B: int, refs: list[list[int]], k: int, p: float, adaptive: bool = False):
-    engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p, max_batch=B,
-                               adaptive=adaptive)
+def rounds_engine(target, B: int, refs: list[list[int]] | None, k: int, p: float, adaptive: bool = False):
+    """SYNTHETIC rounds at acceptance p: ForcedBatchRounds without refs, OracleBatchRounds (plain's recorded greedy
+    continuations `refs`) with them."""
+    if refs is None:
+        engine = ForcedBatchRounds(target.model, k=k, p_correct=p, max_batch=B, adaptive=adaptive)
+    else:
+        engine = OracleBatchRounds(target.model, k=k, references=dict(enumerate(refs)), p_correct=p, max_batch=B,
+                                   adaptive=adaptive)
     if adaptive:
         engine.memories = MEMORIES
     return engine
@@ -68,7 +78,7 @@ def rounds_engine(target, B: int, refs: list[list[int]], k: int, p: float, adapt
 
 def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], k: int, p: float,
                adaptive: bool = False) -> list[list[int]]:
-    """MTP rounds over the batch with SYNTHETIC drafts at acceptance p (bench/oracles.OracleBatchRounds); adaptive:
+    """MTP rounds over the batch at SYNTHETIC acceptance p (rounds_engine); adaptive:
     the depth (or plain steps) tuned for the batch, up to k."""
     engine = rounds_engine(target, len(prompts), refs, k, p, adaptive)
     seqs = [engine.add(ids, max_tokens=n) for ids in prompts]
@@ -89,7 +99,7 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
         with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
             got = run_rounds(args.mtp_target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k,
                              args.oracle_p, adaptive=leg == "ours-mtp-auto")
-        left = sum(g != r[:n] for g, r in zip(got, refs))
+        left = None if refs is None else sum(g != r[:n] for g, r in zip(got, refs))
         st = run_rounds.stats
         ROUNDS.setdefault(leg, []).append((round(sum(st.accepted_at) / st.rounds + 1, 3) if st.rounds else 0.0, left))
         if left:
@@ -154,8 +164,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
     p.add_argument("--oracle-p", type=float, default=0.8, help="SYNTHETIC: the ours-mtp leg's draft acceptance")
-    p.add_argument("--mtp-dtype", default="", help="the MTP legs' model's activations (default: float32 on a random "
-                   "shape, else --dtype)")
+    p.add_argument("--oracle", choices=("forced", "recorded"), default="forced",
+                   help="SYNTHETIC acceptance: drafts kept at --oracle-p whatever the target says (forced), or plain's "
+                   "recorded continuation proposed at p (recorded)")
+    p.add_argument("--mtp-dtype", default="", help="the MTP legs' model's activations (default: --dtype; float32 on a "
+                   "random shape with --oracle recorded)")
     p.add_argument("--untraced", type=int, default=1,
                    help="1: also legs with plain steps and MTP rounds built op by op (LATTICE_TRACE_STEPS=0, "
                    "LATTICE_TRACE_ROUNDS=0), against the traced")
@@ -170,7 +183,7 @@ def main() -> int:
     if target.stock is None:
         print(f"mlx-lm's model could not be built: {target.stock_note}", file=sys.stderr)
         return 1
-    mtp_dtype = args.mtp_dtype or ("float32" if args.model in SHAPES else args.dtype)
+    mtp_dtype = args.mtp_dtype or ("float32" if args.model in SHAPES and args.oracle == "recorded" else args.dtype)
     args.mtp_target = target if not args.mtp_k or mtp_dtype == args.dtype else \
         load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=mtp_dtype, seed=args.seed,
                     stock=False)
@@ -178,12 +191,13 @@ def main() -> int:
     vocab = target.model.args.vocab_size
     result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                        "argv": sys.argv, "model": target.label, "stock": target.stock_note,
-                       "mtp_model": args.mtp_target.label}, "streams": {}}
+                       "mtp_model": args.mtp_target.label, "oracle": args.oracle}, "streams": {}}
     kernel_profile = load_profiler(args.profile)
     profile_inputs = {}  # B: (its legs, the first repetition's prompts and references)
     for B in map(int, args.streams.split(",")):
         legs = ["ours", "ours-aa", "mlx-lm"] + (["ours-untraced"] if args.untraced else []) + \
-            (["ours-mtp-base", "ours-mtp", "ours-mtp-auto"] + (["ours-mtp-untraced"] if args.untraced else [])
+            ((["ours-mtp-base"] if args.mtp_target is not target else []) + ["ours-mtp", "ours-mtp-auto"]
+             + (["ours-mtp-untraced"] if args.untraced else [])
              if args.mtp_k else []) + \
             (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else [])
@@ -191,7 +205,8 @@ def main() -> int:
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
         refs = [[r.tokens for r in batch_generate(args.mtp_target.model, None, prompts, max_tokens=args.tokens + 8,
-                                                  max_batch=B)] if any(leg.startswith("ours-mtp") for leg in legs)
+                                                  max_batch=B)]
+                if args.oracle == "recorded" and any(leg.startswith("ours-mtp") for leg in legs)
                 else None for prompts in reps]
         for leg in legs:  # untimed: first-use compiles
             run_leg(target, leg, reps[0], args.tokens, refs[0], args)
@@ -209,7 +224,8 @@ def main() -> int:
                           for leg in legs if leg != "mlx-lm"},
                "seconds": secs}
         result["streams"][B] = out
-        for a, b in (("ours", "ours-untraced"), ("ours-mtp", "ours-mtp-base"), ("ours-mtp-auto", "ours-mtp-base"),
+        base = "ours-mtp-base" if "ours-mtp-base" in tps else "ours"  # MTP's plain steps: the same model's
+        for a, b in (("ours", "ours-untraced"), ("ours-mtp", base), ("ours-mtp-auto", base),
                      ("ours-mtp", "ours-mtp-untraced"), ("ours-mtp-base", "ours"),
                      ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp")):
             if a in tps and b in tps:
@@ -217,8 +233,9 @@ def main() -> int:
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "
               f"({out['ratios']['ours/mlx-lm']['median']:.2f}x; A/A {out['ratios']['ours-aa/mlx-lm']['median']:.2f}x)"
               + "".join(f"; {k} {v['median']:.2f}x" for k, v in out["ratios"].items() if "/mlx-lm" not in k)
-              + "".join(f"; {leg} {np.median([t for t, _ in v]):.2f} tokens per round, rows off plain's "
-                        f"{sum(m for _, m in v)}" for leg, v in out["mtp_rounds"].items()), flush=True)
+              + "".join(f"; {leg} {np.median([t for t, _ in v]):.2f} tokens per round"
+                        + ("" if refs[0] is None else f", rows off plain's {sum(m for _, m in v)}")
+                        for leg, v in out["mtp_rounds"].items()), flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         profile_inputs[B] = (legs, reps[0], refs[0])

@@ -70,19 +70,29 @@ def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, refere
     return speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter), stats
 
 
+STALL_S = 0.005  # a wait between two tokens longer than this is a stall (a plain step or a round is ~1-2 ms on a
+# GPU; run I's default logged 7-22 ms waits in its plain stretches, where plain's leg logged nothing to compare)
+
+
 def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, reference: list[int] | None,
             seed: int) -> tuple[float, float, dict | None, list[int]]:
-    """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens)."""
+    """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens). Its waits
+    between tokens past STALL_S after the first: run_leg.stalls (seconds each)."""
     tic = time.perf_counter()
     stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
-    tokens, first = [], None
+    tokens, first, last, stalls = [], None, None, []
     for t in stream:
+        now = time.perf_counter()
         tokens.append(t)
         if first is None:
-            first = time.perf_counter()
+            first = now
+        elif now - last > STALL_S:
+            stalls.append(now - last)
+        last = now
         if len(tokens) == n:
             break
     end = time.perf_counter()
+    run_leg.stalls = stalls
     return end - tic, end - first, (stats.to_dict() if stats is not None else None), tokens
 
 
@@ -131,7 +141,7 @@ def run_group(args) -> dict:
             run_leg(model, leg, prompts[0], n, temp, drafts, refs[0], 999)
         return {"group": args.group, "warm_only": True}
     records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": [],
-                     "kernel_builds": [], "kernel_build_s": []} for leg in legs}
+                     "kernel_builds": [], "kernel_build_s": [], "stalls_ms": []} for leg in legs}
     builds0 = _dialect.first_uses()
     log(f"{args.group}: kernel variants built while warming: {builds0['variants']} in {builds0['seconds']:.1f} s")
     identical = True
@@ -148,6 +158,7 @@ def run_group(args) -> dict:
             r["kernel_build_s"].append(round(b1["seconds"] - b0["seconds"], 3))
             r["wall_s"].append(wall)
             r["decode_s"].append(decode)
+            r["stalls_ms"].append([round(1e3 * x, 1) for x in run_leg.stalls])
             r["acceptance"].append(st["acceptance_rate"] if st else None)
             r["rounds"].append(st["rounds"] if st else None)
             r["decisions"].append((st["decisions"] + st["tuner_log"])[:12] if st else None)
@@ -179,6 +190,9 @@ def run_group(args) -> dict:
         times = records[leg]["wall_s"][1:]
         med = float(np.median(times)) if times else 0.0
         out["ratios"][f"{leg}/slow_reps"] = [i + 1 for i, t in enumerate(times) if med and t > 2 * med]
+        after = [x for rep in records[leg]["stalls_ms"][1:] for x in rep]  # (after the first repetition)
+        out["ratios"][f"{leg}/stalls_after_first"] = {"count": len(after), "ms": round(sum(after), 1),
+                                                       "max_ms": max(after, default=0.0)}
     return out
 
 
@@ -244,7 +258,9 @@ def main() -> int:
         rat = res["ratios"]
         print(f"{g}: " + "  ".join(f"{leg} {rat[f'{leg}/wall_s']['median']:.2f} "
                                    f"(first {rat[f'{leg}/wall_s']['first']:.2f})" for leg in args.legs.split(",")[1:])
-              + f"  [{res['process_s']:.0f} s]", flush=True)
+              + f"  [{res['process_s']:.0f} s]; waits over {STALL_S * 1e3:.0f} ms after the first repetition: "
+              + ", ".join(f"{leg} {rat[f'{leg}/stalls_after_first']['count']}" for leg in args.legs.split(",")),
+              flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -129,6 +129,42 @@ def test_an_oracle_batch_is_accepted_all_or_nothing_with_the_same_tokens(checkpo
     assert engine.accepted == (engine.drafted if p == 1.0 else 0) and engine.drafted
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_forced_rounds_keep_drafts_at_their_rate_and_verify_for_real(demo32, traced):
+    """SYNTHETIC rounds that keep drafts at a set rate (bench/oracles.ForcedBatchRounds, the batch benchmark's MTP
+    legs): at p = 0 no draft is kept and every round's token is the target's, so each sequence's tokens are its plain
+    greedy ones (the verify, its bonus and the rollback for real); at p = 1 every draft is kept; at p = 0.6 the
+    first position is kept at about p and the rounds keep p + p^2 + p^3 drafts on average at K = 3. Two engines of
+    other rates on one model in turn: p is an input of the traced round, not a constant of the first trace."""
+    from lattice_mlx.bench.oracles import ForcedBatchRounds
+    from lattice_mlx.speculative import pipelined
+
+    model, tok = demo32
+    prompts = [list(tok.encode(t)) for t in TEXTS[:3]]
+    got = {}
+    with pipelined.tracing(traced):
+        for p in (0.0, 1.0, 0.6):
+            engine = ForcedBatchRounds(model, k=3, p_correct=p, seed=1)
+            seqs = [engine.add(pr, max_tokens=24 if p < 1 else 12) for pr in prompts]
+            while engine.busy:
+                engine.step()
+            got[p] = (engine, seqs)
+    engine, seqs = got[0.0]
+    assert engine.drafted and engine.accepted == 0
+    assert [s.tokens for s in seqs] == [solo(model, pr, 24) for pr in prompts]
+    engine, seqs = got[1.0]
+    assert engine.accepted == engine.drafted and all(len(s.tokens) == 12 for s in seqs)
+    for s, pr in zip(seqs, prompts):  # each round's last token is the target's after the kept drafts
+        logits = model(mx.array(pr + s.tokens)[None])[0, len(pr) - 1 :]
+        bonus = mx.argmax(logits, axis=-1).tolist()
+        assert [s.tokens[i] for i in (0, 4, 8)] == [bonus[i] for i in (0, 4, 8)]
+    st = got[0.6][0].stats  # a (sequence, round) each
+    n = st.proposed_at[0]
+    mean = sum(m * c for m, c in enumerate(st.accepted_hist)) / st.rounds
+    assert n >= 20 and abs(st.accepted_at[0] / n - 0.6) < 4 * (0.24 / n) ** 0.5, (st.accepted_at, n)
+    assert abs(mean - (0.6 + 0.36 + 0.216)) < 4 * 1.1 / n**0.5, st.accepted_hist
+
+
 def test_plain_steps_between_rounds_keep_the_heads_slots(demo32):
     """Plain steps between rounds (the adaptive engine's off state): each sequence's head slots wait and go in with
     the next round's head forward, so drafts after a stretch are as good as before it (a slot lost or misplaced

@@ -189,3 +189,38 @@ class OracleBatchRounds(BatchRounds):
         right = mx.random.uniform(shape=(B, K), key=use) < self.p
         oracle = mx.where(right, truth, (truth + 1) % V).astype(mx.int32)
         return oracle + 0 * drafts, q
+
+
+class ForcedBatchRounds(BatchRounds):
+    """SYNTHETIC batched MTP rounds for benchmarks and tests (greedy only) that keep drafts at a set rate whatever
+    the target says: the head drafts and the target verifies as in BatchRounds (both costs paid, their values
+    real), then which drafts a sequence keeps is drawn on the device, each position kept with probability
+    `p_correct` (the sequence keeps its leading kept ones), not compared with the target's argmax; its tokens are
+    the kept drafts, then the target's token after them. No recorded continuation, so no rounding difference
+    between a batch's verify and its plain steps can move the acceptance off p (OracleBatchRounds' rows left plain's
+    continuation on a GPU, even in float32: docs/adr/0009-batch-cache-layout.md), and the model may run in bf16.
+    The tokens are not plain greedy's past the first kept draft: a measure of costs only. At p = 0 they are plain
+    greedy's (every round keeps no draft and takes the target's token)."""
+
+    def __init__(self, model, *, k: int, p_correct: float, seed: int = 0, **kwargs):
+        super().__init__(model, k=k, **kwargs)
+        self.p_correct = p_correct
+        self.p = mx.array(p_correct, dtype=mx.float32)  # (state of a traced round, as OracleBatchRounds')
+        self.okey = mx.random.key(seed)
+
+    def _more_state(self):
+        return [self.okey, self.p]
+
+    def _set_more_state(self, it):
+        self.okey, self.p = next(it), next(it)
+
+    def _accept(self, logits, drafts, q, keys):
+        if q is not None:
+            raise ValueError("ForcedBatchRounds is greedy only")
+        B, K = drafts.shape
+        target = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K + 1]
+        self.okey, use = mx.random.split(self.okey)
+        kept = mx.random.uniform(shape=(B, K), key=use) < self.p
+        n = mx.cumprod(kept.astype(mx.int32), axis=1).sum(axis=1)
+        padded = mx.concatenate([drafts.astype(mx.int32), target[:, K:]], axis=1)  # [B, K + 1]
+        return n, mx.where(mx.arange(K + 1)[None] < n[:, None], padded, target)
