@@ -8,6 +8,8 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
+from .metal import iota
+
 
 def _own(a: mx.array | None) -> mx.array | None:
     """A new array object on the same data: the KV cache writes rows with __setitem__, which changes the array
@@ -178,14 +180,14 @@ class BatchFixedKVCache(BatchKVCache):
     def make_mask(self, N: int, **kwargs) -> mx.array:
         """[B, 1, N, capacity] bool: row t of sequence b sees its columns left_padding[b] .. pos + t."""
         self.reserve(N)
-        cols = mx.arange(self.keys.shape[2], dtype=mx.int32)
-        causal = cols[None, :] <= (self.pos + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
+        cols = iota(self.keys.shape[2])
+        causal = cols[None, :] <= (self.pos + iota(N))[:, None]  # [N, cap]
         return causal[None, None] & (cols[None, :] >= self.left_padding[:, None])[:, None, None, :]
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         T = k.shape[2]
         self.reserve(T)
-        rows = (self.pos + mx.arange(T, dtype=mx.int32)).reshape(1, 1, T, 1)
+        rows = (self.pos + iota(T)).reshape(1, 1, T, 1)
         self.keys = mx.put_along_axis(self.keys, rows, k, axis=2)
         self.values = mx.put_along_axis(self.values, rows, v, axis=2)
         self.offset, self.pos, self._idx = self.offset + T, self.pos + T, self._idx + T
@@ -292,13 +294,13 @@ class RoundKVCache(BatchKVCache):
         """[B, 1, N, _idx + N] bool: row t of a sequence sees its live columns up to _idx + t (the forward's own
         columns are live while it runs). With `whole`: [B, 1, N, capacity], from `pos`."""
         if self.whole:
-            cols = mx.arange(self.capacity, dtype=mx.int32)
-            causal = cols[None, :] <= (self.pos + mx.arange(N, dtype=mx.int32))[:, None]  # [N, cap]
+            cols = iota(self.capacity)
+            causal = cols[None, :] <= (self.pos + iota(N))[:, None]  # [N, cap]
             seen = self.live | (cols >= self.pos)[None]  # [B, cap]
             return causal[None, None] & seen[:, None, None, :]
         width = self._idx + N
-        cols = mx.arange(width, dtype=mx.int32)
-        causal = cols[None, :] <= (self._idx + mx.arange(N, dtype=mx.int32))[:, None]  # [N, width]
+        cols = iota(width)
+        causal = cols[None, :] <= (self._idx + iota(N))[:, None]  # [N, width]
         live = self.live[:, : self._idx] if self.keys is not None else mx.zeros((self.offset.shape[0], 0), mx.bool_)
         seen = mx.concatenate([live, mx.ones((live.shape[0], N), mx.bool_)], axis=1)  # [B, width]
         return causal[None, None] & seen[:, None, None, :]
@@ -312,7 +314,7 @@ class RoundKVCache(BatchKVCache):
             self.live = mx.zeros((k.shape[0], cap), mx.bool_)
         self.reserve(T, compact=False)
         if self.whole:  # (the room was reserved before the round: no shape changes inside it)
-            cols = self.pos + mx.arange(T, dtype=mx.int32)
+            cols = self.pos + iota(T)
             self.keys = mx.put_along_axis(self.keys, cols.reshape(1, 1, T, 1), k, axis=2)
             self.values = mx.put_along_axis(self.values, cols.reshape(1, 1, T, 1), v, axis=2)
             self.live = mx.put_along_axis(self.live, mx.broadcast_to(cols[None], (k.shape[0], T)),
@@ -330,9 +332,9 @@ class RoundKVCache(BatchKVCache):
         """Of the columns the last forward wrote, row b keeps its first counts[b] (a device array [B]); the rest
         are dead."""
         i, T = self.last
-        kept = mx.arange(T, dtype=mx.int32)[None] < counts[:, None]  # [B, T]
+        kept = iota(T)[None] < counts[:, None]  # [B, T]
         if isinstance(i, mx.array):  # (written at `pos`: whole)
-            cols = mx.broadcast_to((i + mx.arange(T, dtype=mx.int32))[None], kept.shape)
+            cols = mx.broadcast_to((i + iota(T))[None], kept.shape)
             self.live = mx.put_along_axis(self.live, cols, kept, axis=1)
         else:
             self.live[:, i : i + T] = kept

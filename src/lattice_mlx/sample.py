@@ -6,6 +6,7 @@ from numbers import Integral, Real
 
 import mlx.core as mx
 
+from .metal import iota
 from .metal.argmax import argmax
 
 
@@ -110,7 +111,7 @@ def accept_sampled_arrays(p: mx.array, q: mx.array, drafts: mx.array,
     [K+1] whose first n + 1 are the round's output (the kept drafts, then the token). `key`: a PRNG key [2] for
     the draws (None: MLX's global generator)."""
     K = drafts.shape[0]
-    rows = mx.arange(K)
+    rows = iota(K)
     ratio = p[rows, drafts] / mx.maximum(q[rows, drafts], 1e-30)
     keys = (None, None) if key is None else mx.random.split(key)
     n = mx.cumprod((mx.random.uniform(shape=(K,), key=keys[0]) < ratio).astype(mx.int32)).sum()
@@ -120,7 +121,7 @@ def accept_sampled_arrays(p: mx.array, q: mx.array, drafts: mx.array,
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:K])
     table = mx.concatenate([residual, bonus_row(p, K)], axis=0)  # row n: the token's distribution after n kept
     token = sample_from(table[mx.minimum(n, table.shape[0] - 1)], keys[1]).astype(mx.int32)
-    tokens = mx.where(mx.arange(K + 1) == n, token, mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)]))
+    tokens = mx.where(iota(K + 1) == n, token, mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)]))
     return n, token, tokens
 
 

@@ -7,6 +7,7 @@ import random
 import mlx.core as mx
 import numpy as np
 
+from ..metal import iota
 from ..sample import Sampler
 from ..speculative.batched import BatchRounds
 from ..speculative.draft_model import MTPDraftModel
@@ -183,7 +184,7 @@ class OracleBatchRounds(BatchRounds):
     def _draft(self, K, keys):
         drafts, q = super()._draft(K, keys)
         B, V, L = drafts.shape[0], self.model.args.vocab_size, self.table.shape[1]
-        at = self.gen[:, None] + mx.arange(K, dtype=mx.int32)[None]  # the drafts' indices among generated tokens
+        at = self.gen[:, None] + iota(K)[None]  # the drafts' indices among generated tokens
         truth = mx.where(at < L, mx.take_along_axis(self.table, mx.minimum(at, L - 1), axis=1), 0)
         self.okey, use = mx.random.split(self.okey)
         right = mx.random.uniform(shape=(B, K), key=use) < self.p
@@ -223,4 +224,4 @@ class ForcedBatchRounds(BatchRounds):
         kept = mx.random.uniform(shape=(B, K), key=use) < self.p
         n = mx.cumprod(kept.astype(mx.int32), axis=1).sum(axis=1)
         padded = mx.concatenate([drafts.astype(mx.int32), target[:, K:]], axis=1)  # [B, K + 1]
-        return n, mx.where(mx.arange(K + 1)[None] < n[:, None], padded, target)
+        return n, mx.where(iota(K + 1)[None] < n[:, None], padded, target)

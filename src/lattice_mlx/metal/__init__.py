@@ -7,9 +7,18 @@
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from lattice_mlx import settings
 from lattice_mlx.metal import _dialect
+
+
+@functools.lru_cache(maxsize=256)
+def iota(n: int) -> mx.array:
+    """[0, 1, .., n - 1] int32 from host data: inside a traced step or round a constant of the trace, where
+    mx.arange is an op its every replay launches (a kernel on a GPU, a node for the host to dispatch). Shared: never
+    written to (docs/results/code_measurements.md, 'Index arrays in traced rounds')."""
+    return mx.array(np.arange(n, dtype=np.int32))
 
 
 def use_kernels() -> bool:

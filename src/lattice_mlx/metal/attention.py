@@ -10,7 +10,7 @@ import functools
 import mlx.core as mx
 
 from lattice_mlx import settings
-from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import _dialect, iota, use_kernels
 from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
 
@@ -27,8 +27,8 @@ def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
 def valid_keys(T: int, L: int, causal: bool, length) -> mx.array:
     """The boolean [T, L] (or [1, L]) mask of the keys each row reads: the first `length` (an int scalar array or
     int), causal rows ending at key length - T + t."""
-    last = length - 1 - ((T - 1 - mx.arange(T)) if causal else 0)  # [T] or scalar
-    return mx.arange(L)[None, :] <= mx.reshape(last, (-1, 1))
+    last = length - 1 - ((T - 1 - iota(T)) if causal else 0)  # [T] or scalar
+    return iota(L)[None, :] <= mx.reshape(last, (-1, 1))
 
 
 def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,

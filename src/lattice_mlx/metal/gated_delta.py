@@ -7,7 +7,7 @@ state [B, Hv, Dv, Dk] fp32. Key head of value head h is h // (Hv // Hk).
 import mlx.core as mx
 import mlx.nn as nn
 
-from lattice_mlx.metal import _dialect, use_kernels
+from lattice_mlx.metal import _dialect, iota, use_kernels
 
 
 def log_decay_ref(a: mx.array, A_log: mx.array, dt_bias: mx.array) -> mx.array:
@@ -568,7 +568,7 @@ def picked(conv_state: mx.array, state: mx.array | None, pick: mx.array | None, 
     step `step` of state [B, ST, Hv, Dv, Dk] (a previous verify's conv input and per-step states); else as given."""
     if pick is None:
         return conv_state, state
-    return mx.take(conv_state, pick[0] + mx.arange(window), axis=1), mx.take(state, pick[1], axis=1)
+    return mx.take(conv_state, pick[0] + iota(window), axis=1), mx.take(state, pick[1], axis=1)
 
 
 def gated_delta_conv_ref(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state, *, heads: tuple[int, int, int, int],

@@ -34,7 +34,7 @@ from .. import cache as caches
 from .. import traces
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
 from ..decode import tracing_enabled as decode_tracing_enabled
-from ..metal import kernel_policy
+from ..metal import iota, kernel_policy
 from ..models import compiled
 from ..runtime import runtime_of
 from ..sample import Sampler, accept_sampled_arrays, sample_from, split_keys
@@ -441,7 +441,7 @@ class BatchRounds(BatchDecoder):
         model, head = self.model, self.model.mtp
         B, pn = len(self.active), self.pn
         x = self._feed_head()
-        x = x[mx.arange(B), pn - 1][:, None]  # each row's last valid slot [B, 1, H]
+        x = x[iota(B), pn - 1][:, None]  # each row's last valid slot [B, 1, H]
         sampled = keys is not None
         drafts, qs, h = [], [], None
         for step in range(K):
@@ -519,11 +519,11 @@ class BatchRounds(BatchDecoder):
         n, tokens = self._accept(logits, drafts, q, keys)
         for c in kv:  # rollback, row by row: keep n_b + 1 of the K + 1 positions
             c.keep(n + 1)
-        rows = mx.arange(B)
+        rows = iota(B)
         for c in gdn:
             (conv_in,), (states,) = c._conv_in, c._states  # [B, W + K + 1, C], [B, K + 1, Hv, Dv, Dk]
             W = conv_in.shape[1] - (K + 1)
-            window = (n + 1)[:, None] + mx.arange(W)[None]  # [B, W]
+            window = (n + 1)[:, None] + iota(W)[None]  # [B, W]
             c.commit()
             c.conv = mx.take_along_axis(conv_in, window[..., None], axis=1)
             c.ssm = states[rows, n]
