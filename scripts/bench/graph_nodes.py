@@ -220,7 +220,7 @@ def main() -> int:
         model.mtp = bench.quantized_head(model, group_size=64)
     if args.batch:
         fake_fast_ops()
-        out = {"shape": args.shape, "dtype": args.dtype, "layers": shape["num_hidden_layers"], "batch": {}}
+        out = {"shape": args.shape, "dtype": args.dtype, "layers": model.args.num_hidden_layers, "batch": {}}
         for B in map(int, args.batch.split(",")):
             row = out["batch"][B] = {"step": batch_step_nodes(model, B)}
             for k in map(int, args.k.split(",")):
