@@ -158,6 +158,7 @@ def batch_step_nodes(model, B: int, steps: int = 3) -> dict:
         traced._bind(engine.cache)
         for c in traced.kv:
             c.reserve(1)
+        mx.eval(traced._state())  # (a buffer grown by reserve is the trace's input, not its work)
         y = mx.array(engine._last, dtype=mx.uint32)
         state, ys = traced._body(traced._state(), [y, traced._numbers(engine._route)])
         return graph_nodes(ys, *state, name=f"batch_step_b{B}")
@@ -184,6 +185,7 @@ def batch_round_nodes(model, B: int, k: int, rounds_n: int = 3) -> dict:
     for c in engine.head_cache:
         c.reserve(k + 1 + engine.k_max)
     engine.holes = True
+    mx.eval([a for a in engine._state() if a is not None])  # (buffers reserve grew or compacted: inputs, not work)
     with engine._columns_on_device(engine._round_kv(), k + 1):
         _, n, tokens = engine._round(k)
         state = [a for a in engine._state() if a is not None]

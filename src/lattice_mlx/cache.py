@@ -244,7 +244,7 @@ class RoundKVCache(BatchKVCache):
     @staticmethod
     def _live_of(c: BatchKVCache) -> mx.array:
         """[B, capacity]: a cache without holes, its columns left_padding .. _idx."""
-        cols = mx.arange(c.keys.shape[2] if c.keys is not None else 0, dtype=mx.int32)[None]
+        cols = iota(c.keys.shape[2] if c.keys is not None else 0)[None]
         return (cols >= c.left_padding[:, None]) & (cols < c._idx)
 
     @property
@@ -279,7 +279,7 @@ class RoundKVCache(BatchKVCache):
         longest = int(counts.max().item())
         if self._idx - longest < self.GROW:
             return
-        cols = mx.arange(self._idx, dtype=mx.int32)[None]
+        cols = iota(self._idx)[None]
         # each row's columns sorted dead first (-1), then live in order; its last `longest` are what it keeps
         order = mx.argsort(mx.where(self.live[:, : self._idx], cols, -1), axis=1)[:, self._idx - longest :]
         pick = order[:, None, :, None]
