@@ -156,11 +156,12 @@ def warm_catch_up(model) -> None:
 class PipelinedRounds:
     """The device state between rounds and the graph of one round; `run_pipelined` drives it."""
 
-    def __init__(self, model, sampler: Sampler, k: int, prompt: list[int], first: int, hidden: mx.array,
-                 cache: list, override: DraftOverride | None = None, *, prompt_len: int | None = None,
+    def __init__(self, model, sampler: Sampler, k: int, prompt: list[int], first: "int | mx.array",
+                 hidden: mx.array, cache: list, override: DraftOverride | None = None, *, prompt_len: int | None = None,
                  head_cache: list | None = None):
         """`prompt`: the prompt's tokens from the first one `hidden` [T, H] pairs with (all of them, or with a prompt
-        cache the new ones from its last cached position on); `prompt_len`: the whole prompt's length (default
+        cache the new ones from its last cached position on); `first`: the first generated token (or the scalar
+        array that will hold it: nothing here reads it); `prompt_len`: the whole prompt's length (default
         len(prompt)); `head_cache`: the MTP head's caches of the cached prefix (None: a fresh cache)."""
         self.model, self.sampler, self.k, self.override = model, sampler, k, override
         # a Sampler's numbers (temperature, top-p, min-p), an input of a traced round (a subclass: its own numbers)
@@ -177,25 +178,31 @@ class PipelinedRounds:
         for c in self.kv:  # one offset array for every attention layer (they advance together)
             c.offset = self.kv[0].offset
         self.p = prompt_len if prompt_len is not None else len(prompt)
-        slots = [*prompt[1:], first]
-        self.tail = len(slots)  # the head's slots pending before the first round (all the prompt's)
+        self.tail = len(prompt)  # the head's slots pending before the first round (all the prompt's: its tokens from
+        # the second on, then the first generated one)
         # last_k: the depth of the round dispatched last (0: a plain step; its unread rows bound the caches'
         # offsets). After plain steps the head's slots wait in `backlog`, all of their rows valid.
         self.last_k = 0
-        self.backlog: list[tuple[mx.array, mx.array]] = []
+        # (tokens, hiddens, whether the hiddens are before the final norm: plain steps return them so, and the catch-up
+        # norms a stretch's rows in one launch instead of one per step)
+        self.backlog: list[tuple[mx.array, mx.array, bool]] = []
         # device state: the newest token, the head's pending slots (tokens, target hiddens, the row to draft from),
         # the generated index of y (plain steps count on the host, `plain_steps`, and are added when a round starts)
-        self.y = mx.array([first], dtype=mx.int32)
-        self.ptok, self.phid = mx.array(slots, dtype=mx.int32), hidden
-        self.pn = mx.array(len(slots) - 1, dtype=mx.int32)
+        self.y = (first.astype(mx.int32) if isinstance(first, mx.array) else mx.array(first, dtype=mx.int32)).reshape(1)
+        self.ptok = mx.concatenate([mx.array(prompt[1:], dtype=mx.int32), self.y])
+        self.phid, self.praw = hidden, False  # praw: phid is a plain step's hidden before the final norm
+        self.pn = mx.array(self.tail - 1, dtype=mx.int32)
         self.gen = mx.array(0, dtype=mx.int32)
         self.plain_steps = 0
         self.traced = tracing_enabled() and (override is None or hasattr(override, "apply"))
         for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
             c.whole = self.traced
         # plain steps (K = 0): plain decoding's own step (decode.TracedSteps) on these caches, also returning the
-        # hidden the head pairs with the next token
-        self.steps = TracedSteps(model, sampler, self.cache, hidden=True, traced=decode.tracing_enabled())
+        # hidden the head pairs with the next token (before the final norm: one launch fewer per step; with a hidden
+        # tap, make_draft_model's, the model's own call, which feeds the tap)
+        self.raw = runtime_of(model).hidden_tap is None
+        self.steps = TracedSteps(model, sampler, self.cache, hidden="pre" if self.raw else True,
+                                 traced=decode.tracing_enabled())
         for c in self.kv:  # (a traced plain step too: its shapes stay the same from step to step)
             c.whole = self.traced or self.steps.traced
 
@@ -231,10 +238,10 @@ class PipelinedRounds:
                 c.conv, c.ssm = picked(c.conv, c.ssm, c.window_pick, window)
                 c.window_pick = None
         else:
-            self.backlog.append((self.ptok, self.phid))
+            self.backlog.append((self.ptok, self.phid, self.praw))
         self.steps.bound = self.kv[0].bound if self.kv else 0
         self.y, self.phid = self.steps.step(self.y)
-        self.ptok, self.plain_steps, self.last_k = self.y, self.plain_steps + 1, 0
+        self.ptok, self.praw, self.plain_steps, self.last_k = self.y, self.raw, self.plain_steps + 1, 0
         return self.y, 0
 
     def _catch_up(self) -> None:
@@ -243,9 +250,16 @@ class PipelinedRounds:
         padded with copies of the newest slot (scratch rows past the head's true end that the next ones overwrite, as
         a draft step's are). One row count whatever the stretch: on a GPU a forward over a row count not seen before
         compiles new kernels, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner')."""
-        slots = [*self.backlog, (self.ptok, self.phid)]  # (a plain step's token is a scalar)
-        tok, hid = (mx.concatenate([t.reshape(-1) for t, _ in slots]), mx.concatenate([h for _, h in slots])) \
-            if len(slots) > 1 else (slots[0][0].reshape(-1), slots[0][1])
+        slots = [*self.backlog, (self.ptok, self.phid, self.praw)]  # (a plain step's token is a scalar)
+        tok = mx.concatenate([t.reshape(-1) for t, _, _ in slots]) if len(slots) > 1 else slots[0][0].reshape(-1)
+        parts: list[tuple[list[mx.array], bool]] = []  # runs of hiddens normed or not (one norm launch per run)
+        for _, h, raw in slots:
+            if parts and parts[-1][1] == raw:
+                parts[-1][0].append(h)
+            else:
+                parts.append(([h], raw))
+        hids = [self.model.head_input(_join(hs)) if raw else _join(hs) for hs, raw in parts]
+        hid = _join(hids)
         rows = tok.shape[0]
         cut = rows - (rows % CATCH_UP_PIECE or CATCH_UP_PIECE)
         for start in range(0, cut, CATCH_UP_PIECE):
@@ -256,6 +270,7 @@ class PipelinedRounds:
             hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
         # (plain steps' tokens are the samplers' uint32; a round's are int32, as its trace takes them)
         self.ptok, self.phid, self.pn, self.backlog = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32), []
+        self.praw = False
         self.y = self.y.reshape(1).astype(mx.int32)
         if self.plain_steps:
             self.gen, self.plain_steps = self.gen + self.plain_steps, 0
@@ -418,6 +433,10 @@ class PipelinedRounds:
         return tokens, n
 
 
+def _join(arrays: list[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+
+
 def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
                           override: DraftOverride | None = None, prompt_cache=None) -> Iterator[int]:
     """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
@@ -429,8 +448,10 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
     cache, head_cache, logits, hidden, n = resume(model, ids, prompt_cache, return_hidden=True)
-    first = sampler(logits).item()
-    yield first
+    # the first token is read after the first pass is queued behind it, as plain decoding reads its own (reading it
+    # first left the GPU idle while the loop was set up and the pass built)
+    first = sampler(logits)
+    mx.async_eval(first)
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
@@ -452,6 +473,9 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
         out = rounds.round(r, k)
         mid = time.perf_counter()
         mx.async_eval(out[0], out[1]) if k else mx.async_eval(out[0])
+        if first is not None:
+            yield first.item()
+            first = None
         if pending is not None:
             # read round r's own arrays (evaluated with round r) and cut in Python: tokens[: n + 1] would be a new
             # array, evaluated on the stream behind round r + 1, so reading it waited for round r + 1 to finish and
