@@ -26,6 +26,7 @@
 #                  TEMPS [0], LENGTHS [16,96], REPS [10], EXTRA [more bench flags: --trace-ab, --head-q4-ab,
 #                  --draft-vocab-ab 32768, --no-stock, --workloads code], PROFILE=1 for CUPTI, NAME, LIMIT s [300]
 #   oracle         MTP speedup over the synthetic acceptance grid (0.8B shape)
+#   off-state      the pipelined loop's off state (speculation off) vs plain decoding, variants, CUPTI (off_state.py)
 #   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
@@ -187,6 +188,11 @@ for mode in "$@"; do
       ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) \
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
+  off-state)  # the pipelined loop's off state against plain decoding, with variants (off_state.py), CUPTI per leg;
+              # OFF_LIMIT s [150]
+    step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" --reps "${REPS:-10}" \
+      --profile .device-tools --out "$RES/off_state.json"
+    cat "$RES/off_state.out" ;;
   batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
           # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400];
           # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo);
