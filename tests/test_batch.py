@@ -341,3 +341,50 @@ def test_a_seeded_batch_generate_repeats_whatever_max_batch_is(model32):
     one = [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=1, **kw)]
     assert [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=3, **kw)] == one
     assert [r.tokens for r in batch_generate(model32, None, PROMPTS[:4], max_batch=3, **{**kw, "seed": 12})] != one
+
+
+def test_split_k_projections_keep_every_sequence_exact(monkeypatch):
+    """Past the fused kernel's 8 rows, on a CUDA device, the 4-bit weights of few outputs and many inputs are split
+    over K (q4_matmul.SplitK, made when a batch engine starts: batch.BatchDecoder._split_k). Made to apply here (a
+    CUDA device stood in, the tiny shape's down projections qualifying): ten sequences' plain steps and four
+    sequences' K = 2 rounds (12 verify rows) give every sequence its single generation's tokens, and the split path
+    ran for them and not for the single generations' one-row steps. A weight update drops the layouts."""
+    from lattice_mlx import batch as batch_module
+    from lattice_mlx.bench.synthetic import random_model
+    from lattice_mlx.metal import q4_matmul as q4_module
+    from lattice_mlx.models.layers import Q4Linear
+    from lattice_mlx.speculative.batched import BatchRounds
+
+    model = random_model(bits=4, group_size=32, dtype=mx.float32)
+    monkeypatch.setattr(q4_module, "SPLIT_K_MIN_K", 128)
+    monkeypatch.setattr(batch_module, "cuda_gpu", lambda: True)
+    monkeypatch.setattr(q4_module, "split_k_applies", lambda x, split: split is not None and
+                        q4_module.MAX_ROWS < x.size // x.shape[-1] <= q4_module.SPLIT_K_MAX_ROWS)
+    rows = []
+    split_matmul = q4_module.split_k_matmul
+    monkeypatch.setattr(q4_module, "split_k_matmul", lambda x, *a, **k: rows.append(x.shape[0]) or
+                        split_matmul(x, *a, **k))
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(3 + i % 5)] for i in range(10)]
+    budgets = [6 + i % 4 for i in range(10)]
+    engine = BatchDecoder(model, max_batch=10)
+    seqs = [engine.add(p, max_tokens=n) for p, n in zip(prompts, budgets)]
+    splits = [m for _, m in model.named_modules() if isinstance(m, Q4Linear) and m.split_k is not None]
+    assert len(splits) == model.args.num_hidden_layers  # every MLP's down projection (K = 128: 4 parts of 32)
+    while engine.busy:
+        engine.step()
+    assert 10 in rows
+    rounds = BatchRounds(model, k=2, max_batch=4)
+    more = [rounds.add(p, max_tokens=n) for p, n in zip(prompts[:4], budgets)]
+    while rounds.busy:
+        rounds.step()
+    assert 12 in rows
+    rows.clear()
+    for s, p in [*zip(seqs, prompts), *zip(more, prompts)]:
+        assert s.tokens == solo(model, p, s.max_tokens), p
+    assert not rows  # (one row a step)
+    # weights changed through Model.update (load_weights, an optimizer): the layouts of the old weights are dropped,
+    # with the traces holding them, so nothing computes with a stale copy
+    assert model.runtime.traces
+    model.update(model.parameters())
+    assert not any(isinstance(m, Q4Linear) and m.split_k is not None for _, m in model.named_modules())
+    assert not model.runtime.traces

@@ -2,7 +2,8 @@
 (`gpu_kernels.py` of ../shared/device, copied into --profiler-dir): the fused GDN conv + recurrence step with one
 value row per warp against the default (several for a batch), and the 4-bit projections in MLX's quantized matmul
 (what a batch's steps of more than the fused kernel's MAX_ROWS take) beside the fused kernel where it applies, and
-the down projection split over K into 2 or 4 batched quantized matmuls (an experiment: `split_k_matmul`).
+the down projection and a block's output projection split over K into 2 or 4 batched quantized matmuls
+(q4_matmul.split_k_matmul, the path a batch's steps of more than MAX_ROWS rows take on a CUDA device).
 
     python scripts/bench/bench_batch_kernels.py --profiler-dir .device-tools --out results.json [--bs 1,4,16,64]
 
@@ -49,37 +50,25 @@ def gdn_cases(B: int) -> dict:
     return out
 
 
-def split_k(parts: tuple, S: int) -> tuple:
-    """A quantized weight [N, K/8] (scales, biases [N, K/G]) as S weights of K/S inputs each, [S, N, K/(8S)]: the
-    same nibbles, groups and scales re-laid (K/S a multiple of the group size)."""
-    N = parts[0].shape[0]
-    return tuple(mx.contiguous(a.reshape(N, S, -1).transpose(1, 0, 2)) for a in parts)
-
-
-def split_k_matmul(x: mx.array, parts: tuple, S: int, **k) -> mx.array:
-    """x [.., K] @ dequant(w).T as S quantized matmuls of K/S inputs in one batched call, then their sum: MLX's
-    quantized matmul launches tiles over N (and the rows), so a weight of few output columns and many inputs (the
-    MLP's down projection: 1,024 x 3,584) keeps few blocks busy; S batches give S times the blocks. An experiment
-    (ADR 0009, 'Batch run 4'), not a runtime path."""
-    M, K = x.size // x.shape[-1], x.shape[-1]
-    xs = x.reshape(M, S, K // S).transpose(1, 0, 2)
-    return mx.quantized_matmul(xs, *parts, transpose=True, **k).sum(axis=0).reshape(*x.shape[:-1], -1)
-
-
 def q4_cases(B: int) -> dict:
     rng = np.random.default_rng(100 + B)
     norm = Pre("rms", (1 + 0.1 * arr(rng, H)), 1e-6)
     x, res, h = arr(rng, B, 1, H), arr(rng, B, 1, H), arr(rng, B, 1, I)
     gu, down, inp = quantized(2 * I, H, 1), quantized(H, I, 2), quantized(GDN_IN, H, 3)
+    v, out_proj = arr(rng, B, 1, GDN_V), quantized(H, GDN_V, 4)  # a GDN block's output projection (values -> hidden)
     k = dict(group_size=64, bits=4)
     out = {
         "mlx gate_up": lambda: q4_module.quantized_matmul(x, *gu, **k),
         "mlx down": lambda: q4_module.quantized_matmul(h, *down, **k),
         "mlx gdn in_proj": lambda: q4_module.quantized_matmul(x, *inp, **k),
+        "mlx out_proj": lambda: q4_module.quantized_matmul(v, *out_proj, **k),
     }
     q4_cases.down = (h, down)  # (for main's error check)
     for S in (2, 4):  # (bound now: the lambdas run later)
-        out[f"mlx down split-K {S}"] = (lambda parts, S: lambda: split_k_matmul(h, parts, S, **k))(split_k(down, S), S)
+        for name, (a, parts) in (("down", (h, down)), ("out_proj", (v, out_proj))):
+            layout = q4_module.split_k_layout(*parts, parts=S, **k)
+            out[f"mlx {name} split-K {S}"] = (lambda a, layout: lambda: q4_module.split_k_matmul(
+                a.reshape(-1, a.shape[-1]), layout, **k))(a, layout)
     if B <= q4_module.MAX_ROWS:
         out |= {
             "fused gate_up rms+glu": lambda: q4_matmul_kernel(x, *gu, pre=norm, glu=True, group_size=64),
@@ -106,7 +95,7 @@ def main() -> None:
         f32 = lambda a: a if a.dtype == mx.uint32 else a.astype(mx.float32)  # noqa: E731
         ref = mx.quantized_matmul(f32(x), *map(f32, parts), transpose=True, group_size=64, bits=4)
         for name in ("mlx down", "mlx down split-K 2", "mlx down split-K 4"):
-            err = mx.abs(cases[name]().astype(mx.float32) - ref).max().item()
+            err = mx.abs(cases[name]().astype(mx.float32).reshape(ref.shape) - ref).max().item()
             results.setdefault(name, {})[f"max_abs_err_{B}"] = round(err, 4)
         for name, fn in cases.items():
             s = profile_calls(kernel_profile, fn, args.calls, top=2)

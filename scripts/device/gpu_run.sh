@@ -26,12 +26,12 @@
 #                  TEMPS [0], LENGTHS [16,96], REPS [10], EXTRA [more bench flags: --trace-ab, --head-q4-ab,
 #                  --draft-vocab-ab 32768, --no-stock, --workloads code], PROFILE=1 for CUPTI, NAME, LIMIT s [300]
 #   oracle         MTP speedup over the synthetic acceptance grid (0.8B shape)
-#   off-state      the pipelined loop's off state (speculation off) vs plain decoding, variants, CUPTI (off_state.py)
 #   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
-#                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch)
+#                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
+#                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI)
 #   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
 #                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced); KERNELS=1 first: the
 #                  GDN kernel by rows per warp, MLX's 4-bit matmul by rows (bench_batch_kernels.py)
@@ -177,6 +177,12 @@ for mode in "$@"; do
   spec-default)  # the default speculation against plain and fixed K=1..4, whole generations, a fresh process per
                  # group (spec_default.py): SD_MODEL [0.8b], SD_DRAFTS [oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,
                  # oracle:1,head], SD_TEMPS [0], SD_LENGTHS [256], REPS [10], NAME, LIMIT s [520]
+    if [[ ${OFF_STATE:-0} == 1 ]]; then  # first: the pipelined loop's off state vs plain decoding, with variants that
+      # take one difference away each, CUPTI per leg (off_state.py), OFF_LIMIT s [150]
+      step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" --reps "${REPS:-10}" \
+        --profile .device-tools --out "$RES/off_state.json"
+      cat "$RES/off_state.out"
+    fi
     if [[ ${FIRST_USE:-0} == 1 ]]; then  # first: a prompt length's first prefill (prompt attention in ops vs cuDNN)
       # and the switch from plain steps to rounds, per pass (first_use.py), FIRST_USE_LIMIT s [200]
       step first_use "${FIRST_USE_LIMIT:-200}" python3 scripts/bench/first_use.py --out "$RES/first_use"
@@ -188,11 +194,6 @@ for mode in "$@"; do
       ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) \
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
-  off-state)  # the pipelined loop's off state against plain decoding, with variants (off_state.py), CUPTI per leg;
-              # OFF_LIMIT s [150]
-    step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" --reps "${REPS:-10}" \
-      --profile .device-tools --out "$RES/off_state.json"
-    cat "$RES/off_state.out" ;;
   batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
           # SHAPE [0.8b], STREAMS [1,4,16,64], TOKENS [128], REPS [10], PROFILE=1 for CUPTI per step, LIMIT s [400];
           # LOAD=1: then TTFT under Poisson arrivals (RATE [8]/s) through the server (server_load.py, the demo);

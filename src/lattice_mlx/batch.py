@@ -29,8 +29,10 @@ from mlx_lm.models.cache import BatchKVCache
 from . import cache as caches
 from . import traces
 from .decode import PREFILL_STEP, prefill_chunks, tracing_enabled
-from .metal import kernel_policy
+from .metal import cuda_gpu, kernel_policy
+from .metal.q4_matmul import MAX_ROWS
 from .models import compiled
+from .models.layers import prepare_split_k
 from .runtime import runtime_of
 from .sample import Sampler, split_keys
 
@@ -90,6 +92,14 @@ class BatchDecoder:
         self._fingerprint: str | None = None  # the model's (prompt_cache.fingerprint), for kept prefixes
         self._keys: mx.array | None = None  # each active sequence's PRNG key [B, 2] (Sequence.key)
         self._uids = itertools.count()
+        self._split_k(max_batch)
+
+    def _split_k(self, rows: int) -> None:
+        """On a CUDA device, where a forward may run more rows than the fused 4-bit kernel takes, the 4-bit weights
+        of few outputs get their split-K layout (q4_matmul.SplitK: a second copy of those weights), before any step
+        is traced."""
+        if rows > MAX_ROWS and cuda_gpu():
+            prepare_split_k(self.model)
 
     @property
     def full(self) -> bool:

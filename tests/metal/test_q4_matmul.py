@@ -122,6 +122,37 @@ def test_dequant_rows_picks_the_dequantized_matmul_from_its_rows(monkeypatch):
         kernel_policy()
 
 
+def test_split_k_layout_is_the_same_product_where_it_applies(monkeypatch):
+    """A weight of few outputs and many inputs re-laid as SPLIT_K weights over K (q4_matmul.SplitK): the same product
+    (float32, the CPU stream), taken by `quantized_matmul` only past the fused kernel's rows and up to
+    SPLIT_K_MAX_ROWS, on a CUDA device (made to look present here), with a layout made from this very weight; no
+    layout for a weight of many outputs, few inputs, or a K that does not split into whole groups."""
+    calls = []
+    split_matmul = q4_module.split_k_matmul
+    monkeypatch.setattr(q4_module, "split_k_matmul", lambda *a, **k: calls.append(1) or split_matmul(*a, **k))
+    x, w, s, b = make(65, 96, 2048, 64, mx.float32, seed=3)
+    with mx.stream(mx.cpu):
+        split = q4_module.split_k_layout(w, s, b, group_size=64, bits=4)
+        assert split is not None and split.parts == q4_module.SPLIT_K and split.w.shape == (4, 96, 2048 // 32)
+        expect = np.array(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4))
+        for cuda in (False, True):
+            monkeypatch.setattr(q4_module, "_cuda_gpu", lambda cuda=cuda: cuda)
+            for rows in (1, 8, 9, 16, 64, 65):
+                calls.clear()
+                y = quantized_matmul(x[:rows][None], w, s, b, group_size=64, bits=4, split=split)
+                assert bool(calls) == (cuda and 8 < rows <= 64), (cuda, rows)
+                np.testing.assert_allclose(np.array(y[0]), expect[:rows], rtol=1e-4, atol=1e-4)
+        calls.clear()  # the layout's parts hold the weight's own groups: the sum is the product, not just close
+        np.testing.assert_allclose(np.array(split_matmul(x[:16], split, group_size=64, bits=4)), expect[:16],
+                                   rtol=1e-4, atol=1e-4)
+        assert q4_module.split_k_layout(*mx.quantize(mx.zeros((8192, 2048)), group_size=64, bits=4), group_size=64,
+                                        bits=4) is None  # many outputs
+        assert q4_module.split_k_layout(*mx.quantize(mx.zeros((96, 1024)), group_size=64, bits=4), group_size=64,
+                                        bits=4) is None  # few inputs
+        assert q4_module.split_k_layout(*mx.quantize(mx.zeros((96, 2112)), group_size=64, bits=4), group_size=64,
+                                        bits=4) is None  # 2112 / 4 is not whole groups of 64
+
+
 # --- the GPU kernel against the reference ---
 
 # (M, N, K, group_size, dtype): N not a multiple of the 4 rows per warp, K with fewer chunks than lanes (256) and

@@ -515,10 +515,61 @@ def dequant_applies(x: mx.array) -> bool:
     return _cuda_gpu() and 0 < dequant_rows() <= x.size // x.shape[-1]
 
 
+# Past the fused kernel's rows (a batch's steps and rounds), MLX's CUDA quantized matmul tiles the output only: a
+# weight of few outputs and many inputs (the MLP's down projection, the blocks' output projections: 1,024 outputs
+# at the 0.8B shape) keeps few blocks busy over a long K. Split over K into SPLIT_K weights of K / SPLIT_K inputs,
+# one batched call and a sum give it SPLIT_K times the blocks (docs/results/code_measurements.md, 'Split-K').
+SPLIT_K = 4
+SPLIT_K_MAX_N = 4096  # weights of at most this many outputs
+SPLIT_K_MIN_K = 2048  # and at least this many inputs
+SPLIT_K_MAX_ROWS = 64  # up to this many rows (beyond: not measured)
+
+
+@dataclass(frozen=True, eq=False)
+class SplitK:
+    """A 4-bit weight [N, K / 8] (scales, biases [N, K / G]) re-laid as `parts` weights of K / parts inputs each,
+    [parts, N, K / (8 parts)]: the same nibbles, groups and scales. `source`: the weight it was made from (a module
+    whose weight was replaced since does not use it)."""
+    parts: int
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
+    source: mx.array
+
+
+def split_k_layout(w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int,
+                   parts: int = SPLIT_K) -> SplitK | None:
+    """The weight's split-K layout (evaluated now: built inside a trace it would be every replay's work), or None
+    where the weight is not one that gains (SPLIT_K_MAX_N, SPLIT_K_MIN_K) or K does not split into whole groups."""
+    N, K = w.shape[0], w.shape[1] * 32 // bits
+    if bits != 4 or biases is None or N > SPLIT_K_MAX_N or K < SPLIT_K_MIN_K or K % (parts * group_size):
+        return None
+    relaid = [mx.contiguous(a.reshape(N, parts, -1).transpose(1, 0, 2)) for a in (w, scales, biases)]
+    mx.eval(relaid)
+    return SplitK(parts, *relaid, w)
+
+
+def split_k_applies(x: mx.array, split: SplitK | None) -> bool:
+    """Whether `quantized_matmul` takes the split-K path for x: a layout given, MAX_ROWS < rows <= SPLIT_K_MAX_ROWS,
+    on a CUDA device (where it was measured), not dequantizing."""
+    rows = x.size // x.shape[-1]
+    return split is not None and MAX_ROWS < rows <= SPLIT_K_MAX_ROWS and _cuda_gpu() and not dequant_applies(x)
+
+
+def split_k_matmul(rows: mx.array, split: SplitK, *, group_size: int, bits: int) -> mx.array:
+    """rows [M, K] @ dequant(w).T as `split.parts` products of K / parts inputs in one batched call, summed."""
+    M, K = rows.shape
+    xs = rows.reshape(M, split.parts, K // split.parts).transpose(1, 0, 2)
+    out = mx.quantized_matmul(xs, split.w, split.scales, split.biases, transpose=True, group_size=group_size,
+                              bits=bits)
+    return out.sum(axis=0)
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int,
-                     bits: int, mode: str = "affine") -> mx.array:
+                     bits: int, mode: str = "affine", split: SplitK | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`, but for MLX's small-K fault on CUDA, and
-    from dequant_rows() rows on, the weight dequantized into x's dtype and multiplied (cuBLAS)."""
+    from dequant_rows() rows on, the weight dequantized into x's dtype and multiplied (cuBLAS); with `split` (the
+    weight's SplitK layout) split over K where `split_k_applies`."""
     # One problem of all the rows: MLX takes x's leading axes as a batch of problems of x.shape[-2] rows each, and its
     # CUDA kernel reads and dequantizes the whole weight once per problem, so a batch of B sequences' steps
     # ([B, 1, K]) read every weight B times, as B one-row problems in 16-row tiles (docs/adr/0009, MLX's quantized
@@ -527,24 +578,28 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if small_k_workaround(x) or dequant_applies(x):
         dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
         out = rows @ dense.T
+    elif mode == "affine" and split_k_applies(x, split):
+        out = split_k_matmul(rows.reshape(-1, rows.shape[-1]), split, group_size=group_size, bits=bits)
     else:
         out = mx.quantized_matmul(rows, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
     return out if rows is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int = 4,
-              pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False) -> mx.array:
+              pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
+              split: SplitK | None = None) -> mx.array:
     """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
     decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
-    `mx.quantized_matmul`, the SwiGLU ops (`glu`) and an add."""
+    `quantized_matmul` (split over K with `split`, the weight's SplitK layout, where that applies), the SwiGLU ops
+    (`glu`) and an add."""
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
         try:
             return q4_matmul_kernel(x, w, scales, biases, group_size=group_size, bits=bits, pre=pre,
                                     residual=residual, glu=glu)
         except _dialect.KernelFailed:
             pass
-    return unfused(lambda x: quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits), x, pre=pre,
-                   residual=residual, glu=glu)
+    return unfused(lambda x: quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, split=split), x,
+                   pre=pre, residual=residual, glu=glu)
 
 
 # The dense kernel's weights at most (elements): at the MTP head's shapes it saves launches and GPU time, but on a

@@ -6,7 +6,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..metal.q4_embedding import q4_embedding
-from ..metal.q4_matmul import Pre, dense_matmul, prologue_ref, q4_matmul, quantized_matmul, unfused
+from ..metal.q4_matmul import (
+    Pre,
+    SplitK,
+    dense_matmul,
+    prologue_ref,
+    q4_matmul,
+    quantized_matmul,
+    split_k_layout,
+    unfused,
+)
 
 
 def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
@@ -19,14 +28,19 @@ def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.arra
 
 
 class Q4Linear(nn.QuantizedLinear):
-    """A 4-bit linear whose matmul, with its prologue and residual, goes through the q4_matmul dispatcher."""
+    """A 4-bit linear whose matmul, with its prologue and residual, goes through the q4_matmul dispatcher (with its
+    weight's split-K layout once `prepare_split_k` made one)."""
+
+    split_k: SplitK | None = None
 
     def __call__(self, x: mx.array, *, pre: Pre | None = None, residual: mx.array | None = None,
                  glu: bool = False) -> mx.array:
         if self.bits != 4 or self.mode != "affine" or "bias" in self:
             return unfused(self._other, x, pre=pre, residual=residual, glu=glu)
+        # (no check of the layout against the weight here: inside a trace the weight is a tracer; Model.update drops
+        # the layouts, and the traces built with them, when weights change)
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre,
-                         residual=residual, glu=glu)
+                         residual=residual, glu=glu, split=self.split_k)
 
     def _other(self, x: mx.array) -> mx.array:
         """Other widths and modes (8-bit routers), with a bias if any: nn.QuantizedLinear's maths."""
@@ -48,6 +62,29 @@ class Q4Embedding(nn.QuantizedEmbedding):
             return quantized_matmul(prologue_ref(pre, x), self["weight"], self["scales"], self.get("biases"),
                                     group_size=self.group_size, bits=self.bits, mode=self.mode)
         return q4_matmul(x, self["weight"], self["scales"], self["biases"], group_size=self.group_size, pre=pre)
+
+
+def prepare_split_k(model: nn.Module) -> int:
+    """Give every 4-bit linear whose weight gains from it (q4_matmul.split_k_layout) its split-K layout, once (a
+    batch engine that runs more rows than the fused kernel takes, on a CUDA device: the layouts are a second copy of
+    those weights). Returns how many linears have one."""
+    count = 0
+    for _, m in model.named_modules():
+        if isinstance(m, Q4Linear) and m.bits == 4 and m.mode == "affine" and "bias" not in m:
+            if m.split_k is None or m.split_k.source is not m["weight"]:
+                m.split_k = split_k_layout(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
+                                           bits=m.bits)
+            count += m.split_k is not None
+    return count
+
+
+def drop_split_k(model: nn.Module) -> bool:
+    """Remove every split-K layout (weights about to change, or changed); returns whether there was one."""
+    had = False
+    for _, m in model.named_modules():
+        if isinstance(m, Q4Linear) and m.split_k is not None:
+            m.split_k, had = None, True
+    return had
 
 
 def route_quantized(model: nn.Module) -> None:

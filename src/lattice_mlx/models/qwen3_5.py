@@ -15,9 +15,9 @@ from ..metal.gated_delta import gated_delta_conv_update, unpack
 from ..metal.gated_delta_tree import gated_delta_tree
 from ..metal.q4_matmul import Pre, prologue_ref, swiglu
 from ..metal.qk_norm_rope import qk_norm_rope
-from ..runtime import Runtime
+from ..runtime import Runtime, runtime_of
 from .compiled import run_layers
-from .layers import Q4Embedding, RMSNormGated, project, project_out, rms_pre, rope_at
+from .layers import Q4Embedding, RMSNormGated, drop_split_k, project, project_out, rms_pre, rope_at
 from .parallel import Pipe, SkipLayer, from_rank, run_stages, split_stages
 from .tree import Tree
 
@@ -395,6 +395,17 @@ class Model(nn.Module):
         if start is not None and tree is None:
             tap.record(start, hidden[0], first)
         return (logits, hidden) if return_hidden else logits
+
+    def update(self, parameters: dict, strict: bool = True) -> "Model":
+        """nn.Module.update (load_weights, optimizers), dropping the split-K layouts a batch engine made of the old
+        weights (layers.prepare_split_k), and the traces that hold them as constants."""
+        super().update(parameters, strict=strict)
+        if drop_split_k(self):
+            self.runtime.traces.clear()
+            for part in (self, self.model, self.get("mtp")):
+                if part is not None:
+                    runtime_of(part).compiled = None
+        return self
 
     def head_input(self, pre: mx.array) -> mx.array:
         """The final hidden the MTP head reads: after the final norm unless the head says `input_hidden = "pre"`."""

@@ -77,6 +77,7 @@ class BatchRounds(BatchDecoder):
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         super().__init__(model, **kwargs)
+        self._split_k(self.max_batch * (k + 1))  # (a verify's rows: K + 1 per sequence)
         self.k = self.k_max = k
         self.adaptive = adaptive
         # adaptive: one tuner's costs per batch size bucket (a round's extra rows cost more in a larger batch), kept
