@@ -40,6 +40,8 @@ SETTINGS = {
     # Prompt rows' attention on MLX's CUDA backend: MLX's fused SDPA (cuDNN, which builds a graph for every new prompt
     # shape, in each process) with 1; written out in ops with 0 (the default), as MLX itself runs it where cuDNN does
     # not apply (head dimensions over 128: every Qwen3.5 checkpoint's attention)
+    # a batch's 4-bit projections of few outputs split over K past the fused kernel's rows on CUDA (q4_matmul.SplitK)
+    "split_k": Setting("LATTICE_SPLIT_K", "1", SWITCH, "use 1 (split where it applies) or 0 (never)"),
     "cudnn_sdpa": Setting("LATTICE_CUDNN_SDPA", "0", SWITCH,
                           "use 1 (MLX's fused attention for prompt rows on CUDA) or 0 (written out in ops)"),
     "pipeline_transport": Setting("LATTICE_PIPELINE_TRANSPORT", "", ("", "sendrecv", "collective"),

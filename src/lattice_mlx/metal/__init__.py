@@ -51,7 +51,8 @@ def dequant_rows() -> int:
     return int(value)
 
 
-def kernel_policy() -> tuple[bool, int]:
-    """What decides the ops a forward is built from, besides shapes: use_kernels() and dequant_rows(). Traces are
-    keyed on it, so a changed setting picks (or makes) the matching trace instead of replaying another."""
-    return use_kernels(), dequant_rows()
+def kernel_policy() -> tuple[bool, int, bool]:
+    """What decides the ops a forward is built from, besides shapes: use_kernels(), dequant_rows() and whether split-K
+    may apply (LATTICE_SPLIT_K). Traces are keyed on it, so a changed setting picks (or makes) the matching trace
+    instead of replaying another."""
+    return use_kernels(), dequant_rows(), settings.on("split_k")

@@ -18,6 +18,7 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, dequant_rows, use_kernels
 from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
@@ -551,9 +552,10 @@ def split_k_layout(w: mx.array, scales: mx.array, biases: mx.array | None, *, gr
 
 def split_k_applies(x: mx.array, split: SplitK | None) -> bool:
     """Whether `quantized_matmul` takes the split-K path for x: a layout given, MAX_ROWS < rows <= SPLIT_K_MAX_ROWS,
-    on a CUDA device (where it was measured), not dequantizing."""
+    on a CUDA device (where it was measured), not dequantizing, LATTICE_SPLIT_K on."""
     rows = x.size // x.shape[-1]
-    return split is not None and MAX_ROWS < rows <= SPLIT_K_MAX_ROWS and _cuda_gpu() and not dequant_applies(x)
+    return (split is not None and MAX_ROWS < rows <= SPLIT_K_MAX_ROWS and _cuda_gpu() and not dequant_applies(x)
+            and settings.on("split_k"))
 
 
 def split_k_matmul(rows: mx.array, split: SplitK, *, group_size: int, bits: int) -> mx.array:
