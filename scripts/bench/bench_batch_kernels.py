@@ -2,7 +2,7 @@
 (`gpu_kernels.py` of ../shared/device, copied into --profiler-dir): the fused GDN conv + recurrence step with one
 value row per warp against the default (several for a batch), and the 4-bit projections in MLX's quantized matmul
 (what a batch's steps of more than the fused kernel's MAX_ROWS take) beside the fused kernel where it applies, and
-the down projection and a block's output projection split over K into 2 or 4 batched quantized matmuls
+a round's per-row state pick (two forms), and the down projection and a block's output projection split over K into 2 or 4 batched quantized matmuls
 (q4_matmul.split_k_matmul, the path a batch's steps of more than MAX_ROWS rows take on a CUDA device).
 
     python scripts/bench/bench_batch_kernels.py --profiler-dir .device-tools --out results.json [--bs 1,4,16,64]
@@ -47,6 +47,14 @@ def gdn_cases(B: int) -> dict:
         out[f"gdn conv {conv_rows_per_warp(B, DV, DK)} rows/warp (default)"] = \
             lambda: gated_delta_conv_kernel(*inputs, heads=heads)
     out["gdn conv 2 rows/warp"] = lambda: gated_delta_conv_kernel(*inputs, heads=heads, rows=2)
+    # a K = 3 round's rollback: each row's float32 state at its accepted step n_b out of the verify's per-step states
+    # [B, K + 1, Hv, Dv, Dk] (speculative/batched.py), by row-and-step indexing (what the round runs) and by
+    # take_along_axis
+    states = mx.array(rng.standard_normal((B, 4, HV, DV, DK)).astype(np.float32))
+    n = mx.array(rng.integers(0, 4, B).astype(np.int32))
+    rows = mx.arange(B)
+    out["state pick [rows, n]"] = lambda: states[rows, n]
+    out["state pick take_along_axis"] = lambda: mx.take_along_axis(states, n[:, None, None, None, None], axis=1)
     return out
 
 
