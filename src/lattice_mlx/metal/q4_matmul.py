@@ -529,8 +529,8 @@ SPLIT_K_MAX_ROWS = 64  # up to this many rows (beyond: not measured)
 @dataclass(frozen=True, eq=False)
 class SplitK:
     """A 4-bit weight [N, K / 8] (scales, biases [N, K / G]) re-laid as `parts` weights of K / parts inputs each,
-    [parts, N, K / (8 parts)]: the same nibbles, groups and scales. `source`: the weight it was made from (a module
-    whose weight was replaced since does not use it)."""
+    [parts, N, K / (8 parts)]: the same nibbles, groups and scales. `source`: the weight it was made from
+    (layers.prepare_split_k makes a new layout for a weight replaced since)."""
     parts: int
     w: mx.array
     scales: mx.array
