@@ -288,6 +288,23 @@ def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkey
     assert tuned == plain[:120]
 
 
+@pytest.mark.parametrize("first_k", [0, 2])
+def test_the_first_pass_is_queued_before_the_first_token_is_read(checkpoints, monkeypatch, first_k):
+    """As plain decoding queues its first step behind the prefill's token: when the loop hands out its first token,
+    the first pass (a plain step, or a round) has been dispatched already, and no pass more; the tokens stay plain
+    decoding's."""
+    model, _ = load(checkpoints["untied"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(12))]
+    _scheduled(monkeypatch, [first_k, 0, 1])
+    passes = []
+    round_ = rounds.PipelinedRounds.round
+    monkeypatch.setattr(rounds.PipelinedRounds, "round", lambda self, r, k: passes.append(k) or round_(self, r, k))
+    options = SpecOptions(draft_tokens=3, verify="pipelined", adaptive=True)
+    gen = speculate(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
+    assert next(gen) == plain[0] and passes == [first_k]
+    assert [next(gen) for _ in range(11)] == plain[1:]
+
+
 def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):
     """Plain stretches of 5, 6, 70 and 2 steps: the head runs no forward during them, and when a round follows it
     takes the stretch's slots in forwards of CATCH_UP_PIECE rows, the last padded (a new row count compiles new
