@@ -75,8 +75,8 @@ class TracedSteps:
     step, and as pipelined MTP rounds read them); the GDN caches are read and written as they are.
 
     The pipelined MTP loop's plain stretches (speculation off) run these same steps on its caches: `hidden=True`
-    also returns the hidden the MTP head pairs with the next token (`hidden="pre"`: that hidden before the final
-    norm, the norm left to the caller; no hidden tap then), and `traced=False` builds each step op by op
+    also returns the hidden the MTP head pairs with the next token (`hidden="pre"`: that hidden before the
+    head's input norm, Model's return_hidden="pre"), and `traced=False` builds each step op by op
     (where tracing does not pay: the CPU backend). A step whose GDN caches still hold a verify's picked state
     (cache.GDNCache.pick: the first step after a round) is built op by op; the steps after it replay the trace."""
 
@@ -119,12 +119,8 @@ class TracedSteps:
         """One step: (state arrays, [y, the sampler's numbers]) -> (state arrays, the next token[, the hidden])."""
         y, values = extras
         self._set_state(state)
-        if self.hidden == "pre":  # the hidden before the final norm: the MTP loop norms a plain stretch's rows at once
-            hidden = self.model.model(y.reshape(1, 1), self.cache)
-            logits = self.model.lm_logits(hidden, norm=self.model.model.norm)
-        else:
-            out = self.model(y.reshape(1, 1), self.cache, return_hidden=bool(self.hidden))
-            logits, hidden = out if self.hidden else (out, None)
+        out = self.model(y.reshape(1, 1), self.cache, return_hidden=self.hidden)
+        logits, hidden = out if self.hidden else (out, None)
         logits = logits[0, -1]
         # a Sampler's numbers are an input: one trace serves every temperature, top-p and min-p (a subclass samples
         # its own way, with a trace of its own)

@@ -381,8 +381,9 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None, *,
-                 return_hidden: bool = False, mask: mx.array | str | None = None, tree: Tree | None = None):
-        """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`).
+                 return_hidden: bool | str = False, mask: mx.array | str | None = None, tree: Tree | None = None):
+        """Logits [B, T, V]; with return_hidden, also the hidden the MTP head reads [B, T, H] (`head_input`;
+        return_hidden="pre": the hidden before it, whose head_input the caller takes later, for many rows at once).
         With `tree`, the T inputs are the nodes of a token tree (see Tree)."""
         tap = self.runtime.hidden_tap  # lattice_mlx.make_draft_model: the draft model reads every hidden
         first = next((c for c in cache if hasattr(c, "offset")), None) if tap is not None and cache else None
@@ -391,9 +392,11 @@ class Model(nn.Module):
         # the final norm fused into the lm_head either way: a verify row's logits are then computed exactly as a
         # decode step's (the unfused form rounds norm(h) to the activation dtype first: other logits in bf16)
         logits = self.lm_logits(pre, norm=self.model.norm)
-        hidden = self.head_input(pre) if return_hidden or start is not None else None
+        hidden = self.head_input(pre) if return_hidden is True or start is not None else None
         if start is not None and tree is None:
             tap.record(start, hidden[0], first)
+        if return_hidden == "pre":
+            return logits, pre
         return (logits, hidden) if return_hidden else logits
 
     def update(self, parameters: dict, strict: bool = True) -> "Model":

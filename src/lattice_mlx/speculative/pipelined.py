@@ -198,11 +198,9 @@ class PipelinedRounds:
         for c in (*self.mcache, *self.kv):  # traced rounds keep one shape: attention reads the whole buffer
             c.whole = self.traced
         # plain steps (K = 0): plain decoding's own step (decode.TracedSteps) on these caches, also returning the
-        # hidden the head pairs with the next token (before the final norm: one launch fewer per step; with a hidden
-        # tap, make_draft_model's, the model's own call, which feeds the tap)
-        self.raw = runtime_of(model).hidden_tap is None
-        self.steps = TracedSteps(model, sampler, self.cache, hidden="pre" if self.raw else True,
-                                 traced=decode.tracing_enabled())
+        # hidden the head pairs with the next token, before its norm (one launch fewer per step: `_catch_up` norms a
+        # stretch's rows at once)
+        self.steps = TracedSteps(model, sampler, self.cache, hidden="pre", traced=decode.tracing_enabled())
         for c in self.kv:  # (a traced plain step too: its shapes stay the same from step to step)
             c.whole = self.traced or self.steps.traced
 
@@ -241,7 +239,7 @@ class PipelinedRounds:
             self.backlog.append((self.ptok, self.phid, self.praw))
         self.steps.bound = self.kv[0].bound if self.kv else 0
         self.y, self.phid = self.steps.step(self.y)
-        self.ptok, self.praw, self.plain_steps, self.last_k = self.y, self.raw, self.plain_steps + 1, 0
+        self.ptok, self.praw, self.plain_steps, self.last_k = self.y, True, self.plain_steps + 1, 0
         return self.y, 0
 
     def _catch_up(self) -> None:
