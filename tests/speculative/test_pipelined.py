@@ -270,6 +270,33 @@ def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
 
 
 @pytest.mark.parametrize("name", ["untied", "pattern"])
+def test_traced_rounds_after_plain_steps_and_changes_of_depth_replay_their_traces(checkpoints, monkeypatch, name):
+    """Traced (rounds and plain steps), greedy, K moving between 0 and 3 with oracle drafts: plain decoding's
+    tokens, the acceptance of the same schedule built op by op, and no round built op by op: the first round after
+    plain steps or after another depth replays its depth's trace (PipelinedRounds._settle), one trace per depth."""
+    model, _ = load(checkpoints[name])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(140))]
+    verify = rounds.PipelinedRounds.verify
+    eager = []
+    monkeypatch.setattr(rounds.PipelinedRounds, "verify", lambda self, *a: (eager.append(not any(
+        slot.owner is not None for _, slot in model.runtime.traces.get("rounds", {}).values())), verify(self, *a))[1])
+    out = {}
+    for on in (False, True):
+        _scheduled(monkeypatch, SCHEDULE)
+        model.runtime.traces.pop("rounds", None)
+        eager.clear()
+        with rounds.tracing(on), decode.tracing(on):
+            out[on] = adaptive_tokens(model, PROMPT, 120,
+                                      drafter=oracles.DeviceOracle(plain, 0.7, model.args.vocab_size, 3, seed=6))
+        out[on] = (*out[on], sum(eager))
+    (built, s0, e0), (traced, s1, e1) = out[False], out[True]
+    assert built == traced == plain[:120]
+    assert s0.accepted_hist == s1.accepted_hist and s0.rounds == s1.rounds > 10
+    assert e0 >= s0.rounds and e1 == 0, (e0, e1)
+    assert sorted(key[0] for key in model.runtime.traces["rounds"]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["untied", "pattern"])
 def test_adaptive_pipelined_rounds_switching_depth_are_exact(checkpoints, monkeypatch, name):
     """Greedy: rounds whose K moves between 0 (plain steps) and 3 give plain decoding's tokens, with oracle drafts
     (mostly accepted) and with the model's own head; the head's statistics count only the speculative rounds."""
@@ -355,22 +382,27 @@ def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, mo
     assert built == plain
 
 
-def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints):
-    """The head's KV cache after plain steps (their slots and the prompt's caught up in one forward when a round
-    follows) and rounds of K = 2 holds, row for row, what one forward of the head over all the verified slots writes
-    (fp32): the drafts after a plain stretch see the right past."""
+@pytest.mark.parametrize("traced", [False, True])
+def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints, traced):
+    """The head's KV cache after plain steps (their slots and the prompt's caught up when a round follows), rounds of
+    K = 2 and changes of depth holds, row for row, what one forward of the head over all the verified slots writes
+    (fp32): the drafts after a plain stretch see the right past. Traced, each round after another kind of pass
+    replays its depth's trace (PipelinedRounds._settle: the slots but the newest fed first, the newest pending
+    alone); built op by op, the first round after plain steps takes the slots with its draft's forward."""
     from lattice_mlx.speculative.pipelined import CATCH_UP_PIECE
 
     model, _ = load(checkpoints["untied"])
     cache = model.make_cache()
     logits, hidden = prefill(model, mx.array(PROMPT), cache, return_hidden=True)
     first = mx.argmax(logits).item()
-    pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
-    schedule = [0] * (CATCH_UP_PIECE + 5) + [2, 0, 0, 2]
+    with rounds.tracing(traced), decode.tracing(traced):
+        pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
+    schedule = [0] * (CATCH_UP_PIECE + 5) + [2, 0, 0, 2, 2, 3, 3, 1, 0, 2]
     verified, out_tokens = 0, [first]
     for r, k in enumerate(schedule + [0]):
         pr.bounds(r, verified)
-        tokens, n = pr.round(r, k)
+        with rounds.tracing(traced), decode.tracing(traced):
+            tokens, n = pr.round(r, k)
         n = n.item() if k else 0
         out_tokens += tokens.reshape(-1).tolist()[: n + 1]  # (a plain step returns a scalar)
         verified += n + 1
@@ -481,9 +513,10 @@ def test_pipelined_tuner_does_not_time_the_passes_after_a_change_of_depth():
 def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch, name, k):
     """Steady-state rounds replay one mx.compile trace (the Python round is built only when MLX traces it) and give
     the tokens, acceptance and round count of rounds built op by op, and plain decoding's tokens; across a KV buffer
-    growth (a new shape: one more trace) too."""
+    growth (a new shape: one more trace) too. The first round replays the trace as well: the prompt's slots go to
+    the head before it, and its pending rows and GDN states are a round's (PipelinedRounds._settle)."""
     model, _ = load(checkpoints[name])
-    n = 90
+    n = 150
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(n + 10))]
     built = {"traced": 0, "eager": 0}
     draft = rounds.PipelinedRounds.draft
@@ -496,7 +529,7 @@ def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch,
         return any(slot.owner is not None for _, slot in model.runtime.traces.get("rounds", {}).values())
 
     monkeypatch.setattr(rounds.PipelinedRounds, "draft", counting)
-    monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)  # PROMPT + 90 tokens crosses one growth
+    monkeypatch.setattr(caches.FixedKVCache, "GROW", 64)  # PROMPT + 150 tokens crosses 128 rows
     out = {}
     for on in (False, True):
         model.runtime.traces.pop("rounds", None)
@@ -509,9 +542,9 @@ def test_traced_rounds_replay_one_trace_and_stay_exact(checkpoints, monkeypatch,
     assert eager == traced == plain[:n]
     assert s0.accepted_hist == s1.accepted_hist and s0.rounds == s1.rounds > 20
     assert b0["traced"] == 0 and b0["eager"] >= s0.rounds
-    # traced: the first round is built op by op (its pending rows differ), then one trace per buffer capacity (the
-    # head's buffer and the target's grow together; apart, they grew at different rounds: 3 traces)
-    assert b1["eager"] == 1 and b1["traced"] == 2, b1
+    # traced: no round built op by op, one trace per buffer capacity (the head's buffer and the target's grow
+    # together; apart, they grew at different rounds: 3 traces). Before _settle the first round was built op by op.
+    assert b1["eager"] == 0 and b1["traced"] == 2, b1
 
 
 def test_sampled_traced_rounds_draw_what_rounds_built_op_by_op_draw(checkpoints):

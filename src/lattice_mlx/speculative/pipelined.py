@@ -214,12 +214,12 @@ class PipelinedRounds:
         for c in self.kv:
             c.bound = self.p + verified + (self.last_k + 1 if r else 0)
 
-    def _feed(self, tok: mx.array, hid: mx.array) -> None:
-        """The head takes slots (tokens [R], target hiddens [R, H], all valid) into its cache (queued, not waited
-        for)."""
+    def _feed(self, tok: mx.array, hid: mx.array, rows: "int | mx.array | None" = None) -> None:
+        """The head takes slots (tokens [R], target hiddens [R, H]) into its cache (queued, not waited for); its true
+        end moves on by `rows` (default R: all valid; fewer: the rows past them are scratch, overwritten later)."""
         feed_head(self.model, tok, hid, self.mcache, step=tok.shape[0], wait=False)
         for c in self.mcache:  # a fixed-capacity cache writes at its offset without moving it
-            c.offset = c.offset + tok.shape[0]
+            c.offset = c.offset + (tok.shape[0] if rows is None else rows)
 
     def plain_step(self) -> tuple[mx.array, int]:
         """A K = 0 pass: one step of plain decoding (decode.TracedSteps, the very step generate_step runs) on the
@@ -242,12 +242,49 @@ class PipelinedRounds:
         self.ptok, self.praw, self.plain_steps, self.last_k = self.y, True, self.plain_steps + 1, 0
         return self.y, 0
 
-    def _catch_up(self) -> None:
-        """Before the first draft after plain steps (or the generation's first): the head takes every pending slot
-        (the prompt's, the plain steps') in forwards of CATCH_UP_PIECE rows, the last one with the draft's forward,
-        padded with copies of the newest slot (scratch rows past the head's true end that the next ones overwrite, as
-        a draft step's are). One row count whatever the stretch: on a GPU a forward over a row count not seen before
-        compiles new kernels, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner')."""
+    def _settle(self, k: int) -> None:
+        """Before a traced round of depth k after a pass of another kind (plain steps, a round of another depth):
+        the state a round of depth k leaves, so that this round replays its trace instead of being built op by op
+        (docs/results/code_measurements.md, 'The switch from plain steps to rounds'). The head takes every pending
+        slot but the newest, which waits alone, repeated to k + 1 rows (pn = 0: the copies are scratch rows); each
+        GDN cache's window and state become a recorded forward of k + 1 steps read at its first step (window_pick
+        [1, 0, ..]: the rows after the first hold nothing the round reads)."""
+        window = self.model.args.linear_conv_kernel_dim - 1
+        if self.last_k == 0:
+            tok, hid = self._pending_slots()
+            rows = tok.shape[0] - 1
+            for start in range(0, rows, CATCH_UP_PIECE):
+                piece = min(CATCH_UP_PIECE, rows - start)
+                t, h = tok[start : start + piece], hid[start : start + piece]
+                if piece < CATCH_UP_PIECE:  # one row count for every catch-up forward (see _catch_up)
+                    t = mx.concatenate([t, mx.repeat(t[-1:], CATCH_UP_PIECE - piece)])
+                    h = mx.concatenate([h, mx.repeat(h[-1:], CATCH_UP_PIECE - piece, axis=0)])
+                self._feed(t, h, piece)
+            newest, last = tok[-1:], hid[-1:]
+            self._opened()
+            for c in self.gdn:
+                c.begin()
+        else:  # the last round's slots up to its newest kept one; that one waits again (rewritten where it was)
+            self._feed(self.ptok, self.phid, self.pn)
+            for c in self.mcache:  # the newest slot sits up to the last round's K rows past the true end's bound
+                c.bound += self.last_k
+            newest, last = mx.take(self.ptok, self.pn.reshape(1)), mx.take(self.phid, self.pn.reshape(1), axis=0)
+            for c in self.gdn:
+                c.conv, c.ssm = picked(c.conv, c.ssm, c.window_pick, window)
+        self.ptok, self.phid = mx.repeat(newest.astype(mx.int32), k + 1), mx.repeat(last, k + 1, axis=0)
+        self.pn, self.praw = mx.array(0, dtype=mx.int32), False
+        # (an array of its own, not _PICK: the trace takes it as an input, and _after_verify inside the trace
+        # holds _PICK as a constant; MLX refuses the same array as both)
+        pick = mx.array([1, 0, 0, 0], dtype=mx.int32)
+        for c in self.gdn:
+            c.conv = mx.pad(c.conv, [(0, 0), (1, k), (0, 0)])
+            c.ssm = mx.pad(c.ssm[:, None], [(0, 0), (0, k)] + [(0, 0)] * (c.ssm.ndim - 1))
+            c.window_pick = pick
+        self.last_k = k
+
+    def _pending_slots(self) -> tuple[mx.array, mx.array]:
+        """Every slot the head has not taken after plain steps (the prompt's, the plain steps'), all valid: tokens
+        [R] and the target's hiddens [R, H], normed (runs of hiddens before the norm in one launch each)."""
         slots = [*self.backlog, (self.ptok, self.phid, self.praw)]  # (a plain step's token is a scalar)
         tok = mx.concatenate([t.reshape(-1) for t, _, _ in slots]) if len(slots) > 1 else slots[0][0].reshape(-1)
         parts: list[tuple[list[mx.array], bool]] = []  # runs of hiddens normed or not (one norm launch per run)
@@ -257,7 +294,22 @@ class PipelinedRounds:
             else:
                 parts.append(([h], raw))
         hids = [self.model.head_input(_join(hs)) if raw else _join(hs) for hs, raw in parts]
-        hid = _join(hids)
+        return tok, _join(hids)
+
+    def _opened(self) -> None:
+        """The backlog is the head's now: the newest token as a round takes it, the plain steps counted."""
+        self.backlog = []
+        self.y = self.y.reshape(1).astype(mx.int32)
+        if self.plain_steps:
+            self.gen, self.plain_steps = self.gen + self.plain_steps, 0
+
+    def _catch_up(self) -> None:
+        """Before the first draft after plain steps (or the generation's first): the head takes every pending slot
+        (the prompt's, the plain steps') in forwards of CATCH_UP_PIECE rows, the last one with the draft's forward,
+        padded with copies of the newest slot (scratch rows past the head's true end that the next ones overwrite, as
+        a draft step's are). One row count whatever the stretch: on a GPU a forward over a row count not seen before
+        compiles new kernels, seconds inside a generation (docs/results/code_measurements.md, 'pipelined tuner')."""
+        tok, hid = self._pending_slots()
         rows = tok.shape[0]
         cut = rows - (rows % CATCH_UP_PIECE or CATCH_UP_PIECE)
         for start in range(0, cut, CATCH_UP_PIECE):
@@ -267,11 +319,9 @@ class PipelinedRounds:
             tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_PIECE - rows)])
             hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
         # (plain steps' tokens are the samplers' uint32; a round's are int32, as its trace takes them)
-        self.ptok, self.phid, self.pn, self.backlog = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32), []
+        self.ptok, self.phid, self.pn = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32)
         self.praw = False
-        self.y = self.y.reshape(1).astype(mx.int32)
-        if self.plain_steps:
-            self.gen, self.plain_steps = self.gen + self.plain_steps, 0
+        self._opened()
         for c in self.gdn:
             c.begin()  # every verify records its steps; pick() keeps the accepted ones
 
@@ -391,6 +441,8 @@ class PipelinedRounds:
         (`plain_step`). Returns (tokens [k + 1], n) as `verify` (n = 0, a host int, for a plain step)."""
         if k == 0:
             return self.plain_step()
+        if k != self.last_k and self._one_off():
+            self._settle(k)
         if not self._can_trace(k):
             # a one-off round between traced ones (a new depth's first, the first after plain steps) is built layer
             # by layer: per-layer traces would be compiled for it alone (on a GPU, seconds)
