@@ -444,8 +444,9 @@ class PipelinedRounds:
         if k != self.last_k and self._one_off():
             self._settle(k)
         if not self._can_trace(k):
-            # a one-off round between traced ones (a new depth's first, the first after plain steps) is built layer
-            # by layer: per-layer traces would be compiled for it alone (on a GPU, seconds)
+            # a round that cannot replay a trace (its state not a round's: rounds untraced, a hidden tap, a head
+            # with no rows yet) is built layer by layer: per-layer traces would be compiled for it alone (on a GPU,
+            # seconds)
             with compiled.forced(False) if self._one_off() else contextlib.nullcontext():
                 return self.verify(*self.draft(r, k))
         key = self.trace_key(k)

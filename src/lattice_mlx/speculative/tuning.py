@@ -93,8 +93,8 @@ HOPELESS_CEILING = 1.01
 # the growth: its timed passes (four in the pipelined loop) outvote the three older ones left in its depth's window.
 HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
-# round is built op by op, the second compiles the trace, and the first replays after it still cost up to three times
-# the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 from them at three times
+# round compiles the trace (seconds on MLX's CUDA backend), and the first replays after it still cost up to three
+# times the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 from them at three times
 # its fixed leg's cost, went off as hopeless at its first decision and never speculated again in that process
 # (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
