@@ -222,6 +222,10 @@ def main() -> int:
                 secs[leg].append(run_leg(target, leg, prompts, args.tokens, refs[r], args))
             print(f"B={B} rep {r}: " + " ".join(f"{leg} {secs[leg][-1]:.3f}s" for leg in legs), file=sys.stderr,
                   flush=True)
+            # every repetition's seconds on disk as they come: a run cut at its step limit keeps what it timed
+            result["streams"][B] = {"partial": True, "seconds": secs}
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
         tps = {leg: [B * args.tokens / s for s in v] for leg, v in secs.items()}
         out = {"tok_s": {leg: bs.summarize(v) for leg, v in tps.items()},
                # the timed repetitions' (tokens per round, rows that left plain's continuation), per MTP leg

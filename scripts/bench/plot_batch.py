@@ -14,7 +14,8 @@ RATIOS = ("ours/mlx-lm", "ours-aa/mlx-lm", "ours-mtp/ours", "ours-mtp-auto/ours"
 
 
 def streams(result: dict) -> list[tuple[int, dict]]:
-    return sorted((int(n), s) for n, s in result["streams"].items())
+    """Each stream count's figures; a count cut before its summary (`partial`: its seconds only) is left out."""
+    return sorted((int(n), s) for n, s in result["streams"].items() if not s.get("partial"))
 
 
 def table(result: dict) -> str:

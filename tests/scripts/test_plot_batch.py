@@ -20,7 +20,9 @@ def test_table_ratios_and_scaling(tmp_path):
               "ratios": {"ours/mlx-lm": _summary(4.0), "ours-aa/mlx-lm": _summary(3.9)}},
         "16": {"tok_s": {"ours": _summary(2400), "mlx-lm": _summary(1000), "ours-mtp": _summary(3120)},
                "ratios": {"ours/mlx-lm": _summary(2.4), "ours-aa/mlx-lm": _summary(2.3),
-                          "ours-mtp/ours": _summary(1.3)}}}}
+                          "ours-mtp/ours": _summary(1.3)}},
+        # a stream count cut at the step's limit: its repetitions' seconds, no figures (left out of the table)
+        "64": {"partial": True, "seconds": {"ours": [1.0, 1.2], "mlx-lm": [2.0]}}}}
     path = tmp_path / "batch.json"
     path.write_text(json.dumps(result))
     r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=120)
@@ -29,6 +31,7 @@ def test_table_ratios_and_scaling(tmp_path):
     assert rows[0].split(" | ")[1:3] == ["200", "50"] and "4.00x (3.60-4.40)" in rows[0]
     assert "2,400" in rows[1] and "3,120" in rows[1] and "1.30x" in rows[1]
     assert "16: 12.0x" in r.stdout  # 2,400 / 200
+    assert not any(line.startswith("| 64") for line in r.stdout.splitlines())
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "batch.png").stat().st_size > 0
     else:
