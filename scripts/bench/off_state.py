@@ -13,6 +13,8 @@ Legs (every one decodes the same tokens; the off legs never speculate):
   off-unheld     the same without keeping each step's hidden for the head's catch-up (the backlog): what holding a
                  buffer per step costs the allocator
   off-nohidden   the step's trace without the hidden output, nothing held: the step's graph as plain decoding's
+  off-bare       PipelinedRounds.plain_step driven in generate_step's order with none of run_pipelined's loop (no
+                 tuner, no stats, no pending bookkeeping): the off state's step and caches alone
 Per leg: median wall seconds, the ratio to plain's paired by repetition, the median wait between two tokens, and
 the waits for the first token (prefill) and the second (the loop's set-up after the first). With --profile: CUPTI kernels, kernel time, busy
 and span per token over a generation of each leg.
@@ -20,6 +22,7 @@ and span per token over a generation of each leg.
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -31,11 +34,11 @@ from lattice_mlx import SpecOptions, SpecStats, speculate
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_profiler, load_target, profile_stream
-from lattice_mlx.decode import generate_step
+from lattice_mlx.decode import generate_step, resume
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import pipelined, tuning
 
-LEGS = ("plain", "plain-aa", "off", "off-untuned", "off-unheld", "off-nohidden")
+LEGS = ("plain", "plain-aa", "off", "off-untuned", "off-unheld", "off-nohidden", "off-bare")
 
 
 class _Dropped(list):
@@ -75,10 +78,28 @@ def _patched(leg: str):
             setattr(owner, name, value)
 
 
+def bare(model, ids: list[int]):
+    """The off state's plain steps (PipelinedRounds.plain_step on the loop's caches, the head's slots held) in
+    generate_step's order: the next step queued, then the token read."""
+    sampler = Sampler(temp=0.0)
+    cache, _, logits, hidden, _ = resume(model, mx.array(ids), None, return_hidden=True)
+    y = sampler(logits)
+    mx.async_eval(y)
+    rounds = pipelined.PipelinedRounds(model, sampler, 3, ids, y, hidden, cache)
+    for r in itertools.count():
+        rounds.bounds(r, max(r - 1, 0))  # (the passes read before pass r: all but the one in flight)
+        nxt, _ = rounds.plain_step()
+        mx.async_eval(nxt)
+        yield y.item()
+        y = nxt
+
+
 def stream(model, leg: str, ids: list[int]):
     sampler = Sampler(temp=0.0)
     if leg.startswith("plain"):
         return generate_step(model, mx.array(ids), sampler=sampler), None
+    if leg == "off-bare":
+        return bare(model, ids), None
     stats = SpecStats.of(SpecOptions())
     return speculate(model, mx.array(ids), sampler=sampler, options=SpecOptions(), stats=stats), stats
 
