@@ -80,10 +80,14 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
 
 
 def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
-           probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0)) -> list[float]:
-    """Per seed (a process): the median over its generations of the default's speedup."""
-    return [statistics.median(generation(memory, cond, costs, rng, tokens, switch=switch, probe=probe, drift=drift,
-                                         host=host) for _ in range(gens))
+           probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0),
+           vary: tuple[float, float] = (0.0, 1.0)) -> list[float]:
+    """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
+    share of the generations (texts) drafts at the rates times the factor."""
+    share, factor = vary
+    return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
+                                         rng, tokens, switch=switch, probe=probe, drift=drift, host=host)
+                              for _ in range(gens))
             for rng, memory, host in ((random.Random(s), {}, {}) for s in range(seeds))]
 
 
@@ -100,6 +104,8 @@ def main() -> None:
                     "multiple of the depth's")
     ap.add_argument("--probe-ms", type=float, default=0.0, help="ms added to the first round after plain steps")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per generation")
+    ap.add_argument("--vary", default="0,1", help="SHARE,FACTOR: that share of the generations (texts) drafts at "
+                    "the case's rates times FACTOR")
     ap.add_argument("--drift", default="0,0",
                     help="SIGMA,RHO: a host factor common to every depth (log-AR(1) per pass)")
     args = ap.parse_args()
@@ -117,7 +123,7 @@ def main() -> None:
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
         runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
-                      drift=drift)
+                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")))
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")

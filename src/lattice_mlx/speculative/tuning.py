@@ -45,7 +45,13 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # (docs/results/code_measurements.md, 'pipelined tuner'); carrying a stretch's whole length into every generation held
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
 # halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
-# 6-20% of its time (the repetitions that probed lost to plain's: 'Run F').
+# 6-20% of its time (the repetitions that probed lost to plain's: 'Run F'). A carried stretch's rest waits for a probe
+# of the new generation's own text (8 rounds where drafts fail, its catch-up only the prompt's slots; hopeless
+# stretches excepted): texts draft unequally, and on an H100 two poor texts at temperature 0.7 held the three good
+# ones after them in plain steps ('Runs K and L'). In the replay with three texts in ten at 0.55 times the rates
+# (replay_tuner.py --vary 0.3,0.55 --probe-ms 18, 20 seeds) the demo greedy kept 0.90 of its best fixed depth against
+# 0.68 without that probe, at 0.7 0.92 against 0.79, oracle 0.5 0.88 against 0.83; at acceptance 0 each generation's
+# probe costs ~1% (0.98x plain against 0.99x, uniform texts too); the other uniform cases are unchanged.
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
 # plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
 # depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds
@@ -201,6 +207,7 @@ class PipelinedTuner:
         self.window = self.memory.setdefault("window", {})
         self.at = self.memory.setdefault("at", {})  # per depth: the process's pass (memory["clock"]) it was last timed
         self.recheck = False  # plain's next timed pass replaces its cost (a check of a stale one) instead of joining it
+        self.resume = 0  # a carried stretch's rest, where this generation's first probe goes if it finds no gain
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
@@ -211,7 +218,13 @@ class PipelinedTuner:
                 # generations shorter than it, docs/adr/0008, 'Run H')
                 self.carried, rest = True, int(self.memory.get("off") or 0)
                 self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
-                if rest:  # the stretch goes on here: plain steps for its rest first, then a probe
+                if rest and not self.memory.get("hopeless"):
+                    # a new generation is a new text: a probe of it first (its catch-up only the prompt's slots),
+                    # and the stretch's rest only if that finds no gain either
+                    self.resume = rest
+                    self.log.append(f"a probe of this text first, then plain steps for {rest} more tokens if it finds "
+                                    "no gain: the last generation ended in a plain stretch")
+                elif rest:  # the stretch goes on here: plain steps for its rest first, then a probe
                     self.k, self.left = 0, rest
                     self.log.append(f"plain steps for {rest} more tokens first: the last generation ended in a "
                                     "plain stretch")
@@ -342,6 +355,7 @@ class PipelinedTuner:
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = k
             self.memory["off"] = self.memory["stretch"] = False
+            self.resume = 0
             return k
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
@@ -353,6 +367,7 @@ class PipelinedTuner:
                 self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = d
             self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
+            self.resume = 0
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
@@ -372,6 +387,16 @@ class PipelinedTuner:
             self.probe_k = self.k
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
+            return 0
+        if self.resume and not hopeless:  # this text's first probe found no gain: the carried stretch goes on, its
+            # schedule as it was
+            rest, self.resume = self.resume, 0
+            self.decisions.append(f"speculation off for the carried stretch's {rest} more tokens: predicted speedup "
+                                  f"{gain:.2f} at K={k}")
+            self.log.append(f"{self.decisions[-1]}; {self._costs()}")
+            self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
+            self.k, self.left, self.below = 0, rest - 1, 0
+            self.memory["off"] = self.left
             return 0
         # hopeless the first time: the ordinary stretch, and the probe after it (its own passes outvoting the older
         # readings in the depth's window) confirms before the longest one; then PIPELINED_OFF_GROWTH times the last
