@@ -189,6 +189,49 @@ def test_tuner_recovers_from_a_wrong_off_decision_in_later_generations():
     assert ks.count(0) == 0  # and the generation after that speculates from its first round
 
 
+def _carried(**kw) -> dict:
+    """A tuner memory after a generation that ended 50 tokens into a 64-token plain stretch (ms costs)."""
+    costs = kw.pop("costs", {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7})
+    return {"cost": dict(costs), "window": {k: [c] for k, c in costs.items()}, "at": {k: 100 for k in costs},
+            "clock": 110, "k": 3, "stretch": 64, "off": 50, "hopeless": False, **kw}
+
+
+def test_a_carried_stretch_waits_for_a_probe_of_the_new_text():
+    """The generation after one that ended in a plain stretch probes its own text first. Finding no gain (and not
+    hopeless) it runs the carried rest, the schedule as it was; a stale-plain check inside that probe leaves the
+    carried rest alone; a hopeless verdict takes its own stretch, and a later ordinary one the schedule's, not the
+    carried rest; the verdict after it is recorded as not hopeless (the next generation probes first again)."""
+    memory = _carried()
+    tuner = _Costs(3, memory, lag=2)
+    ks = tuner.run({0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9}, [0.0], 120)
+    assert ks[0] == 3 and ks.count(0) >= 50
+    assert tuner.decisions[0].startswith("speculation off for the carried stretch's 50 more tokens")
+    # ... and the probe after the rest takes the schedule's next stretch (64 -> 256)
+    assert tuner.decisions[1].startswith("speculation off for 256 tokens")
+    assert memory["stretch"] == 256 and memory["hopeless"] is False
+    # plain's cost read long ago: the probe reads it again (6 plain steps), the carried rest stays 50 meanwhile
+    memory = _carried(at={0: 10, 1: 100, 2: 100, 3: 100})
+    tuner, offs = _Costs(3, memory, lag=2), []
+    for _ in range(60):
+        k = tuner.next_k([0.0], lambda: [0.0])
+        tuner.observe(k, {0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9}[k])
+        offs.append(memory["off"])
+        if tuner.decisions:
+            break
+    assert any("plain's cost is stale" in line for line in tuner.log) and set(offs[:-1]) == {50}
+    assert tuner.decisions == [tuner.decisions[0]] and "carried stretch's 50" in tuner.decisions[0]
+    # rounds that cost K + 1 plain steps (hopeless), then cheap rounds that still find no gain
+    memory = _carried(costs={0: 1.0, 1: 2.4, 2: 3.6, 3: 4.8})
+    tuner, ks = _Costs(3, memory, lag=2), []
+    for i in range(700):
+        k = tuner.next_k([0.0], lambda: [0.0])
+        tuner.observe(k, 1.0 if k == 0 else (k + 1) * 1.2 if i < 40 else 1.0 + 0.3 * k)
+        ks.append(k)
+    assert "every draft kept" in tuner.decisions[0] and len(tuner.decisions) >= 2
+    assert not any("carried" in d for d in tuner.decisions) and memory["hopeless"] is False
+    assert not _Costs(3, memory, lag=2).log[-1].startswith("plain steps for")
+
+
 def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
     """On a GPU a depth's first round in a process compiles its traced round (10-20 s on the H200): the tuner moves to a
     depth without a trace only for NEW_DEPTH_MIN_GAIN, to a traced one for SWITCH_MIN_GAIN, and probes after a plain

@@ -273,7 +273,10 @@ def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
 def test_traced_rounds_after_plain_steps_and_changes_of_depth_replay_their_traces(checkpoints, monkeypatch, name):
     """Traced (rounds and plain steps), greedy, K moving between 0 and 3 with oracle drafts: plain decoding's
     tokens, the acceptance of the same schedule built op by op, and no round built op by op: the first round after
-    plain steps or after another depth replays its depth's trace (PipelinedRounds._settle), one trace per depth."""
+    plain steps or after another depth replays its depth's trace (PipelinedRounds._settle), one trace per depth. The
+    settling itself is one-off work: it compiles no per-layer traces of the head (on a GPU, seconds each)."""
+    from lattice_mlx.runtime import runtime_of
+
     model, _ = load(checkpoints[name])
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(140))]
     verify = rounds.PipelinedRounds.verify
@@ -284,6 +287,7 @@ def test_traced_rounds_after_plain_steps_and_changes_of_depth_replay_their_trace
     for on in (False, True):
         _scheduled(monkeypatch, SCHEDULE)
         model.runtime.traces.pop("rounds", None)
+        runtime_of(model.mtp).compiled = None
         eager.clear()
         with rounds.tracing(on), decode.tracing(on):
             out[on] = adaptive_tokens(model, PROMPT, 120,
@@ -294,6 +298,7 @@ def test_traced_rounds_after_plain_steps_and_changes_of_depth_replay_their_trace
     assert s0.accepted_hist == s1.accepted_hist and s0.rounds == s1.rounds > 10
     assert e0 >= s0.rounds and e1 == 0, (e0, e1)
     assert sorted(key[0] for key in model.runtime.traces["rounds"]) == [1, 2, 3]
+    assert runtime_of(model.mtp).compiled is None
 
 
 @pytest.mark.parametrize("name", ["untied", "pattern"])

@@ -442,7 +442,8 @@ class PipelinedRounds:
         if k == 0:
             return self.plain_step()
         if k != self.last_k and self._one_off():
-            self._settle(k)
+            with compiled.forced(False):  # (one-off work: no per-layer traces of the head compiled for it)
+                self._settle(k)
         if not self._can_trace(k):
             # a round that cannot replay a trace (its state not a round's: rounds untraced, a hidden tap, a head
             # with no rows yet) is built layer by layer: per-layer traces would be compiled for it alone (on a GPU,

@@ -317,7 +317,8 @@ class PipelinedTuner:
     def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
             self.left -= 1
-            if self.k == 0 and self.memory.get("off"):  # a plain stretch's rest, for the next generation
+            if self.k == 0 and self.memory.get("off") and not self.resume:  # a plain stretch's rest, for the next
+                # generation (not a stale-plain check's steps inside a text's probe: the carried rest stays)
                 self.memory["off"] = self.left
             return self.k
         if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
@@ -396,8 +397,9 @@ class PipelinedTuner:
             self.log.append(f"{self.decisions[-1]}; {self._costs()}")
             self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
             self.k, self.left, self.below = 0, rest - 1, 0
-            self.memory["off"] = self.left
+            self.memory["off"], self.memory["hopeless"] = self.left, False
             return 0
+        self.resume = 0  # (a hopeless verdict takes its own stretch, the carried rest dropped)
         # hopeless the first time: the ordinary stretch, and the probe after it (its own passes outvoting the older
         # readings in the depth's window) confirms before the longest one; then PIPELINED_OFF_GROWTH times the last
         # one while it stays hopeless
