@@ -46,12 +46,10 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # the demo at temperature 0.7 in plain steps for eight generations after one poor start (docs/adr/0008, 'Run E'); and
 # halving the carried length per generation (run F) made every other 256-token generation probe at acceptance 0, at
 # 6-20% of its time (the repetitions that probed lost to plain's: 'Run F'). A carried stretch's rest waits for a probe
-# of the new generation's own text (8 rounds where drafts fail, its catch-up only the prompt's slots; hopeless
-# stretches excepted): texts draft unequally, and on an H100 two poor texts at temperature 0.7 held the three good
-# ones after them in plain steps ('Runs K and L'). In the replay with three texts in ten at 0.55 times the rates
-# (replay_tuner.py --vary 0.3,0.55 --probe-ms 18, 20 seeds) the demo greedy kept 0.90 of its best fixed depth against
-# 0.68 without that probe, at 0.7 0.92 against 0.79, oracle 0.5 0.88 against 0.83; at acceptance 0 each generation's
-# probe costs ~1% (0.98x plain against 0.99x, uniform texts too); the other uniform cases are unchanged.
+# of the new generation's own text (a few rounds where drafts fail, its catch-up only the prompt's slots; hopeless
+# stretches excepted): texts draft unequally, and two poor texts at temperature 0.7 held the good ones after them in
+# plain steps ('Runs K and L', with the replay of unequal texts, replay_tuner.py --vary, that chose this at the price
+# of a probe per generation where drafts never pass).
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
 # plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
 # depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds
