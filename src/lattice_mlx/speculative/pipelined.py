@@ -255,11 +255,7 @@ class PipelinedRounds:
             rows = tok.shape[0] - 1
             for start in range(0, rows, CATCH_UP_PIECE):
                 piece = min(CATCH_UP_PIECE, rows - start)
-                t, h = tok[start : start + piece], hid[start : start + piece]
-                if piece < CATCH_UP_PIECE:  # one row count for every catch-up forward (see _catch_up)
-                    t = mx.concatenate([t, mx.repeat(t[-1:], CATCH_UP_PIECE - piece)])
-                    h = mx.concatenate([h, mx.repeat(h[-1:], CATCH_UP_PIECE - piece, axis=0)])
-                self._feed(t, h, piece)
+                self._feed(*_padded(tok[start : start + piece], hid[start : start + piece]), piece)
             newest, last = tok[-1:], hid[-1:]
             self._opened()
             for c in self.gdn:
@@ -315,9 +311,7 @@ class PipelinedRounds:
         for start in range(0, cut, CATCH_UP_PIECE):
             self._feed(tok[start : start + CATCH_UP_PIECE], hid[start : start + CATCH_UP_PIECE])
         tok, hid, rows = tok[cut:], hid[cut:], rows - cut
-        if rows < CATCH_UP_PIECE:
-            tok = mx.concatenate([tok, mx.repeat(tok[-1:], CATCH_UP_PIECE - rows)])
-            hid = mx.concatenate([hid, mx.repeat(hid[-1:], CATCH_UP_PIECE - rows, axis=0)])
+        tok, hid = _padded(tok, hid)
         # (plain steps' tokens are the samplers' uint32; a round's are int32, as its trace takes them)
         self.ptok, self.phid, self.pn = tok.astype(mx.int32), hid, mx.array(rows - 1, dtype=mx.int32)
         self.praw = False
@@ -483,6 +477,15 @@ class PipelinedRounds:
         self.y = token.reshape(1)
         self.ptok, self.phid, self.pn = tokens, hidden[0], n
         return tokens, n
+
+
+def _padded(tok: mx.array, hid: mx.array) -> tuple[mx.array, mx.array]:
+    """Slots (tokens [R], hiddens [R, H], R <= CATCH_UP_PIECE) padded to CATCH_UP_PIECE rows with copies of the last:
+    one row count for every catch-up forward (PipelinedRounds._catch_up)."""
+    pad = CATCH_UP_PIECE - tok.shape[0]
+    if not pad:
+        return tok, hid
+    return mx.concatenate([tok, mx.repeat(tok[-1:], pad)]), mx.concatenate([hid, mx.repeat(hid[-1:], pad, axis=0)])
 
 
 def _join(arrays: list[mx.array]) -> mx.array:
