@@ -7,8 +7,13 @@
 - `switch`: the pipelined loop's passes around a switch from plain steps to rounds and back (speculative/pipelined.py
   driven directly, greedy): per pass, the host's time to build it and the wait for its result, three cycles, so the
   first cycle's compiles stand apart from the steady cost of a switch.
+- `depths`: each depth's first traced round after plain steps (K = 1..4, then K = 1..4 again), split into the host's
+  build (Python and `mx.compile`'s trace of the round), the wait (MLX's kernel builds and the GPU), the custom-kernel
+  variants first launched (`_dialect.first_uses`) and the files MLX adds to its PTX cache; in two fresh processes one
+  after the other, so what the disk caches remove shows in the second.
 
     python scripts/bench/first_use.py --out DIR [--model demo] [--switch-model 0.8b] [--lengths 40,200,250,290,317,600]
+        [--cases prefill,switch,depths]
 """
 
 import argparse
@@ -77,13 +82,55 @@ def switch_case(model_name: str, k: int = 3, cycles: int = 3) -> dict:
     return {"k": k, "passes": passes}
 
 
+def depths_case(model_name: str, depths: tuple[int, ...] = (1, 2, 3, 4)) -> dict:
+    from lattice_mlx.bench.run import load_target
+    from lattice_mlx.decode import resume
+    from lattice_mlx.metal import _dialect
+    from lattice_mlx.sample import Sampler
+    from lattice_mlx.speculative.pipelined import PipelinedRounds
+
+    tic = time.perf_counter()
+    model = load_target(model_name, bits=4, group_size=64, dtype="bfloat16", seed=0, stock=False).model
+    load_s = time.perf_counter() - tic
+    ids = mx.array([(7 * i + 3) % model.args.vocab_size for i in range(128)])
+    sampler = Sampler()
+    cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
+    first = sampler(logits).item()
+    rounds = PipelinedRounds(model, sampler, max(depths), ids.tolist(), first, hidden, cache)
+    passes, verified, r = [], 0, 0
+    for sweep in range(2):
+        for k in depths:
+            for d in [0] * 8 + [k] * 4:  # plain steps, then rounds at K: a probe's shape
+                rounds.bounds(r, verified)
+                b0, files0 = _dialect.first_uses(), ptx_files()
+                tic = time.perf_counter()
+                out = rounds.round(r, d)
+                mid = time.perf_counter()
+                mx.eval(out[0], out[1]) if d else mx.eval(out[0])
+                n = out[1].item() if d else 0
+                wait = time.perf_counter() - mid
+                b1 = _dialect.first_uses()
+                verified, r = verified + n + 1, r + 1
+                passes.append({"sweep": sweep, "k": d, "build_ms": 1e3 * (mid - tic), "wait_ms": 1e3 * wait,
+                               "kernel_builds": b1["variants"] - b0["variants"],
+                               "kernel_build_s": b1["seconds"] - b0["seconds"], "new_ptx_files": len(ptx_files() - files0)})
+    firsts = [p for i, p in enumerate(passes) if p["k"] and (i == 0 or passes[i - 1]["k"] != p["k"])]
+    for p in firsts:
+        print(f"sweep {p['sweep']} K={p['k']} first round: build {p['build_ms']:.1f} ms, wait {p['wait_ms']:.1f} ms, "
+              f"{p['kernel_builds']} kernel variants ({p['kernel_build_s']:.2f} s), {p['new_ptx_files']} new PTX files")
+    return {"load_s": load_s, "passes": passes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--switch-model", default="0.8b")
     ap.add_argument("--lengths", default="40,200,250,290,317,600")
-    ap.add_argument("--case", choices=["prefill", "switch"], help="(one case, in this process)")
+    ap.add_argument("--cases", default="prefill,switch", help="the cases to run, each in fresh processes "
+                    "(prefill, switch, depths)")
+    ap.add_argument("--case", choices=["prefill", "switch", "depths"], help="(one case, in this process)")
+    ap.add_argument("--process", default="0", help="(depths: which of its processes this is)")
     ap.add_argument("--cudnn", default="0")
     args = ap.parse_args()
     out = Path(args.out)
@@ -94,15 +141,25 @@ def main() -> None:
     if args.case == "switch":
         (out / "switch.json").write_text(json.dumps(switch_case(args.switch_model), indent=1))
         return
+    if args.case == "depths":
+        res = depths_case(args.switch_model)
+        (out / f"depths_{args.process}.json").write_text(json.dumps(res, indent=1))
+        return
+    cases = args.cases.split(",")
     out.mkdir(parents=True, exist_ok=True)
     script = [sys.executable, __file__, "--out", str(out), "--model", args.model, "--switch-model", args.switch_model,
               "--lengths", args.lengths]
-    for cudnn in ("0", "1"):  # ops first: builds MLX keeps on disk, paid there, leave cuDNN's own per-process costs
+    for cudnn in ("0", "1") if "prefill" in cases else ():  # ops first: builds MLX keeps on disk, paid there,
+        # leave cuDNN's own per-process costs
         print(f"== prefill, LATTICE_CUDNN_SDPA={cudnn}", flush=True)
         subprocess.run([*script, "--case", "prefill", "--cudnn", cudnn], check=False, timeout=400,
                        env={**os.environ, "LATTICE_CUDNN_SDPA": cudnn})
-    print("== switch", flush=True)
-    subprocess.run([*script, "--case", "switch"], check=False, timeout=300)
+    if "switch" in cases:
+        print("== switch", flush=True)
+        subprocess.run([*script, "--case", "switch"], check=False, timeout=300)
+    for process in ("0", "1") if "depths" in cases else ():
+        print(f"== depths, process {process}", flush=True)
+        subprocess.run([*script, "--case", "depths", "--process", process], check=False, timeout=300)
 
 
 if __name__ == "__main__":
