@@ -31,7 +31,8 @@
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
-#                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI)
+#                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI),
+#                  DEPTHS=1: each depth's first round (first_use.py --cases depths); SD_SKIP=1: those alone
 #   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
 #                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced); KERNELS=1 first: the
 #                  GDN kernel by rows per warp, MLX's 4-bit matmul by rows (bench_batch_kernels.py)
@@ -179,8 +180,9 @@ for mode in "$@"; do
                  # oracle:1,head], SD_TEMPS [0], SD_LENGTHS [256], REPS [10], NAME, LIMIT s [520]
     if [[ ${OFF_STATE:-0} == 1 ]]; then  # first: the pipelined loop's off state vs plain decoding, with variants that
       # take one difference away each, CUPTI per leg (off_state.py), OFF_LIMIT s [150]
-      step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" --reps "${REPS:-10}" \
-        --profile .device-tools --out "$RES/off_state.json"
+      # OFF_LEGS [all of off_state.py's], OFF_REPS [REPS]
+      step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" \
+        --reps "${OFF_REPS:-${REPS:-10}}" ${OFF_LEGS:+--legs "$OFF_LEGS"} --profile .device-tools --out "$RES/off_state.json"
       cat "$RES/off_state.out"
     fi
     if [[ ${FIRST_USE:-0} == 1 ]]; then  # first: a prompt length's first prefill (prompt attention in ops vs cuDNN)
@@ -188,6 +190,13 @@ for mode in "$@"; do
       step first_use "${FIRST_USE_LIMIT:-200}" python3 scripts/bench/first_use.py --out "$RES/first_use"
       cat "$RES/first_use.out"
     fi
+    if [[ ${DEPTHS:-0} == 1 ]]; then  # first: each depth's first traced round after plain steps, host build, wait and
+      # builds, in two processes (first_use.py --cases depths), DEPTHS_LIMIT s [150]
+      step first_depths "${DEPTHS_LIMIT:-150}" python3 scripts/bench/first_use.py --cases depths --switch-model "$BIG" \
+        --out "$RES/first_depths"
+      cat "$RES/first_depths.out"
+    fi
+    [[ ${SD_SKIP:-0} == 1 ]] && continue  # SD_SKIP=1: only the steps above
     step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
       --drafts "${SD_DRAFTS:-oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,oracle:1,head}" --temps "${SD_TEMPS:-0}" \
       --lengths "${SD_LENGTHS:-256}" --reps "${REPS:-10}" --legs "${SD_LEGS:-plain,plain-aa,default,k1,k2,k3,k4}" \
