@@ -8,8 +8,9 @@ Usage: python scripts/bench/off_state.py [--shape 0.8b] [--dtype bfloat16] [--to
 Legs (every one decodes the same tokens; the off legs never speculate):
   plain          generate_step, plain decoding's own loop
   plain-aa       the same again (A/A control)
-  off            run_pipelined with the adaptive tuner's every decision forced to K = 0: the loop as it is
-  off-untuned    the same with the tuner's per-pass bookkeeping (observe) skipped: its Python cost
+  off            run_pipelined with the adaptive tuner in one plain stretch (K = 0) for the whole generation: the
+                 loop as an off decision runs it
+  off-untuned    the same with the tuner's timing of passes (observe) skipped: its Python cost
   off-unheld     the same without keeping each step's hidden for the head's catch-up (the backlog): what holding a
                  buffer per step costs the allocator
   off-nohidden   the step's trace without the hidden output, nothing held: the step's graph as plain decoding's
@@ -55,8 +56,13 @@ def _patched(leg: str):
         saved.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, value)
 
-    if leg.startswith("off"):
-        patch(tuning.PipelinedTuner, "_next_k", lambda self, rates, hopeful: 0)
+    if leg.startswith("off"):  # one plain stretch longer than any generation, as the tuner runs an off decision's
+        tuner_init = tuning.PipelinedTuner.__init__
+
+        def held(self, *a, **kw):
+            tuner_init(self, *a, **kw)
+            self.k, self.left = 0, 1 << 40
+        patch(tuning.PipelinedTuner, "__init__", held)
     if leg == "off-untuned":
         patch(tuning.PipelinedTuner, "observe", lambda self, k, seconds: None)
     if leg in ("off-unheld", "off-nohidden"):

@@ -89,6 +89,34 @@ class _Costs(PipelinedTuner):
         return ks
 
 
+@pytest.mark.parametrize("passes", [1, 5, 40])
+def test_a_plain_stretch_reported_at_once_is_its_passes_one_by_one(passes):
+    """PipelinedTuner.plain_ran (the loop's plain stretch run as plain decoding's own loop) leaves the tuner as the
+    same passes decided and timed one by one would: the stretch's count and carried rest, the pass clock, plain's
+    cost (its window: the last COST_WINDOW passes, a stall among them not timed) and when it was last read."""
+    seconds = [1.0 + 0.01 * (i % 7) for i in range(passes)]
+    if passes > 5:
+        seconds[-3] = 9.0  # a stall: not timed either way
+    tuners = []
+    for at_once in (False, True):
+        memory = {"cost": {0: 1.0, 3: 1.5}, "k": 3}
+        tuner = PipelinedTuner(4, memory, lag=2)
+        tuner.observe(3, 1.5)
+        tuner.k, tuner.left = 0, 50  # an off decision's stretch
+        memory["off"], memory["stretch"] = 50, 64
+        if at_once:
+            tuner.plain_ran(seconds)
+        else:
+            for s in seconds:
+                assert tuner.next_k([0.0]) == 0
+                tuner.observe(0, s)
+        tuners.append(tuner)
+    one, all_ = tuners
+    for name in ("left", "since", "prev", "cost", "window", "at", "memory", "rejected"):
+        assert getattr(one, name) == getattr(all_, name), name
+    assert list(one.after) == list(all_.after) and all_.plain_left() == 50 - passes
+
+
 def test_tuner_goes_plain_for_the_longest_stretch_where_no_depth_can_pay():
     """Rounds that cost what K + 1 plain steps cost (MLX's CPU backend, by measurement) cannot pay even when every
     draft is kept: the tuner turns speculation off for the longest stretch at its first decision, and the next

@@ -259,6 +259,8 @@ SCHEDULE = [0] * 3 + [2, 2] + [0] * 11 + [3, 1] + [0] * 8 + [2] + [0] + [3] * 3 
 def _scheduled(monkeypatch, schedule):
     ks = itertools.cycle(schedule)
     monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, rates, hopeful=None: next(ks))
+    # every pass as the schedule says: no plain stretch run as plain decoding's loop, past the schedule
+    monkeypatch.setattr(rounds.PipelinedTuner, "plain_left", lambda self: 0)
 
 
 def adaptive_tokens(model, prompt, n, *, k=3, sampler=None, drafter=None):
@@ -335,6 +337,46 @@ def test_the_first_pass_is_queued_before_the_first_token_is_read(checkpoints, mo
     gen = speculate(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
     assert next(gen) == plain[0] and passes == [first_k]
     assert [next(gen) for _ in range(11)] == plain[1:]
+
+
+@pytest.mark.parametrize("tokens", [20, 60])
+def test_a_plain_stretch_runs_as_plain_decodings_loop_and_counts_as_its_passes(checkpoints, monkeypatch, tokens):
+    """An off decision's plain stretch runs as plain decoding's own loop, with no decision, rates or timing per pass
+    (PipelinedTuner.plain_ran takes its passes at the stretch's end, or where the generation stops inside it: 20
+    tokens). Against the same stretch decided pass by pass: plain decoding's tokens both ways, and the tuner's memory
+    after it the same (the stretch's rest carried to the next generation, the pass clock, plain's cost measured);
+    the tuner is asked for a depth once for the stretch, not per pass."""
+    from lattice_mlx.runtime import runtime_of
+
+    model, _ = load(checkpoints["untied"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(tokens))]
+    init, asked = rounds.PipelinedTuner.__init__, []
+
+    def off(self, *a, **kw):  # as an off decision leaves it: a stretch of 30 passes, its rest carried
+        init(self, *a, **kw)
+        self.k, self.left = 0, 30
+        self.memory["off"], self.memory["stretch"] = 30, 64
+
+    next_k = rounds.PipelinedTuner.next_k
+    monkeypatch.setattr(rounds.PipelinedTuner, "__init__", off)
+    monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, *a: asked.append(1) or next_k(self, *a))
+    memories = {}
+    for loop in ("plain's", "pass by pass"):
+        if loop == "pass by pass":
+            monkeypatch.setattr(rounds.PipelinedTuner, "plain_left", lambda self: 0)
+        runtime_of(model).tuner.clear()
+        asked.clear()
+        options = SpecOptions(draft_tokens=3, verify="pipelined", adaptive=True)
+        gen = speculate(model, mx.array(PROMPT), sampler=Sampler(), options=options, stats=SpecStats.of(options))
+        assert [next(gen) for _ in range(tokens)] == plain, loop
+        gen.close()
+        memory = runtime_of(model).tuner[True]
+        memories[loop] = (memory["off"], memory["clock"], 0 in memory["cost"], len(asked))
+    ours, theirs = memories["plain's"], memories["pass by pass"]
+    assert ours[:3] == theirs[:3] and ours[2], memories
+    if tokens < 30:  # stopped inside the stretch: its rest carried (the first pass yields the prefill's token)
+        assert ours[0] == 30 - tokens
+    assert theirs[3] >= min(tokens, 30) and ours[3] <= max(tokens - 30, 0) + 2, memories
 
 
 def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):
@@ -754,8 +796,9 @@ def test_the_pipelined_tuner_counts_the_rounds_its_rates_hold(checkpoints, monke
 
     monkeypatch.setattr(rounds, "PipelinedTuner", Counting)
     model, _ = load(checkpoints["pattern"])
-    _, stats = adaptive_tokens(model, PROMPT, 60)
-    assert stats.rounds >= 4 and len(seen) > 40
+    _, stats = adaptive_tokens(model, PROMPT, 120)  # (the probe after the first plain stretch included: a stretch
+    # runs as plain decoding's loop, with no decision per pass, PipelinedTuner.plain_ran)
+    assert stats.rounds >= 16 and len(seen) > 20, (stats.rounds, len(seen))
     assert all(counted == recorded for counted, recorded in seen), seen
 
 

@@ -551,3 +551,20 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
                 decided, logged = len(tuner.decisions), len(tuner.log)
             yield from tokens
         pending, r = (*out, k), r + 1
+        if k == 0 and tuner is not None and tuner.plain_left():
+            # the rest of a plain stretch as plain decoding's own loop (generate_step: the next step queued, then this
+            # one's token read), with no decision, rates or bookkeeping per pass: the tuner takes the passes at the
+            # stretch's end, or where the generation stops inside it
+            y, times = out[0], []
+            try:
+                for _ in range(tuner.plain_left()):
+                    times.append(time.perf_counter())
+                    rounds.bounds(r, verified)
+                    nxt, _ = rounds.plain_step()
+                    mx.async_eval(nxt)
+                    tok = y.item()
+                    verified, r, y = verified + 1, r + 1, nxt
+                    yield tok
+            finally:
+                tuner.plain_ran([b - a for a, b in zip([last[1], *times], times)])
+            pending, last = (y, 0, 0), (0, times[-1])

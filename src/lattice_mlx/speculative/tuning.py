@@ -305,6 +305,31 @@ class PipelinedTuner:
         self.after.append(self.dispatched)
         return k
 
+    def plain_left(self) -> int:
+        """Passes of the current plain stretch still to run with no decision between them (0 while speculating):
+        the loop may run them as plain decoding's own loop and report them at once (`plain_ran`)."""
+        return self.left if self.k == 0 else 0
+
+    def plain_ran(self, seconds: list[float]) -> None:
+        """`len(seconds)` passes of the plain stretch ran, each `seconds[i]` long, as next_k and observe would have
+        taken them one by one: the stretch and its carried rest count down, the pass clock moves on, and the first
+        pass and the last COST_WINDOW + REJECTS are timed (the cost window keeps COST_WINDOW, stalls not timed among
+        them; the passes between only count)."""
+        n = len(seconds)
+        if not n:
+            return
+        self.left -= n
+        if self.memory.get("off") and not self.resume:  # (as _next_k: the carried rest, not a check's steps)
+            self.memory["off"] = self.left
+        self.after.extend([self.dispatched] * min(n, self.lag))
+        self.observe(0, seconds[0])
+        tail = seconds[max(1, n - COST_WINDOW - self.REJECTS):]
+        between = n - 1 - len(tail)
+        self.since += between
+        self.memory["clock"] += between
+        for s in tail:
+            self.observe(0, s)
+
     def read(self) -> int:
         """Rounds of this generation whose acceptance the rates hold now: those dispatched `lag` passes ago or
         earlier."""
