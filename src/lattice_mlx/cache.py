@@ -50,9 +50,13 @@ def _clamped_positions(last: int, T: int):
     launch on a GPU)."""
     # (from host data: a constant of the trace, not an arange it would launch at every call)
     steps = mx.array(np.arange(T, dtype=np.int32).reshape(1, 1, T, 1))
+    # `last` and T as views of a host array, not Python scalars: MLX names a fused kernel by the values of its scalar
+    # constants, so each depth and capacity compiled kernels of its own (on a GPU seconds each, inside a generation:
+    # docs/results/code_measurements.md, 'First use of a depth'); a slice is an input like any other
+    limits = mx.array(np.array([last, T], dtype=np.int32))
 
     def positions(offset: mx.array) -> tuple[mx.array, mx.array]:
-        return mx.clip(offset, 0, last) + steps, offset + T
+        return mx.minimum(mx.maximum(offset, 0), limits[0]) + steps, offset + limits[1]
 
     return mx.compile(positions)
 

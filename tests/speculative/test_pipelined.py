@@ -379,6 +379,54 @@ def test_a_plain_stretch_runs_as_plain_decodings_loop_and_counts_as_its_passes(c
     assert theirs[3] >= min(tokens, 30) and ours[3] <= max(tokens - 30, 0) + 2, memories
 
 
+# run in a process of its own, MLX's CPU kernels kept under a fresh TMPDIR: the fused kernels each pass compiles
+_NEW_KERNELS = """
+import glob, json, os
+import mlx.core as mx
+from lattice_mlx.bench.run import load_target
+from lattice_mlx.decode import resume
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative.pipelined import PipelinedRounds
+folder = os.path.join(os.environ["TMPDIR"], "mlx", mx.__version__, "cpu")
+sources = lambda: set(glob.glob(folder + "/*.cpp"))
+model = load_target("tiny", bits=4, group_size=64, dtype="bfloat16", seed=0, stock=False).model
+ids = mx.array([(7 * i + 3) % model.args.vocab_size for i in range(1000)])
+cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
+first = Sampler()(logits).item()
+rounds = PipelinedRounds(model, Sampler(), 4, ids.tolist(), first, hidden, cache)
+verified = r = 0
+for phase in ([0] * 4 + [2] * 4 + [0] * 3, [1] * 4 + [0] * 2 + [3] * 4 + [4] * 4 + [0] * 4 + [2] * 4 + [3] * 4):
+    before = sources()
+    for k in phase:
+        rounds.bounds(r, verified)
+        out = rounds.round(r, k)
+        mx.eval(out[0], out[1]) if k else mx.eval(out[0])
+        verified, r = verified + (out[1].item() if k else 0) + 1, r + 1
+    print(json.dumps({"before": len(before), "new": sorted(os.path.basename(f) for f in sources() - before),
+                      "capacity": rounds.kv[0].capacity()}))
+"""
+
+
+def test_a_new_depth_or_capacity_compiles_no_kernel(tmp_path):
+    """Traced rounds (CPU, tiny shape): after plain steps and rounds at K=2, rounds at K = 1, 3, 4 and the buffers'
+    growth past 1,024 rows build no fused kernel MLX has not built already. MLX names a fused kernel by its scalar
+    constants' values, and a depth's or a capacity's in the rounds' index arithmetic compiled new kernels inside a
+    generation: 3.4-3.7 s per depth on a fresh H100 (docs/results/code_measurements.md, 'First use of a depth')."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "LATTICE_TRACE_ROUNDS": "1", "LATTICE_TRACE_STEPS": "1",
+           "LATTICE_COMPILE": "1"}
+    out = subprocess.run([sys.executable, "-c", _NEW_KERNELS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    warm, then = [json.loads(line) for line in out.stdout.splitlines()[-2:]]
+    assert len(warm["new"]) > 20 and then["before"] > 20  # (the warm-up's kernels, kept under TMPDIR: counted)
+    assert then["new"] == []
+    assert warm["capacity"] == 1024 and then["capacity"] == 2048  # (the buffers grew during the second phase)
+
+
 def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):
     """Plain stretches of 5, 6, 70 and 2 steps: the head runs no forward during them, and when a round follows it
     takes the stretch's slots in forwards of CATCH_UP_PIECE rows, the last padded (a new row count compiles new

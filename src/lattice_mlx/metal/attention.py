@@ -8,6 +8,7 @@ are the rows' own positions), as `mx.fast.scaled_dot_product_attention(..., mask
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, iota, use_kernels
@@ -27,8 +28,16 @@ def sdpa_ref(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
 def valid_keys(T: int, L: int, causal: bool, length) -> mx.array:
     """The boolean [T, L] (or [1, L]) mask of the keys each row reads: the first `length` (an int scalar array or
     int), causal rows ending at key length - T + t."""
-    last = length - 1 - ((T - 1 - iota(T)) if causal else 0)  # [T] or scalar
+    # row t's last key, length - T + t: T as host data, not a scalar constant (MLX names a fused kernel by its scalar
+    # constants' values: a kernel per depth, cache.py's _clamped_positions)
+    last = length + _back(T) if causal else length - 1  # [T] or scalar
     return iota(L)[None, :] <= mx.reshape(last, (-1, 1))
+
+
+@functools.cache
+def _back(T: int) -> mx.array:
+    """[-T, .., -1] int32 from host data (shared: never written to)."""
+    return mx.array(np.arange(-T, 0, dtype=np.int32))
 
 
 def sdpa_composed(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
