@@ -260,13 +260,15 @@ def test_a_carried_stretch_waits_for_a_probe_of_the_new_text():
     assert not _Costs(3, memory, lag=2).log[-1].startswith("plain steps for")
 
 
-def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
-    """On a GPU a depth's first round in a process compiles its traced round (10-20 s on the H200): the tuner moves to a
-    depth without a trace only for NEW_DEPTH_MIN_GAIN, to a traced one for SWITCH_MIN_GAIN, and probes after a plain
-    stretch at a traced depth."""
+def test_tuner_takes_a_new_depth_for_a_clear_gain_and_probes_at_the_best_depth():
+    """A depth's first round in a process traces its round: the tuner moves up to a depth without a trace only for
+    NEW_DEPTH_MIN_GAIN, to a traced one for SWITCH_MIN_GAIN. Its kernels are those every depth shares (the depth is
+    in no fused kernel's name: test_pipelined's test_a_new_depth_or_capacity_compiles_no_kernel), so after a plain
+    stretch it probes at the best depth, traced or not: probes held at a traced K=3 where drafts fail cost every
+    generation more per round than K=2's (run M), and a shallower depth on hope may be a new one too."""
     from lattice_mlx.speculative.tuning import NEW_DEPTH_MIN_GAIN, SWITCH_MIN_GAIN
 
-    costs, rates = {0: 1.0, 2: 1.5, 3: 1.75}, [0.9, 0.85, 0.8, 0.78]
+    costs, rates = {0: 1.0, 2: 1.5, 3: 1.75, 4: 2.05}, [0.9, 0.85, 0.8, 0.78]
 
     def at3(traced):
         tuner = PipelinedTuner(4, {"cost": dict(costs), "k": 3}, traced)
@@ -275,16 +277,27 @@ def test_tuner_compiles_a_new_depth_only_for_a_clear_gain():
 
     tuner, k = at3(lambda d: True)
     gain = tuner.speedup(4, rates) / tuner.speedup(3, rates)
-    assert SWITCH_MIN_GAIN < gain < NEW_DEPTH_MIN_GAIN and k == 4  # (K=4 estimated on the line: 2.0)
+    assert SWITCH_MIN_GAIN < gain < NEW_DEPTH_MIN_GAIN and k == 4
     assert at3(lambda d: d != 4)[1] == 3
-    # off at acceptance 0, the best depth (K=2) untraced: the next probe is at the traced K=3
+    costs[4] = 1.95  # (a gain past NEW_DEPTH_MIN_GAIN: the new depth is taken)
+    assert at3(lambda d: d != 4)[1] == 4
+    # off at acceptance 0, the best depth (K=2) untraced: the next probe is at K=2 all the same
     fresh = {"cost": dict(costs), "k": 3, "at": {d: 0 for d in costs}, "clock": 1}  # (plain's cost just read)
+    for traced in (lambda d: d == 3, None):
+        tuner = PipelinedTuner(4, {**fresh, "cost": dict(costs)}, traced)
+        tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
+        assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 2
+    # ... and where a new text's probe finds no gain, the carried stretch goes on and the next probe is at K=2 too
+    carried = {**fresh, "cost": dict(costs), "stretch": 256, "off": 100}
+    tuner = PipelinedTuner(4, carried, lambda d: d == 3, lag=2)
+    assert tuner.resume == 100 and tuner.k == 3
+    tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
+    tuner.after.extend([MIN_OFF_ROUNDS] * 2)
+    assert tuner.next_k([0.0]) == 0 and "carried stretch" in tuner.decisions[-1] and tuner.probe_k == 2
+    # few rounds read, hope alone keeps speculating: at a shallower depth, traced or not
     tuner = PipelinedTuner(4, {**fresh, "cost": dict(costs)}, lambda d: d == 3)
-    tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
-    assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 3
-    tuner = PipelinedTuner(4, {**fresh, "cost": dict(costs)})
-    tuner.left, tuner.dispatched, tuner.below = 0, MIN_OFF_ROUNDS, OFF_CONFIRM - 1
-    assert tuner.next_k([0.0]) == 0 and tuner.probe_k == 2
+    tuner.left, tuner.dispatched = 0, 2
+    assert tuner.next_k([0.3], lambda: [0.45]) == 2
 
 
 def _replay_module():

@@ -19,8 +19,10 @@ ADAPTIVE_START_K = 2
 # climbed 2 -> 3 -> 4 paid three of them (docs/results/code_measurements.md, 'First use of a verify depth')
 PIPELINED_START_K = 3
 # A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
-# one (its first round compiles the trace)
-NEW_DEPTH_MIN_GAIN = 1.10
+# one (its first round traces its round; the kernels are the ones every depth shares, built by the process's first
+# round, since the depth left the fused kernels' names: docs/results/code_measurements.md, 'First use of a depth').
+# A probe and a shallower step on hope may take one
+NEW_DEPTH_MIN_GAIN = 1.05
 # Passes a depth is timed (after the untimed ones: SKIP, and FIRST_TRACE_SKIP more for a depth with no trace yet)
 # before the tuner judges it: one slow pass read as a depth's cost steered the tuner off that depth for the rest of
 # the process (its memory), in a replay of run E's costs and acceptance (scripts/bench/replay_tuner.py)
@@ -360,8 +362,8 @@ class PipelinedTuner:
             hope = [(d, self.speedup(d, hoped)) for d in near]
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
             if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay, or go shallower
-                # (hope is a reason to keep speculating, not to explore deeper, nor to compile a new depth)
-                k = d if d < self.k and self.traced(d) else self.k
+                # (hope is a reason to keep speculating, not to explore deeper)
+                k = d if d < self.k else self.k
                 if k != self.k and self.switches < self.LOGGED_SWITCHES:
                     self.switches += 1
                     self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f}, hoping {g:.2f}; {self._costs()}")
@@ -418,7 +420,7 @@ class PipelinedTuner:
             self.decisions.append(f"speculation off for the carried stretch's {rest} more tokens: predicted speedup "
                                   f"{gain:.2f} at K={k}")
             self.log.append(f"{self.decisions[-1]}; {self._costs()}")
-            self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
+            self.probe_k = self.memory["k"] = k
             self.k, self.left, self.below = 0, rest - 1, 0
             self.memory["off"], self.memory["hopeless"] = self.left, False
             return 0
@@ -438,8 +440,9 @@ class PipelinedTuner:
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
-        # the next probe at the best depth if its round is traced, else at this one (no compile for a probe)
-        self.probe_k = self.memory["k"] = k if self.traced(k) else self.k
+        # the next probe at the best depth, traced or not: at acceptance 0 the best is the shallowest, and probes held at
+        # a traced deeper one cost every generation's probe more per round (docs/adr/0008, 'Run M')
+        self.probe_k = self.memory["k"] = k
         self.k, self.left, self.below = 0, self.off_tokens - 1, 0
         self.memory["off"], self.memory["stretch"] = self.left, self.off_tokens  # (its rest, for a later generation)
         self.off_tokens = min(PIPELINED_OFF_GROWTH * self.off_tokens, MAX_OFF_TOKENS)
