@@ -300,6 +300,28 @@ def test_tuner_takes_a_new_depth_for_a_clear_gain_and_probes_at_the_best_depth()
     assert tuner.next_k([0.3], lambda: [0.45]) == 2
 
 
+def test_a_depth_read_long_ago_in_a_slow_spell_is_read_again():
+    """Run M's demo at 0.7: K=2 read at 3.37 ms in one slow spell (twice its cost), the tuner went to K=1 (1.19 ms,
+    plain 1.15) and stayed there for six generations where K=3 paid. A depth's reading REREAD_PASSES passes old
+    while the tuner sits at another costs at most the line through plain's and the current depth's cost: the tuner
+    goes to K=2 to read it again. A recent reading still rules (K=1 stays)."""
+    from lattice_mlx.speculative.tuning import REREAD_PASSES
+
+    rates = [0.85, 0.71, 0.56, 0.44]  # (P(drafts 1..i accepted), the demo's at 0.7)
+    costs = {0: 1.15e-3, 1: 1.19e-3, 2: 3.37e-3, 3: 2.47e-3, 4: 2.62e-3}
+
+    def at_k1(age: int) -> int:
+        clock = 10_000
+        memory = {"cost": dict(costs), "k": 1, "clock": clock,
+                  "at": {0: clock - 5, 1: clock - 1, 2: clock - age, 3: clock - age, 4: clock - age}}
+        tuner = PipelinedTuner(4, memory)
+        tuner.k, tuner.left, tuner.prev, tuner.since = 1, 0, 1, 50
+        return tuner.next_k(rates, lambda: rates)
+
+    assert at_k1(REREAD_PASSES - 1) == 1
+    assert at_k1(REREAD_PASSES) == 2
+
+
 def _replay_module():
     import importlib.util
     from pathlib import Path

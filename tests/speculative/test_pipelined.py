@@ -357,8 +357,10 @@ def test_a_plain_stretch_runs_as_plain_decodings_loop_and_counts_as_its_passes(c
         self.k, self.left = 0, 30
         self.memory["off"], self.memory["stretch"] = 30, 64
 
-    next_k = rounds.PipelinedTuner.next_k
+    next_k, observe = rounds.PipelinedTuner.next_k, rounds.PipelinedTuner.observe
     monkeypatch.setattr(rounds.PipelinedTuner, "__init__", off)
+    # passes timed at fixed costs per depth: the two loops' decisions then follow from their bookkeeping alone
+    monkeypatch.setattr(rounds.PipelinedTuner, "observe", lambda self, k, s: observe(self, k, 1e-3 * (1 + 0.4 * k)))
     monkeypatch.setattr(rounds.PipelinedTuner, "next_k", lambda self, *a: asked.append(1) or next_k(self, *a))
     memories = {}
     for loop in ("plain's", "pass by pass"):

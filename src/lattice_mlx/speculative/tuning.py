@@ -61,6 +61,11 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # 0.89-0.93 of its best fixed depth without the check and 0.94-0.95 with it, oracle 0.5 0.87-0.96 and 0.97-0.98, the
 # other cases unchanged; staleness from 256 passes helped less, from 64 about as much.
 STALE_PASSES = 32
+# A depth's cost read this many passes ago or more, while the tuner sat at another, no longer rules it out: it is
+# estimated on the line through plain's cost and the current depth's, and a better estimate takes the tuner there to
+# read it again. The demo at temperature 0.7 read K=2 at twice its cost in one slow spell, went to K=1 and stayed
+# there for six generations where K=3 paid (docs/adr/0008, 'Run M')
+REREAD_PASSES = 256
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
@@ -271,16 +276,22 @@ class PipelinedTuner:
         window = self.window[k] = [seconds] if fresh else [*self.window.get(k, [old]), seconds][-COST_WINDOW:]
         self.cost[k] = sorted(window)[(len(window) - 1) // 2]  # (the lower one of two: stalls only add time)
 
-    def stale(self, k: int) -> bool:
-        """Whether depth k's cost was last read STALE_PASSES passes of the process ago or more (or never by this
-        count: a memory from before it)."""
-        return k in self.cost and self.memory.get("clock", 0) - self.at.get(k, -STALE_PASSES) >= STALE_PASSES
+    def stale(self, k: int, passes: int = STALE_PASSES) -> bool:
+        """Whether depth k's cost was last read `passes` passes of the process ago or more (or never by this count: a
+        memory from before it)."""
+        return k in self.cost and self.memory.get("clock", 0) - self.at.get(k, -passes) >= passes
 
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
-        shallower depth's measured cost."""
+        shallower depth's measured cost. A depth other than the current one measured REREAD_PASSES passes ago or
+        more costs at most the line through cost(0) and the current depth's (fresh) cost: a reading from another
+        spell of the host is not held against it for good."""
         if k in self.cost:
-            return self.cost[k]
+            c = self.cost[k]
+            if k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
+                    and self.stale(k, REREAD_PASSES):
+                c = min(c, self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k)
+            return c
         known = [d for d in self.cost if d > 0]
         if 0 not in self.cost or not known:
             return None
