@@ -8,7 +8,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.cache import KVCache as _MlxLmKVCache
 
-from .metal import iota
+from .metal import iota, number
 
 
 def _own(a: mx.array | None) -> mx.array | None:
@@ -323,13 +323,14 @@ class RoundKVCache(BatchKVCache):
             self.values = mx.put_along_axis(self.values, cols.reshape(1, 1, T, 1), v, axis=2)
             self.live = mx.put_along_axis(self.live, mx.broadcast_to(cols[None], (k.shape[0], T)),
                                           mx.ones((k.shape[0], T), mx.bool_), axis=1)
-            self.offset, self._idx, self.last = self.offset + T, i + T, (self.pos, T)
-            self.pos = self.pos + T
+            # (T as number(T): a depth's row count as a scalar constant names fused kernels of its own)
+            self.offset, self._idx, self.last = self.offset + number(T), i + T, (self.pos, T)
+            self.pos = self.pos + number(T)
             return self.keys, self.values
         self.keys[..., i : i + T, :] = k
         self.values[..., i : i + T, :] = v
         self.live[:, i : i + T] = True
-        self.offset, self._idx, self.last = self.offset + T, i + T, (i, T)
+        self.offset, self._idx, self.last = self.offset + number(T), i + T, (i, T)
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def keep(self, counts: mx.array) -> None:
@@ -342,15 +343,15 @@ class RoundKVCache(BatchKVCache):
             self.live = mx.put_along_axis(self.live, cols, kept, axis=1)
         else:
             self.live[:, i : i + T] = kept
-        self.offset = self.offset - T + counts.astype(self.offset.dtype)
+        self.offset = self.offset - number(T).astype(self.offset.dtype) + counts.astype(self.offset.dtype)
 
     def trim(self, n: int) -> int:
         """The newest n columns of every row dropped (the MTP head's draft rows)."""
         n = min(self._idx, n)
         self._idx -= n
-        self.offset = self.offset - n
+        self.offset = self.offset - number(n).astype(self.offset.dtype)
         if self.whole and n:
-            self.pos = self.pos - n
+            self.pos = self.pos - number(n)
         return n
 
     def filter(self, batch_indices) -> None:

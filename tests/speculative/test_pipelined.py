@@ -406,14 +406,25 @@ for phase in ([0] * 4 + [2] * 4 + [0] * 3, [1] * 4 + [0] * 2 + [3] * 4 + [4] * 4
         verified, r = verified + (out[1].item() if k else 0) + 1, r + 1
     print(json.dumps({"before": len(before), "new": sorted(os.path.basename(f) for f in sources() - before),
                       "capacity": rounds.kv[0].capacity()}))
+from lattice_mlx.speculative.batched import BatchRounds
+for depths in ([3], [4, 5]):  # a batch's rounds: K=3, then K = 4 and 5 (K = 1 and 2 are rounds of other forms)
+    before = sources()
+    for k in depths:
+        engine = BatchRounds(model, k=k, max_batch=3)
+        for j in range(3):
+            engine.add([(7 * i + 3 + j) % model.args.vocab_size for i in range(40 + 9 * j)], max_tokens=24)
+        while engine.busy:
+            engine.step()
+    print(json.dumps({"before": len(before), "new": sorted(os.path.basename(f) for f in sources() - before)}))
 """
 
 
 def test_a_new_depth_or_capacity_compiles_no_kernel(tmp_path):
     """Traced rounds (CPU, tiny shape): after plain steps and rounds at K=2, rounds at K = 1, 3, 4 and the buffers'
-    growth past 1,024 rows build no fused kernel MLX has not built already. MLX names a fused kernel by its scalar
-    constants' values, and a depth's or a capacity's in the rounds' index arithmetic compiled new kernels inside a
-    generation: 3.4-3.7 s per depth on a fresh H100 (docs/results/code_measurements.md, 'First use of a depth')."""
+    growth past 1,024 rows build no fused kernel MLX has not built already; a batch's traced rounds at K = 4 and 5
+    none after K=3's. MLX names a fused kernel by its scalar constants' values, and a depth's or a capacity's in the
+    rounds' index arithmetic compiled new kernels inside a generation: 3.4-3.7 s per depth on a fresh H100
+    (docs/results/code_measurements.md, 'First use of a depth')."""
     import json
     import os
     import subprocess
@@ -423,10 +434,11 @@ def test_a_new_depth_or_capacity_compiles_no_kernel(tmp_path):
            "LATTICE_COMPILE": "1"}
     out = subprocess.run([sys.executable, "-c", _NEW_KERNELS], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    warm, then = [json.loads(line) for line in out.stdout.splitlines()[-2:]]
+    warm, then, batch_warm, batch_then = [json.loads(line) for line in out.stdout.splitlines()[-4:]]
     assert len(warm["new"]) > 20 and then["before"] > 20  # (the warm-up's kernels, kept under TMPDIR: counted)
     assert then["new"] == []
     assert warm["capacity"] == 1024 and then["capacity"] == 2048  # (the buffers grew during the second phase)
+    assert batch_warm["new"] and batch_then["new"] == []
 
 
 def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):

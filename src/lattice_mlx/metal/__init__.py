@@ -21,6 +21,18 @@ def iota(n: int) -> mx.array:
     return mx.array(np.arange(n, dtype=np.int32))
 
 
+@functools.lru_cache(maxsize=256)
+def _held(n: int) -> mx.array:
+    return mx.array(np.array([n], dtype=np.int32))
+
+
+def number(n: int) -> mx.array:
+    """n as an int32 scalar array for index arithmetic in traced steps and rounds: a view of host data, so an input
+    of the fused kernel it joins, where a Python int is a scalar constant, and MLX names a fused kernel by its scalar
+    constants' values: one kernel per depth or capacity (docs/results/code_measurements.md, 'First use of a depth')."""
+    return _held(n)[0]
+
+
 def use_kernels() -> bool:
     """True when the custom kernels should run: a GPU backend, or the CPU render, and no `LATTICE_KERNELS=ref`."""
     mode = _dialect.mode()
