@@ -113,7 +113,8 @@ def depths_case(model_name: str, depths: tuple[int, ...] = (1, 2, 3, 4)) -> dict
                 verified, r = verified + n + 1, r + 1
                 passes.append({"sweep": sweep, "k": d, "build_ms": 1e3 * (mid - tic), "wait_ms": 1e3 * wait,
                                "kernel_builds": b1["variants"] - b0["variants"],
-                               "kernel_build_s": b1["seconds"] - b0["seconds"], "new_ptx_files": len(ptx_files() - files0)})
+                               "kernel_build_s": b1["seconds"] - b0["seconds"],
+                               "new_ptx_files": len(ptx_files() - files0)})
     firsts = [p for i, p in enumerate(passes) if p["k"] and (i == 0 or passes[i - 1]["k"] != p["k"])]
     for p in firsts:
         print(f"sweep {p['sweep']} K={p['k']} first round: build {p['build_ms']:.1f} ms, wait {p['wait_ms']:.1f} ms, "

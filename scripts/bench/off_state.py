@@ -10,7 +10,8 @@ Legs (every one decodes the same tokens; the off legs never speculate):
   plain-aa       the same again (A/A control)
   off            run_pipelined with the adaptive tuner in one plain stretch (K = 0) for the whole generation: the
                  loop as an off decision runs it
-  off-untuned    the same with the tuner's timing of passes (observe) skipped: its Python cost
+  off-untuned    the same with the tuner's timing of passes (observe) skipped: in a stretch only its first pass
+                 and last few are timed, so little is left to take away (a check that it stays so)
   off-unheld     the same without keeping each step's hidden for the head's catch-up (the backlog): what holding a
                  buffer per step costs the allocator
   off-nohidden   the step's trace without the hidden output, nothing held: the step's graph as plain decoding's

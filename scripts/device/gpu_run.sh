@@ -182,7 +182,8 @@ for mode in "$@"; do
       # take one difference away each, CUPTI per leg (off_state.py), OFF_LIMIT s [150]
       # OFF_LEGS [all of off_state.py's], OFF_REPS [REPS]
       step off_state "${OFF_LIMIT:-150}" python3 scripts/bench/off_state.py --shape "$BIG" \
-        --reps "${OFF_REPS:-${REPS:-10}}" ${OFF_LEGS:+--legs "$OFF_LEGS"} --profile .device-tools --out "$RES/off_state.json"
+        --reps "${OFF_REPS:-${REPS:-10}}" ${OFF_LEGS:+--legs "$OFF_LEGS"} --profile .device-tools \
+        --out "$RES/off_state.json"
       cat "$RES/off_state.out"
     fi
     if [[ ${FIRST_USE:-0} == 1 ]]; then  # first: a prompt length's first prefill (prompt attention in ops vs cuDNN)

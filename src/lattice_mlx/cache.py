@@ -324,13 +324,13 @@ class RoundKVCache(BatchKVCache):
             self.live = mx.put_along_axis(self.live, mx.broadcast_to(cols[None], (k.shape[0], T)),
                                           mx.ones((k.shape[0], T), mx.bool_), axis=1)
             # (T as number(T): a depth's row count as a scalar constant names fused kernels of its own)
-            self.offset, self._idx, self.last = self.offset + number(T), i + T, (self.pos, T)
+            self.offset, self._idx, self.last = self.offset + number(T).astype(self.offset.dtype), i + T, (self.pos, T)
             self.pos = self.pos + number(T)
             return self.keys, self.values
         self.keys[..., i : i + T, :] = k
         self.values[..., i : i + T, :] = v
         self.live[:, i : i + T] = True
-        self.offset, self._idx, self.last = self.offset + number(T), i + T, (i, T)
+        self.offset, self._idx, self.last = self.offset + number(T).astype(self.offset.dtype), i + T, (i, T)
         return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
 
     def keep(self, counts: mx.array) -> None:

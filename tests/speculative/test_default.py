@@ -320,6 +320,17 @@ def test_a_depth_read_long_ago_in_a_slow_spell_is_read_again():
 
     assert at_k1(REREAD_PASSES - 1) == 1
     assert at_k1(REREAD_PASSES) == 2
+    # the line through plain's and the current depth's cost never prices a depth below a shallower one's: a K=1 read
+    # below plain (1.10 against 1.15 ms) made the line slope down, K=4 cost 0.95 ms on it, and at acceptance 0 the
+    # tuner went to K=4 instead of off
+    clock = 10_000
+    memory = {"cost": {0: 1.15e-3, 1: 1.10e-3, 2: 1.9e-3, 3: 2.47e-3, 4: 2.62e-3}, "k": 1, "clock": clock,
+              "at": {0: clock - 5, 1: clock - 1, 2: clock - 300, 3: clock - 300, 4: clock - 300}}
+    tuner = PipelinedTuner(4, memory)
+    tuner.k, tuner.left, tuner.prev, tuner.since = 1, 0, 1, 50
+    tuner.dispatched, tuner.below = MIN_OFF_ROUNDS, OFF_CONFIRM - 1
+    assert all(tuner.estimate(d) >= 1.10e-3 for d in range(1, 5))
+    assert tuner.next_k([0.0], lambda: [0.0]) == 0
 
 
 def _replay_module():

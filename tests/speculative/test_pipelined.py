@@ -385,6 +385,7 @@ def test_a_plain_stretch_runs_as_plain_decodings_loop_and_counts_as_its_passes(c
 _NEW_KERNELS = """
 import glob, json, os
 import mlx.core as mx
+mx.set_default_device(mx.cpu)  # (MLX's CPU backend writes the kernels it builds where this test counts them)
 from lattice_mlx.bench.run import load_target
 from lattice_mlx.decode import resume
 from lattice_mlx.sample import Sampler
@@ -857,6 +858,10 @@ def test_the_pipelined_tuner_counts_the_rounds_its_rates_hold(checkpoints, monke
             return super().next_k(rates, hopeful)
 
     monkeypatch.setattr(rounds, "PipelinedTuner", Counting)
+    # passes timed at fixed costs per depth: the decisions (how many rounds, how long a stretch) are then the same on
+    # a loaded machine as on an idle one
+    observe = rounds.PipelinedTuner.observe
+    monkeypatch.setattr(Counting, "observe", lambda self, k, s: observe(self, k, 1e-3 * (1 + 0.4 * k)))
     model, _ = load(checkpoints["pattern"])
     _, stats = adaptive_tokens(model, PROMPT, 120)  # (the probe after the first plain stretch included: a stretch
     # runs as plain decoding's loop, with no decision per pass, PipelinedTuner.plain_ran)

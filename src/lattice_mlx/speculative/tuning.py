@@ -14,9 +14,10 @@ ADAPTIVE_WARMUP_ROUNDS = 4  # rounds before the first decision
 # Adaptive rounds start at this depth (at most --draft-tokens) and the tuner moves K from there: a round at the
 # deepest K is the dearest, and warming up on it cost the demo 0.79-0.88x plain at temperature 0.7 on the CPU
 ADAPTIVE_START_K = 2
-# The pipelined tuner starts at 3, the best fixed depth measured at acceptance 0.8 and with the demo's head: on a GPU
-# each depth's first round in a process compiles its traced round (seconds), so a first generation that
-# climbed 2 -> 3 -> 4 paid three of them (docs/results/code_measurements.md, 'First use of a verify depth')
+# The pipelined tuner starts at 3, the best fixed depth measured at acceptance 0.8 and with the demo's head: each
+# depth's first round in a process traces its round (on a GPU once seconds of kernel builds per depth, so a first
+# generation that climbed 2 -> 3 -> 4 paid three of them: docs/results/code_measurements.md, 'First use of a verify
+# depth'; since the depth left the fused kernels' names, a trace alone: 'First use of a depth')
 PIPELINED_START_K = 3
 # A depth whose round has no trace in this process yet is taken only for at least this predicted gain over the current
 # one (its first round traces its round; the kernels are the ones every depth shares, built by the process's first
@@ -104,10 +105,10 @@ HOPELESS_CEILING = 1.01
 # the growth: its timed passes (four in the pipelined loop) outvote the three older ones left in its depth's window.
 HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # Passes not timed, besides SKIP, after a change to a depth whose round had no trace in the process yet: its first
-# round compiles the trace (seconds on MLX's CUDA backend), and the first replays after it still cost up to three
-# times the later ones (MLX loading the trace's kernels). The demo at temperature 0.7 read K=3 from them at three times
-# its fixed leg's cost, went off as hopeless at its first decision and never speculated again in that process
-# (docs/adr/0008, 'Run H').
+# round traces it (before the depth left the fused kernels' names, seconds of kernel builds on MLX's CUDA backend),
+# and the first replays after it cost up to three times the later ones (MLX loading the trace's kernels). The demo at
+# temperature 0.7 read K=3 from them at three times its fixed leg's cost, went off as hopeless at its first decision
+# and never speculated again in that process (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
 
 
@@ -284,13 +285,14 @@ class PipelinedTuner:
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
         shallower depth's measured cost. A depth other than the current one measured REREAD_PASSES passes ago or
-        more costs at most the line through cost(0) and the current depth's (fresh) cost: a reading from another
-        spell of the host is not held against it for good."""
+        more costs at most the line through cost(0) and the current depth's (fresh) cost, that too never below a
+        shallower depth's: a reading from another spell of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
             if k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
                     and self.stale(k, REREAD_PASSES):
-                c = min(c, self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k)
+                line = self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k
+                c = min(c, max(line, *(v for d, v in self.cost.items() if d < k)))
             return c
         known = [d for d in self.cost if d > 0]
         if 0 not in self.cost or not known:
@@ -451,8 +453,8 @@ class PipelinedTuner:
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         log.info(self.log[-1])
-        # the next probe at the best depth, traced or not: at acceptance 0 the best is the shallowest, and probes held at
-        # a traced deeper one cost every generation's probe more per round (docs/adr/0008, 'Run M')
+        # the next probe at the best depth, traced or not: at acceptance 0 the best is the shallowest, and probes held
+        # at a traced deeper one cost every generation's probe more per round (docs/adr/0008, 'Run M')
         self.probe_k = self.memory["k"] = k
         self.k, self.left, self.below = 0, self.off_tokens - 1, 0
         self.memory["off"], self.memory["stretch"] = self.left, self.off_tokens  # (its rest, for a later generation)
