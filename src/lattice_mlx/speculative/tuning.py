@@ -289,7 +289,7 @@ class PipelinedTuner:
         shallower depth's: a reading from another spell of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
-            if k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
+            if 0 < k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
                     and self.stale(k, REREAD_PASSES):
                 line = self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k
                 c = min(c, max(line, *(v for d, v in self.cost.items() if d < k)))
