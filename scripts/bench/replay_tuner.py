@@ -55,9 +55,15 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     factors = 0.0
     tuner = PipelinedTuner(4, memory, lag=LAG)
     done, spent, pending, last = 1, 0.0, [], []
+    stretch, left = [], 0  # a plain stretch's passes, run as plain decoding's loop (pipelined.run_pipelined): no
+    # decision per pass, reported to the tuner at once (PipelinedTuner.plain_ran) at its end or the generation's
     while done < tokens:
-        k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
-                         lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+        inner = left > 0
+        if inner:
+            k, left = 0, left - 1
+        else:
+            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
+                             lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
         if sigma:
             host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
         factor = math.exp(host.get("x", 0.0))
@@ -70,7 +76,14 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
         cost += probe if k and last and last[-1] == 0 else 0.0
         last.append(k)
-        tuner.observe(k, cost)
+        if inner:
+            stretch.append(cost)
+            if not left:
+                tuner.plain_ran(stretch)
+                stretch = []
+        else:
+            tuner.observe(k, cost)
+            left = tuner.plain_left() if k == 0 else 0
         spent += cost
         accepted = 0
         while accepted < k and rng.random() < cond[accepted]:
@@ -83,6 +96,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         done += accepted + 1
         if seen is not None:
             seen[k] += 1
+    tuner.plain_ran(stretch)  # (a stretch the generation ended inside)
     # (plain's mean pass: the noise's mean is above 1)
     return costs[0] * math.exp(noise**2 / 2) * tokens * (factors / len(last)) / spent
 
