@@ -50,13 +50,11 @@ def _clamped_positions(last: int, T: int):
     launch on a GPU)."""
     # (from host data: a constant of the trace, not an arange it would launch at every call)
     steps = mx.array(np.arange(T, dtype=np.int32).reshape(1, 1, T, 1))
-    # `last` and T as views of a host array, not Python scalars: MLX names a fused kernel by the values of its scalar
-    # constants, so each depth and capacity compiled kernels of its own (on a GPU seconds each, inside a generation:
-    # docs/results/code_measurements.md, 'First use of a depth'); a slice is an input like any other
-    limits = mx.array(np.array([last, T], dtype=np.int32))
 
     def positions(offset: mx.array) -> tuple[mx.array, mx.array]:
-        return mx.minimum(mx.maximum(offset, 0), limits[0]) + steps, offset + limits[1]
+        # (`last` and T as metal.number: a Python int is a scalar constant, and a fused kernel named by its value
+        # compiles per depth and capacity)
+        return mx.minimum(mx.maximum(offset, 0), number(last)) + steps, offset + number(T)
 
     return mx.compile(positions)
 
@@ -324,8 +322,9 @@ class RoundKVCache(BatchKVCache):
             self.live = mx.put_along_axis(self.live, mx.broadcast_to(cols[None], (k.shape[0], T)),
                                           mx.ones((k.shape[0], T), mx.bool_), axis=1)
             # (T as number(T): a depth's row count as a scalar constant names fused kernels of its own)
-            self.offset, self._idx, self.last = self.offset + number(T).astype(self.offset.dtype), i + T, (self.pos, T)
-            self.pos = self.pos + number(T)
+            t = number(T)
+            self.offset, self._idx, self.last = self.offset + t.astype(self.offset.dtype), i + T, (self.pos, T)
+            self.pos = self.pos + t
             return self.keys, self.values
         self.keys[..., i : i + T, :] = k
         self.values[..., i : i + T, :] = v
