@@ -266,3 +266,50 @@ def test_a_bad_config_value_is_one_line_from_the_cli(checkpoints, tmp_path):
     assert out.returncode == 1 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert lines[0] == f"error: {src / 'config.json'} does not describe a valid Qwen3.5 model: hidden_size must be " \
                        "a positive integer, got -1"
+
+
+def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mtp_checkpoint, tmp_path,
+                                                              monkeypatch, capsys):
+    """keep_round_builds: on MLX's CUDA backend, for a model with an MTP head, warm_rounds once (announced in one
+    line), then a marker in the PTX cache makes later loads skip it; a failure is one line and leaves no marker; on
+    another backend, with rounds untraced or without a head, nothing runs."""
+    import sys
+
+    from lattice_mlx.metal import cuda_cache
+    from lattice_mlx.speculative import pipelined
+
+    loader = sys.modules["lattice_mlx.load"]  # (the module: the package's `load` is the function)
+    model, _ = load(checkpoints["pattern"])
+    config = json.loads((checkpoints["pattern"] / "config.json").read_text())
+    runs = []
+    monkeypatch.setattr(cuda_cache, "cache_dir", lambda: tmp_path / "ptx")
+    monkeypatch.setattr(pipelined, "warm_rounds", lambda m, k: runs.append((m, k)) or 0)
+    loader.keep_round_builds(model, config, mx.float32)  # (this machine's backend: the CPU)
+    assert runs == []
+    monkeypatch.setattr(loader, "on_cuda", lambda: True)
+    with pipelined.tracing(False):
+        loader.keep_round_builds(model, config, mx.float32)
+    assert runs == []
+    capsys.readouterr()
+    with pipelined.tracing(True):
+        loader.keep_round_builds(model, config, mx.float32)
+        err = capsys.readouterr().err
+        assert runs == [(model, 4)] and "once" in err and len(err.strip().splitlines()) == 2
+        assert [f.name for f in (tmp_path / "ptx").iterdir()][0].startswith("lattice_rounds_")
+        loader.keep_round_builds(model, config, mx.float32)
+        assert len(runs) == 1 and capsys.readouterr().err == ""
+        loader.keep_round_builds(model, config, mx.bfloat16)  # another dtype: its own builds
+        assert len(runs) == 2
+        plain_model, _ = load(no_mtp_checkpoint)
+        loader.keep_round_builds(plain_model, config, mx.float16)
+        assert len(runs) == 2
+
+        def boom(m, k):
+            raise RuntimeError("nvrtc\nfailed")
+
+        monkeypatch.setattr(pipelined, "warm_rounds", boom)
+        capsys.readouterr()
+        loader.keep_round_builds(model, config, mx.float16)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and "not prebuilt" in err[1] and "RuntimeError" in err[1]
+        assert len(list((tmp_path / "ptx").iterdir())) == 2  # (no marker for the failed one, no part file left)

@@ -1,8 +1,11 @@
 """Local directory or hub id -> config -> Model (+ MTP head) -> weights -> tokenizer. Every failure is a LoadError."""
 
 import glob
+import hashlib
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -191,6 +194,7 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
     if group is None or group.size() == 1:
         keep_kernel_builds(config, act_dtype)
+        keep_round_builds(model, config, act_dtype)
     return model, config
 
 
@@ -210,6 +214,55 @@ def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
         prebuild(text, dtype=dtype, bits=quant.get("bits"), group_size=quant.get("group_size", 64))
     except Exception as e:  # noqa: BLE001 (NVRTC missing or failing: MLX builds each kernel as it first runs)
         print(f"lattice_mlx: kernels not prebuilt ({type(e).__name__}: {str(e).strip()[:200]})", file=sys.stderr)
+
+
+def _source_digest() -> str:
+    """sha256 of this package's Python sources: what the kernels MLX builds for a round depend on besides the model."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def on_cuda() -> bool:
+    """Whether MLX computes on its CUDA backend here (the default device a GPU, and not Metal's)."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def keep_round_builds(model: Model, config: dict, dtype: mx.Dtype) -> None:
+    """On MLX's CUDA backend, for a model with an MTP head: every kind of pass adaptive speculation runs, each depth
+    and each change between them (speculative/pipelined.warm_rounds), run once per machine, announced in one line.
+    MLX keeps the kernels it builds for them in its PTX cache, and a marker there records that this model's shape
+    and dtype were warmed with this package's source; a later process only loads them. Without this a change of
+    depth not seen before on the machine compiled for seconds in the middle of a generation (docs/adr/0008, 'Run
+    N'). Elsewhere nothing: MLX's CPU backend builds the traced steps where they are first run, and on Metal the
+    builds are not kept on disk. A failure leaves the builds to the generations, as without it."""
+    from .metal import cuda_cache
+    from .speculative import pipelined
+    from .speculative.options import ADAPTIVE_MAX_K
+
+    if not (model.has_mtp and on_cuda() and pipelined.tracing_enabled()):
+        return
+    text = json.dumps(dict(config.get("text_config") or config), sort_keys=True, default=str)
+    key = hashlib.sha256(f"{mx.__version__}|{dtype}|{text}|{_source_digest()}".encode()).hexdigest()[:24]
+    marker = cuda_cache.cache_dir() / f"lattice_rounds_{key}.done"
+    if marker.exists():
+        return
+    print("lattice_mlx: compiling the speculative decoding kernels for this machine, once ...", file=sys.stderr,
+          flush=True)
+    tic = time.perf_counter()
+    try:
+        pipelined.warm_rounds(model, ADAPTIVE_MAX_K)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        part = marker.with_suffix(f".{os.getpid()}.part")
+        part.write_text(f"{time.perf_counter() - tic:.1f} s\n")
+        part.replace(marker)
+    except Exception as e:  # noqa: BLE001 (the generations build what they need, as without it)
+        print(f"lattice_mlx: speculative kernels not prebuilt ({type(e).__name__}: {' '.join(str(e).split())[:200]})",
+              file=sys.stderr, flush=True)
+        return
+    print(f"lattice_mlx: done in {time.perf_counter() - tic:.1f} s (kept in {marker.parent})", file=sys.stderr,
+          flush=True)
 
 
 def read_draft_vocab(path: Path, vocab_size: int) -> DraftVocab | None:

@@ -442,6 +442,31 @@ def test_a_new_depth_or_capacity_compiles_no_kernel(tmp_path):
     assert batch_warm["new"] and batch_then["new"] == []
 
 
+@pytest.mark.parametrize("k_max", [1, 2, 4])
+def test_the_warm_up_runs_every_kind_of_pass(k_max):
+    """warm_rounds' passes: plain steps, every depth 1..k_max after plain steps and plain steps after it, every change
+    from one depth to another, and each depth replayed after its first round (the steady state's trace)."""
+    seq = rounds.warm_passes(k_max)
+    changes = set(zip(seq, seq[1:]))
+    kinds = range(k_max + 1)
+    assert {(a, b) for a in kinds for b in kinds} <= changes, sorted(changes)
+
+
+def test_the_warm_up_traces_every_depth_and_leaves_generations_as_they_were(checkpoints):
+    """warm_rounds on scratch caches (traced rounds and steps): a trace per depth, greedy and sampled, and the
+    model's generations after it are what they were before (greedy: plain decoding's tokens, adaptive and fixed)."""
+    model, _ = load(checkpoints["pattern"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(40))]
+    with rounds.tracing(True), decode.tracing(True):
+        assert rounds.warm_rounds(model, 3) == 2 * len(rounds.warm_passes(3))
+        keys = {(key[0], key[1][0]) for key in model.runtime.traces["rounds"]}
+        assert keys == {(k, greedy) for k in (1, 2, 3) for greedy in (True, False)}
+        assert {key[0][0] for key in model.runtime.traces["steps"]} == {True, False}
+        tuned, _ = adaptive_tokens(model, PROMPT, 40)
+        fixed = spec_tokens(model, PROMPT, 40, verify="pipelined", k=2)[0]
+    assert tuned == fixed == plain
+
+
 def test_head_catches_up_in_forwards_of_one_row_count(checkpoints, monkeypatch):
     """Plain stretches of 5, 6, 70 and 2 steps: the head runs no forward during them, and when a round follows it
     takes the stretch's slots in forwards of CATCH_UP_PIECE rows, the last padded (a new row count compiles new

@@ -35,7 +35,7 @@ from .. import decode as decode_mod
 from .. import settings
 from ..cli import ArgumentParser
 from ..decode import generate_step
-from ..load import DEMO_MODEL, DTYPES, LoadError, load_model, load_tokenizer, quantize, resolve_path
+from ..load import DEMO_MODEL, DTYPES, LoadError, keep_round_builds, load_model, load_tokenizer, quantize, resolve_path
 from ..models import compiled
 from ..models.fuse import hf_parameters
 from ..models.mtp import DraftVocab
@@ -295,6 +295,7 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
         config["quantization"] = {"group_size": group_size, "bits": bits} if bits else None
         model = random_model(**SHAPES[name], bits=bits or None, group_size=group_size, dtype=DTYPES[dtype])
         target = Target(f"random {name} Q{bits or 16} {dtype}", model, config, None, synthetic=True)
+        keep_round_builds(model, config, DTYPES[dtype])  # (as load_model does: once per machine, on CUDA)
     else:
         path = resolve_path(DEMO_MODEL if name == "demo" else name)
         model, config = load_model(path, dtype=dtype)

@@ -29,7 +29,7 @@ from ..speculative import SpecOptions, SpecStats, speculate
 from ..speculative.batched import BatchRounds
 from ..speculative.options import ADAPTIVE_MAX_K
 from ..speculative.pipelined import tracing_enabled as rounds_tracing_enabled
-from ..speculative.pipelined import warm_catch_up
+from ..speculative.pipelined import warm_catch_up, warm_rounds
 from ..speculative.tuning import PIPELINED_START_K
 from ..startup import interrupts_to_main
 from .engine import BatchEngine, Engine, Job
@@ -93,6 +93,10 @@ def warm_up(model, speculation: SpecOptions | None, max_batch: int = 1) -> None:
         mx.eval(logits, *([hidden] if hidden is not None else []))
     if speculation is not None:
         warm_catch_up(model)
+        if speculation.adaptive and mx.default_device().type == mx.DeviceType.gpu and rounds_tracing_enabled():
+            # every change between depths and plain steps, which the fixed depths above do not run (on the GPU its
+            # builds are the machine's once, and its traces and first loads this process's; on the CPU seconds)
+            warm_rounds(model, speculation.draft_tokens)
     # the batch's traces: plain steps (BatchSteps) without MTP; with it the batch runs MTP rounds (BatchRounds),
     # whose steady-state round is traced per depth and batch size: the tuner's first depth is warmed; the other
     # depths, and the engine's own plain steps (its off state), are traced when the tuner first picks them
