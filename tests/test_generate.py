@@ -429,3 +429,18 @@ def test_a_virtual_environment_is_ignored_by_git():
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
     assert subprocess.run(["git", "check-ignore", "-q", ".venv/"], cwd=root).returncode == 0
+
+
+def test_cli_builds_the_speculative_kernels_only_when_it_speculates_adaptively(checkpoints, monkeypatch, capsys):
+    """The CLI asks for the once-per-machine builds of the adaptive loop's passes (load.keep_round_builds: a no-op
+    off CUDA) when it speculates with adaptive depth, with the checkpoint's config; plain decoding and a fixed depth
+    do not pay for them."""
+    gen = importlib.import_module("lattice_mlx.generate")
+    asked = []
+    monkeypatch.setattr(gen, "keep_round_builds", lambda model, config: asked.append(config["model_type"]))
+    base = ["--model", str(checkpoints["tied"]), "--prompt", "hi", "--max-tokens", "3"]
+    for flags, want in (([], []), (["--mtp", "--no-adaptive"], []), (["--mtp"], ["qwen3_5"])):
+        asked.clear()
+        assert gen.main([*base, *flags]) == 0
+        assert asked == want, flags
+    capsys.readouterr()

@@ -271,8 +271,9 @@ def test_a_bad_config_value_is_one_line_from_the_cli(checkpoints, tmp_path):
 def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mtp_checkpoint, tmp_path,
                                                               monkeypatch, capsys):
     """keep_round_builds: on MLX's CUDA backend, for a model with an MTP head, warm_rounds once (announced in one
-    line), then a marker in the PTX cache makes later loads skip it; a failure is one line and leaves no marker; on
-    another backend, with rounds untraced or without a head, nothing runs."""
+    line), then a marker in the PTX cache makes later calls skip it (another dtype: its own); a failure is one line
+    and leaves no marker; on another backend, with rounds untraced or without a head, nothing runs. Loading a model
+    runs none of it (plain decoding never pays for it)."""
     import sys
 
     from lattice_mlx.metal import cuda_cache
@@ -284,24 +285,28 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
     runs = []
     monkeypatch.setattr(cuda_cache, "cache_dir", lambda: tmp_path / "ptx")
     monkeypatch.setattr(pipelined, "warm_rounds", lambda m, k: runs.append((m, k)) or 0)
-    loader.keep_round_builds(model, config, mx.float32)  # (this machine's backend: the CPU)
+    loader.keep_round_builds(model, config)  # (this machine's backend: the CPU)
     assert runs == []
     monkeypatch.setattr(loader, "on_cuda", lambda: True)
+    with pipelined.tracing(True):
+        load(checkpoints["pattern"])
+    assert runs == []
     with pipelined.tracing(False):
-        loader.keep_round_builds(model, config, mx.float32)
+        loader.keep_round_builds(model, config)
     assert runs == []
     capsys.readouterr()
     with pipelined.tracing(True):
-        loader.keep_round_builds(model, config, mx.float32)
+        loader.keep_round_builds(model, config)
         err = capsys.readouterr().err
         assert runs == [(model, 4)] and "once" in err and len(err.strip().splitlines()) == 2
         assert [f.name for f in (tmp_path / "ptx").iterdir()][0].startswith("lattice_rounds_")
-        loader.keep_round_builds(model, config, mx.float32)
+        loader.keep_round_builds(model, config)
         assert len(runs) == 1 and capsys.readouterr().err == ""
-        loader.keep_round_builds(model, config, mx.bfloat16)  # another dtype: its own builds
+        bf16, _ = load(checkpoints["pattern"], dtype="bfloat16")
+        loader.keep_round_builds(bf16, config)  # another dtype: its own builds
         assert len(runs) == 2
         plain_model, _ = load(no_mtp_checkpoint)
-        loader.keep_round_builds(plain_model, config, mx.float16)
+        loader.keep_round_builds(plain_model, config)
         assert len(runs) == 2
 
         def boom(m, k):
@@ -309,7 +314,7 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
 
         monkeypatch.setattr(pipelined, "warm_rounds", boom)
         capsys.readouterr()
-        loader.keep_round_builds(model, config, mx.float16)
+        loader.keep_round_builds(load(checkpoints["pattern"], dtype="float16")[0], config)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 2 and "not prebuilt" in err[1] and "RuntimeError" in err[1]
         assert len(list((tmp_path / "ptx").iterdir())) == 2  # (no marker for the failed one, no part file left)

@@ -194,7 +194,6 @@ def load_model(path: Path, *, dtype: str | None = None, fuse: bool = True, group
         model.mtp.draft_vocab = read_draft_vocab(path, model.args.vocab_size)
     if group is None or group.size() == 1:
         keep_kernel_builds(config, act_dtype)
-        keep_round_builds(model, config, act_dtype)
     return model, config
 
 
@@ -229,14 +228,16 @@ def on_cuda() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
-def keep_round_builds(model: Model, config: dict, dtype: mx.Dtype) -> None:
-    """On MLX's CUDA backend, for a model with an MTP head: every kind of pass adaptive speculation runs, each depth
-    and each change between them (speculative/pipelined.warm_rounds), run once per machine, announced in one line.
-    MLX keeps the kernels it builds for them in its PTX cache, and a marker there records that this model's shape
-    and dtype were warmed with this package's source; a later process only loads them. Without this a change of
-    depth not seen before on the machine compiled for seconds in the middle of a generation (docs/adr/0008, 'Run
-    N'). Elsewhere nothing: MLX's CPU backend builds the traced steps where they are first run, and on Metal the
-    builds are not kept on disk. A failure leaves the builds to the generations, as without it."""
+def keep_round_builds(model: Model, config: dict) -> None:
+    """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the CLIs with MTP on, the
+    benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
+    (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
+    for them in its PTX cache, and a marker there records that this model's shape and dtype were warmed with this
+    package's source; a later process only loads them. Without this a change of depth not seen before on the machine
+    compiled for seconds in the middle of a generation (docs/adr/0008, 'Run N'); with it a fresh H100 spent 142 s
+    once (the demo; a second model of another shape then 2.4 s: the kernels are mostly shared). Elsewhere nothing:
+    MLX's CPU backend builds the traced steps where they are first run, and on Metal the builds are not kept on
+    disk. A failure leaves the builds to the generations, as without it."""
     from .metal import cuda_cache
     from .speculative import pipelined
     from .speculative.options import ADAPTIVE_MAX_K
@@ -244,6 +245,7 @@ def keep_round_builds(model: Model, config: dict, dtype: mx.Dtype) -> None:
     if not (model.has_mtp and on_cuda() and pipelined.tracing_enabled()):
         return
     text = json.dumps(dict(config.get("text_config") or config), sort_keys=True, default=str)
+    dtype = model.model.norm.weight.dtype  # (the activations': the checkpoint's floats are cast to it)
     key = hashlib.sha256(f"{mx.__version__}|{dtype}|{text}|{_source_digest()}".encode()).hexdigest()[:24]
     marker = cuda_cache.cache_dir() / f"lattice_rounds_{key}.done"
     if marker.exists():
