@@ -153,9 +153,11 @@ def warm_catch_up(model) -> None:
     mx.eval(head(e[None], head.from_target(hid)[None], mcache))
 
 
-def warm_passes(k_max: int) -> list[int]:
-    """The depths of the passes `warm_rounds` runs: plain steps, then for every depth 1..k_max its rounds after plain
-    steps and plain steps after them, then every change from one depth to another (each pair, both ways)."""
+def warm_passes(k_max: int) -> list[list[int]]:
+    """The depths of the passes `warm_rounds` runs, one list per generation: each depth 1..k_max as a generation's
+    first pass (a round right after the prefill, where a process's later generations start: the depth its tuner
+    picked last), then plain steps and each depth after them, plain steps after it, and every change from one depth
+    to another (each pair, both ways)."""
     depths = range(1, k_max + 1)
     seq = [0] * 3
     for a in depths:
@@ -164,28 +166,30 @@ def warm_passes(k_max: int) -> list[int]:
         for b in depths:
             if a != b:
                 seq += [a] * 2 + [b] * 2
-    return seq
+    return [[k, k, 0] for k in depths] + [seq]
 
 
 def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), Sampler(temp=1.0))) -> int:
     """Every kind of pass the adaptive loop can run at depths up to k_max (`warm_passes`), greedy and sampled, on
     scratch caches after a 16-token prompt: each depth's traced round, plain decoding's traced step, and the work
-    between passes of different kinds (built op by op) are compiled now and not inside a generation. On MLX's CUDA
-    backend a change of kind not run before on the machine compiled kernels for 2.3 s in the middle of a generation
-    (docs/adr/0008, 'Run N'); the builds are kept on disk, the traces only in this process. Returns the passes run."""
+    between passes of different kinds and a generation's first round (built op by op) are compiled now and not
+    inside a generation. On MLX's CUDA backend a kind of pass not run before on the machine compiled kernels for
+    2.3-2.8 s in the middle of a generation (docs/adr/0008, 'Runs N and O'); the builds are kept on disk, the traces
+    only in this process. Returns the passes run."""
     ids = mx.array([(7 * i + 3) % model.args.vocab_size for i in range(16)])
-    seq, passes = warm_passes(k_max), 0
+    passes = 0
     for sampler in samplers:
-        cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
-        first = sampler(logits)
-        rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache)
-        verified = 0
-        for r, k in enumerate(seq):
-            rounds.bounds(r, verified)
-            tokens, n = rounds.round(r, k)
-            mx.eval(tokens, n) if k else mx.eval(tokens)
-            verified += (n.item() if k else 0) + 1
-            passes += 1
+        for seq in warm_passes(k_max):
+            cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
+            first = sampler(logits)
+            rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache)
+            verified = 0
+            for r, k in enumerate(seq):
+                rounds.bounds(r, verified)
+                tokens, n = rounds.round(r, k)
+                mx.eval(tokens, n) if k else mx.eval(tokens)
+                verified += (n.item() if k else 0) + 1
+                passes += 1
     return passes
 
 
