@@ -229,15 +229,16 @@ def on_cuda() -> bool:
 
 
 def keep_round_builds(model: Model, config: dict) -> None:
-    """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the CLIs with MTP on, the
-    benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
+    """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the generate CLI with MTP
+    on, the benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
     (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
     for them in its PTX cache, and a marker there records that this model's shape and dtype were warmed with this
-    package's source; a later process only loads them. Without this a change of depth not seen before on the machine
-    compiled for seconds in the middle of a generation (docs/adr/0008, 'Run N'); with it a fresh H100 spent 142 s
-    once (the demo; a second model of another shape then 2.4 s: the kernels are mostly shared). Elsewhere nothing:
-    MLX's CPU backend builds the traced steps where they are first run, and on Metal the builds are not kept on
-    disk. A failure leaves the builds to the generations, as without it."""
+    package's source; a later process only loads them. Without this a kind of pass not seen before on the machine
+    compiled for seconds in the middle of a generation (docs/adr/0008, 'Runs N and O'); with it a fresh GPU machine
+    spent 142 s on it once for the demo (then 2.4 s for a model of another shape: the kernels are mostly shared), too
+    long for every load (plain decoding never pays it). Elsewhere nothing: MLX's CPU backend builds the traced steps
+    where they are first run, and on Metal the builds are not kept on disk. A failure leaves the builds to the
+    generations, as without it."""
     from .metal import cuda_cache
     from .speculative import pipelined
     from .speculative.options import ADAPTIVE_MAX_K
