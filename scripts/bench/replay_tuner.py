@@ -22,7 +22,7 @@ import statistics
 from collections import Counter
 
 from lattice_mlx.speculative.options import SpecOptions, SpecStats
-from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner, expected_tokens
+from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner, expected_tokens, fresh_memory
 
 # name: (P(draft i accepted | drafts before it accepted), {K: ms per pass})
 CASES = {
@@ -39,7 +39,7 @@ LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipeli
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
                noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
-               spells: tuple[float, float, int] = (0.0, 1.0, 0)) -> float:
+               spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0)) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
@@ -48,8 +48,11 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     ms in one process while i.i.d. noise of the same size averages out); `spells` (rate, factor, length): slow
     spells of the host, each pass starting one with that probability, every pass in it costing `factor` times more
     for `length` passes (run M's demo read K=2 at twice its cost in one); plain's time is then its cost times the
-    generation's mean factor."""
+    generation's mean factor. `first` (factor, passes): in a process's first generation each depth's first `passes`
+    passes cost `factor` times more (runs N and O: the process's first rounds of a depth, after the untimed ones,
+    read K=3 at 1.6x its later cost on the demo)."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
+    fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
     sigma, rho = drift
     factors = 0.0
@@ -74,6 +77,9 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
             factor *= spells[1]
         factors += factor
         cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
+        runs[k] += 1
+        if fresh and k and runs[k] <= first[1]:
+            cost *= first[0]
         cost += probe if k and last and last[-1] == 0 else 0.0
         last.append(k)
         if inner:
@@ -103,15 +109,16 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
 
 def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
            probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0),
-           vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0)) -> list[float]:
+           vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0),
+           first: tuple[float, int] = (1.0, 0)) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
     share of the generations (texts) drafts at the rates times the factor."""
     share, factor = vary
     return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
                                          rng, tokens, switch=switch, probe=probe, drift=drift, host=host,
-                                         spells=spells)
+                                         spells=spells, first=first)
                               for _ in range(gens))
-            for rng, memory, host in ((random.Random(s), {}, {}) for s in range(seeds))]
+            for rng, memory, host in ((random.Random(s), fresh_memory(), {}) for s in range(seeds))]
 
 
 def fixed(cond: list[float], costs: dict, k: int) -> float:
@@ -131,26 +138,29 @@ def main() -> None:
                     "the case's rates times FACTOR")
     ap.add_argument("--drift", default="0,0",
                     help="SIGMA,RHO: a host factor common to every depth (log-AR(1) per pass)")
+    ap.add_argument("--first", default="1,0", help="FACTOR,PASSES: in a process's first generation each depth's first "
+                    "PASSES passes cost FACTOR times more")
     ap.add_argument("--spells", default="0,1,0", help="RATE,FACTOR,LENGTH: slow spells of the host (each pass starts "
                     "one with probability RATE; its LENGTH passes cost FACTOR times more)")
     args = ap.parse_args()
     drift = tuple(float(x) for x in args.drift.split(","))
     rate, factor, length = args.spells.split(",")
     spells = (float(rate), float(factor), int(length))
+    first = (float(args.first.split(",")[0]), int(args.first.split(",")[1]))
     if args.trace:
         cond, costs = CASES[args.trace]
-        rng, memory, host = random.Random(0), {}, {}
+        rng, memory, host = random.Random(0), fresh_memory(), {}
         for g in range(10):
             seen = Counter()
             speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
-                                 probe=args.probe_ms, drift=drift, host=host, spells=spells)
+                                 probe=args.probe_ms, drift=drift, host=host, spells=spells, first=first)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
         runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
-                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells)
+                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")

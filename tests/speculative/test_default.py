@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -520,3 +521,35 @@ def test_a_hopeless_stretch_found_hopeless_again_grows():
     assert [int(d.split(" tokens")[0].split()[-1]) for d in again.decisions][:3] == [
         PIPELINED_FIRST_OFF, MAX_OFF_TOKENS, PIPELINED_OFF_GROWTH * MAX_OFF_TOKENS]
     assert all("every draft kept" in d for d in again.decisions)
+
+
+def test_what_a_process_first_generation_measured_is_provisional():
+    """A process's tuner memory (tuner_memory: fresh_memory) holds its first generation's readings for that generation
+    only: the second starts afresh (the plain baseline, then the first depth), and the third from what the second
+    measured. Run N's demo at temperature 0.7 read its depths dear in the process's first generation (K=3 at 1.6 times
+    its later cost) and sat beside those readings for generations (docs/adr/0008, 'Runs N and O'). A memory that is
+    not a process's fresh one (a test's, a batch bucket's) keeps every generation's readings."""
+    from lattice_mlx.runtime import runtime_of
+    from lattice_mlx.speculative.tuning import PIPELINED_START_K, fresh_memory, tuner_memory
+
+    rates = [0.85, 0.7, 0.6, 0.5]
+    costs = {0: 0.9, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2}  # the demo's sampled rounds (ms): K=3 or K=4 pays
+    dear = {k: c * (2.5 if k else 1.0) for k, c in costs.items()}  # the first generation's rounds, inflated
+    model = types.SimpleNamespace()
+    memory = tuner_memory(model, False)
+    assert memory == fresh_memory() and tuner_memory(model, False) is memory
+    assert runtime_of(model).tuner[False] is memory and tuner_memory(model, True) is not memory
+    first = _Costs(4, memory, lag=2)
+    ks = first.run(dear, rates, 256)
+    assert ks.count(0) > 100  # the inflated rounds could not pay
+    second = _Costs(4, memory, lag=2)
+    assert not any(line.startswith("start at K=") for line in second.log) and memory.get("off") is None
+    ks = second.run(costs, rates, 256)
+    assert ks[0] == 0 and PIPELINED_START_K in ks and ks[-64:].count(0) == 0 and min(ks[-64:]) >= 2
+    third = _Costs(4, memory, lag=2)
+    assert third.log[0].startswith(f"start at K={memory['k']} from the costs measured before")
+    assert third.run(costs, rates, 64).count(0) == 0
+    # another memory keeps them: the generation after the inflated one starts from its readings
+    kept: dict = {}
+    _Costs(4, kept, lag=2).run(dear, rates, 256)
+    assert _Costs(4, kept, lag=2).run(costs, rates, 64)[0] == 0 and kept["off"]

@@ -159,9 +159,15 @@ class DepthTuner:
 # instead of timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain
 # speed for a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept
 # apart.
+def fresh_memory() -> dict:
+    """A process's tuner memory before its first generation: what that generation measures is provisional
+    (PipelinedTuner.__init__)."""
+    return {"first": True}
+
+
 def tuner_memory(model, greedy: bool) -> dict:
     """The costs the tuners of this process measured on `model` (kept on the model: they go with it)."""
-    return runtime_of(model).tuner.setdefault(bool(greedy), {})
+    return runtime_of(model).tuner.setdefault(bool(greedy), fresh_memory())
 
 
 class PipelinedTuner:
@@ -194,6 +200,21 @@ class PipelinedTuner:
         `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
         pipelined loop: 2)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
+        # What the process's first generation measured is provisional (a memory from `fresh_memory`, as tuner_memory
+        # makes it): the next generation starts afresh (plain steps, then PIPELINED_START_K), and what that one
+        # measures is kept. A process's first rounds of each depth cost more than its later ones past the untimed
+        # passes (its traces are built and first run there): run N's demo at temperature 0.7 read K=3 at 1.6 times
+        # its later cost in its first generation, left it, and in later generations sat at K=1 and K=4 beside that
+        # reading (docs/adr/0008, 'Runs N and O'). Replayed (replay_tuner.py --first 1.6,30: the first generation's
+        # first 30 passes of each depth 1.6x dearer; 100 seeds) the demo at 0.7 went from 0.83 to 0.90 of its best
+        # fixed depth, greedy at --first 2,20 from 0.75 to 0.94; cases with no such inflation moved by 0.01 (a second
+        # baseline and probe). A hopeless verdict goes too (the demo's inflated rounds read as hopeless; on MLX's CPU
+        # backend, where rounds do cost K + 1 plain steps, the second generation probes once more).
+        first = self.memory.get("first")
+        if first == "ran":
+            self.memory.clear()
+        elif first:
+            self.memory["first"] = "ran"
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.after = deque(maxlen=lag)  # `dispatched` after each of the last `lag` passes
