@@ -466,16 +466,21 @@ def _pass_kinds(monkeypatch) -> set:
 
 
 def test_the_warm_up_runs_every_kind_of_pass_generations_run(checkpoints, monkeypatch):
-    """warm_rounds on scratch caches (traced rounds and steps): a trace per depth, greedy and sampled; every kind of
-    pass (which pass came before it) that adaptive generations run with random depths, a process's later
-    generations starting at any depth, was among the warm-up's; and the model's generations after it are what they
-    were before (greedy: plain decoding's tokens, adaptive and fixed). Run O found a generation's first round, at
-    the depth a previous generation left, compiling 2.8 s on an H100 after a warm-up without it."""
+    """warm_rounds on scratch caches (traced rounds and steps): a trace per depth, greedy and sampled, the PRNG's
+    key left as it was; every kind of pass (which pass came before it) that adaptive generations run with random
+    depths, a process's later generations starting at any depth, was among the warm-up's; and the model's
+    generations after it are what they were before (greedy: plain decoding's tokens, adaptive and fixed). Run O
+    found a generation's first round, at the depth a previous generation left, compiling 2.8 s on an H100 after a
+    warm-up without it."""
     model, _ = load(checkpoints["pattern"])
     plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(60))]
     with rounds.tracing(True), decode.tracing(True):
         warmed = _pass_kinds(monkeypatch)
+        mx.random.seed(11)
         assert rounds.warm_rounds(model, 3) == 2 * sum(map(len, rounds.warm_passes(3)))
+        after = mx.random.uniform(shape=(4,)).tolist()
+        mx.random.seed(11)
+        assert after == mx.random.uniform(shape=(4,)).tolist()  # (the PRNG's key as before: seeded runs sample alike)
         monkeypatch.undo()
         keys = {(key[0], key[1][0]) for key in model.runtime.traces["rounds"]}
         assert keys == {(k, greedy) for k in (1, 2, 3) for greedy in (True, False)}

@@ -175,21 +175,26 @@ def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), S
     between passes of different kinds and a generation's first round (built op by op) are compiled now and not
     inside a generation. On MLX's CUDA backend a kind of pass not run before on the machine compiled kernels for
     2.3-2.8 s in the middle of a generation (docs/adr/0008, 'Runs N and O'); the builds are kept on disk, the traces
-    only in this process. Returns the passes run."""
+    only in this process. The PRNG's key is as before (a seeded generation after it samples as without it). Returns
+    the passes run."""
     ids = mx.array([(7 * i + 3) % model.args.vocab_size for i in range(16)])
+    hi, lo = mx.random.state[0].tolist()
     passes = 0
-    for sampler in samplers:
-        for seq in warm_passes(k_max):
-            cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
-            first = sampler(logits)
-            rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache)
-            verified = 0
-            for r, k in enumerate(seq):
-                rounds.bounds(r, verified)
-                tokens, n = rounds.round(r, k)
-                mx.eval(tokens, n) if k else mx.eval(tokens)
-                verified += (n.item() if k else 0) + 1
-                passes += 1
+    try:
+        for sampler in samplers:
+            for seq in warm_passes(k_max):
+                cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
+                first = sampler(logits)
+                rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache)
+                verified = 0
+                for r, k in enumerate(seq):
+                    rounds.bounds(r, verified)
+                    tokens, n = rounds.round(r, k)
+                    mx.eval(tokens, n) if k else mx.eval(tokens)
+                    verified += (n.item() if k else 0) + 1
+                    passes += 1
+    finally:
+        mx.random.seed((hi << 32) | lo)  # (the key [hi, lo] again: mx.random.key(s) is [s >> 32, s & 0xffffffff])
     return passes
 
 

@@ -154,17 +154,17 @@ class DepthTuner:
         return max(((k, self.speedup(k, rates)) for k in range(1, self.k_max + 1)), key=lambda t: t[1])
 
 
-# What a process's pipelined tuners measured of a model (`model.runtime.tuner`): greedy? -> {"cost": {K: seconds per
-# pass}, "k": the depth last picked}. A later generation on the same model starts from those costs at that depth
-# instead of timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain
-# speed for a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept
-# apart.
 def fresh_memory() -> dict:
     """A process's tuner memory before its first generation: what that generation measures is provisional
     (PipelinedTuner.__init__)."""
     return {"first": True}
 
 
+# What a process's pipelined tuners measured of a model (`model.runtime.tuner`): greedy? -> {"cost": {K: seconds per
+# pass}, "k": the depth last picked}. A later generation on the same model starts from those costs at that depth
+# instead of timing ten plain steps first (in a 96-token generation the baseline alone held an adaptive leg near plain
+# speed for a tenth of its tokens). Greedy and sampled rounds differ in cost (the sampled acceptance), so they are kept
+# apart.
 def tuner_memory(model, greedy: bool) -> dict:
     """The costs the tuners of this process measured on `model` (kept on the model: they go with it)."""
     return runtime_of(model).tuner.setdefault(bool(greedy), fresh_memory())
@@ -362,7 +362,7 @@ class PipelinedTuner:
         tail = seconds[max(1, n - COST_WINDOW - self.REJECTS):]
         between = n - 1 - len(tail)
         self.since += between
-        self.memory["clock"] += between
+        self.memory["clock"] = self.memory.get("clock", 0) + between
         for s in tail:
             self.observe(0, s)
 
