@@ -230,7 +230,7 @@ def on_cuda() -> bool:
 
 def keep_round_builds(model: Model, config: dict) -> None:
     """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the generate CLI with MTP
-    on, the benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
+    on, chat, the benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
     (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
     for them in its PTX cache, and a marker there records that this model's shape and dtype were warmed with this
     package's source; a later process only loads them. Without this a kind of pass not seen before on the machine
