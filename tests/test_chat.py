@@ -120,9 +120,8 @@ def test_messages_are_read_by_input_with_readline(monkeypatch, capsys):
 
 def test_chat_builds_the_speculative_kernels_only_when_it_speculates(monkeypatch, capsys):
     """Chat speculates with adaptive depth on a checkpoint with a head: it asks for the once-per-machine builds of
-    the adaptive loop's passes (load.keep_round_builds: a no-op off CUDA) with the checkpoint's config; --no-mtp does
-    not."""
+    the adaptive loop's passes (load.keep_round_builds: a no-op off CUDA) with the loaded model; --no-mtp does not."""
     asked = []
-    monkeypatch.setattr(chat, "keep_round_builds", lambda model, config: asked.append(config["model_type"]))
+    monkeypatch.setattr(chat, "keep_round_builds", lambda model: asked.append(model.has_mtp))
     assert run_chat(monkeypatch, capsys, "/quit\n")[0] == 0 and len(asked) == 1
     assert run_chat(monkeypatch, capsys, "/quit\n", "--no-mtp")[0] == 0 and len(asked) == 1

@@ -433,13 +433,13 @@ def test_a_virtual_environment_is_ignored_by_git():
 
 def test_cli_builds_the_speculative_kernels_only_when_it_speculates_adaptively(checkpoints, monkeypatch, capsys):
     """The CLI asks for the once-per-machine builds of the adaptive loop's passes (load.keep_round_builds: a no-op
-    off CUDA) when it speculates with adaptive depth, with the checkpoint's config; plain decoding and a fixed depth
+    off CUDA) when it speculates with adaptive depth, with the loaded model; plain decoding and a fixed depth
     do not pay for them."""
     gen = importlib.import_module("lattice_mlx.generate")
     asked = []
-    monkeypatch.setattr(gen, "keep_round_builds", lambda model, config: asked.append(config["model_type"]))
+    monkeypatch.setattr(gen, "keep_round_builds", lambda model: asked.append(model.has_mtp))
     base = ["--model", str(checkpoints["tied"]), "--prompt", "hi", "--max-tokens", "3"]
-    for flags, want in (([], []), (["--mtp", "--no-adaptive"], []), (["--mtp"], ["qwen3_5"])):
+    for flags, want in (([], []), (["--mtp", "--no-adaptive"], []), (["--mtp"], [True])):
         asked.clear()
         assert gen.main([*base, *flags]) == 0
         assert asked == want, flags

@@ -271,9 +271,9 @@ def test_a_bad_config_value_is_one_line_from_the_cli(checkpoints, tmp_path):
 def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mtp_checkpoint, tmp_path,
                                                               monkeypatch, capsys):
     """keep_round_builds: on MLX's CUDA backend, for a model with an MTP head, warm_rounds once (announced in one
-    line), then a marker in the PTX cache makes later calls skip it (another dtype: its own); a failure is one line
-    and leaves no marker; on another backend, with rounds untraced or without a head, nothing runs. Loading a model
-    runs none of it (plain decoding never pays for it)."""
+    line), then a marker in the PTX cache makes later calls skip it (another dtype or quantization: its own); a
+    failure is one line and leaves no marker; on another backend, with rounds untraced or without a head, nothing
+    runs. Loading a model runs none of it (plain decoding never pays for it)."""
     import sys
 
     from lattice_mlx.metal import cuda_cache
@@ -281,40 +281,43 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
 
     loader = sys.modules["lattice_mlx.load"]  # (the module: the package's `load` is the function)
     model, _ = load(checkpoints["pattern"])
-    config = json.loads((checkpoints["pattern"] / "config.json").read_text())
     runs = []
     monkeypatch.setattr(cuda_cache, "cache_dir", lambda: tmp_path / "ptx")
     monkeypatch.setattr(pipelined, "warm_rounds", lambda m, k: runs.append((m, k)) or 0)
-    loader.keep_round_builds(model, config)  # (this machine's backend: the CPU)
+    loader.keep_round_builds(model)  # (this machine's backend: the CPU)
     assert runs == []
     monkeypatch.setattr(loader, "on_cuda", lambda: True)
     with pipelined.tracing(True):
         load(checkpoints["pattern"])
     assert runs == []
     with pipelined.tracing(False):
-        loader.keep_round_builds(model, config)
+        loader.keep_round_builds(model)
     assert runs == []
     capsys.readouterr()
     with pipelined.tracing(True):
-        loader.keep_round_builds(model, config)
+        loader.keep_round_builds(model)
         err = capsys.readouterr().err
         assert runs == [(model, 4)] and "once" in err and len(err.strip().splitlines()) == 2
         assert [f.name for f in (tmp_path / "ptx").iterdir()][0].startswith("lattice_rounds_")
-        loader.keep_round_builds(model, config)
+        loader.keep_round_builds(model)
         assert len(runs) == 1 and capsys.readouterr().err == ""
         bf16, _ = load(checkpoints["pattern"], dtype="bfloat16")
-        loader.keep_round_builds(bf16, config)  # another dtype: its own builds
+        loader.keep_round_builds(bf16)  # another dtype: its own builds
         assert len(runs) == 2
+        quantized, _ = load(checkpoints["pattern"])
+        quantize(quantized, bits=4, group_size=32, quantize_mtp=False)
+        loader.keep_round_builds(quantized)  # the same shape and dtype at 4 bits: its own builds too
+        assert len(runs) == 3
         plain_model, _ = load(no_mtp_checkpoint)
-        loader.keep_round_builds(plain_model, config)
-        assert len(runs) == 2
+        loader.keep_round_builds(plain_model)
+        assert len(runs) == 3
 
         def boom(m, k):
             raise RuntimeError("nvrtc\nfailed")
 
         monkeypatch.setattr(pipelined, "warm_rounds", boom)
         capsys.readouterr()
-        loader.keep_round_builds(load(checkpoints["pattern"], dtype="float16")[0], config)
+        loader.keep_round_builds(load(checkpoints["pattern"], dtype="float16")[0])
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 2 and "not prebuilt" in err[1] and "RuntimeError" in err[1]
-        assert len(list((tmp_path / "ptx").iterdir())) == 2  # (no marker for the failed one, no part file left)
+        assert len(list((tmp_path / "ptx").iterdir())) == 3  # (no marker for the failed one, no part file left)

@@ -27,7 +27,7 @@ from .generate import (
     sampling_flags,
     stream_generate,
 )
-from .load import DEMO_MODEL, LoadError, keep_round_builds, load, read_config, resolve_path
+from .load import DEMO_MODEL, LoadError, keep_round_builds, load, resolve_path
 from .prompt_cache import PromptCache
 from .sample import Sampler
 from .speculative import SpecOptions
@@ -66,7 +66,7 @@ def start(args: argparse.Namespace):
     path = resolve_path(args.model) if args.model else None
     model, tokenizer = load(path, dtype=args.dtype)
     if model.has_mtp and not args.no_mtp:  # (chat speculates with adaptive depth: on CUDA its kernels, once)
-        keep_round_builds(model, read_config(path or DEMO_MODEL))
+        keep_round_builds(model)
     checkpoint = checkpoint_sampling(path or DEMO_MODEL) if args.generation_config == "auto" else {}
     sampling, from_checkpoint = sampling_flags(args, checkpoint)
     Sampler(**sampling)

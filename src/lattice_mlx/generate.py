@@ -14,7 +14,7 @@ import mlx.core as mx
 from .batch import DEFAULT_MAX_BATCH, BatchDecoder, Sequence
 from .cli import ArgumentParser, add_speculation_args, command_name, resolve_speculation, speculation_from_args
 from .decode import generate_step
-from .load import DEMO_MODEL, LoadError, keep_round_builds, load, read_config, resolve_path
+from .load import DEMO_MODEL, LoadError, keep_round_builds, load, resolve_path
 from .sample import Sampler
 from .speculative import SpecOptions, SpecStats, auto_applies, speculate
 from .speculative.batched import BatchRounds
@@ -392,7 +392,7 @@ def run(args: argparse.Namespace) -> GenerationResult:
         raise ValueError(f"{e}: shorten the prompt or --max-tokens, or pass --allow-long-context") from None
     speculation = resolve_speculation(model, options, when) if args.max_kv_size is None or when == "on" else None
     if speculation is not None and speculation.adaptive and group is None:
-        keep_round_builds(model, read_config(path or DEMO_MODEL))  # (on CUDA, once per machine)
+        keep_round_builds(model)  # (on CUDA, once per machine)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, **sampling, chat_template=chat_template,
         speculation=speculation,

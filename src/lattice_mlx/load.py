@@ -215,39 +215,32 @@ def keep_kernel_builds(config: dict, dtype: mx.Dtype) -> None:
         print(f"lattice_mlx: kernels not prebuilt ({type(e).__name__}: {str(e).strip()[:200]})", file=sys.stderr)
 
 
-def _source_digest() -> str:
-    """sha256 of this package's Python sources: what the kernels MLX builds for a round depend on besides the model."""
-    h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def on_cuda() -> bool:
     """Whether MLX computes on its CUDA backend here (the default device a GPU, and not Metal's)."""
     return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
-def keep_round_builds(model: Model, config: dict) -> None:
+def keep_round_builds(model: Model) -> None:
     """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the generate CLI with MTP
     on, chat, the benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
     (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
-    for them in its PTX cache, and a marker there records that this model's shape and dtype were warmed with this
-    package's source; a later process only loads them. Without this a kind of pass not seen before on the machine
-    compiled for seconds in the middle of a generation (docs/adr/0008, 'Runs N and O'); with it a fresh GPU machine
-    spent 142 s on it once for the demo (then 2.4 s for a model of another shape: the kernels are mostly shared), too
-    long for every load (plain decoding never pays it). Elsewhere nothing: MLX's CPU backend builds the traced steps
+    for them in its PTX cache, and a marker there records that this model (its parameters' names, shapes and dtypes:
+    its shape, quantization and activation dtype) was warmed with this package's source; a later process only loads
+    them. Without this a kind of pass not seen before on the machine compiled for seconds in the middle of a
+    generation (docs/adr/0008, 'Runs N and O'); with it a fresh GPU machine spent 142 s on it once for the demo (then
+    2.4 s for a model of another shape: the kernels are mostly shared), too long for every load (plain decoding never
+    pays it). Elsewhere nothing: MLX's CPU backend builds the traced steps
     where they are first run, and on Metal the builds are not kept on disk. A failure leaves the builds to the
     generations, as without it."""
     from .metal import cuda_cache
+    from .runtime import source_digest
     from .speculative import pipelined
     from .speculative.options import ADAPTIVE_MAX_K
 
     if not (model.has_mtp and on_cuda() and pipelined.tracing_enabled()):
         return
-    text = json.dumps(dict(config.get("text_config") or config), sort_keys=True, default=str)
-    dtype = model.model.norm.weight.dtype  # (the activations': the checkpoint's floats are cast to it)
-    key = hashlib.sha256(f"{mx.__version__}|{dtype}|{text}|{_source_digest()}".encode()).hexdigest()[:24]
+    params = [(name, tuple(a.shape), str(a.dtype)) for name, a in tree_flatten(model.parameters())]
+    key = hashlib.sha256(f"{mx.__version__}|{source_digest()}|{params}".encode()).hexdigest()[:24]
     marker = cuda_cache.cache_dir() / f"lattice_rounds_{key}.done"
     if marker.exists():
         return

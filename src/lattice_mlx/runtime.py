@@ -1,7 +1,9 @@
 """What a process keeps on a model while it runs it, beside its weights: one typed attribute, `model.runtime`, that
 goes with the model (nothing is keyed by id() in module globals)."""
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -24,3 +26,19 @@ def runtime_of(model) -> Runtime:
         rt = Runtime()
         object.__setattr__(model, "runtime", rt)
     return rt
+
+
+PACKAGE = Path(__file__).resolve().parent
+
+
+def source_digest(root: Path = PACKAGE) -> str:
+    """sha256 over the package's files as they are on disk when the run starts (relative path and bytes, in path
+    order, caches left out): names the code that ran even where there is no git, or the tree was dirty."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                       and p.suffix not in {".pyc", ".so", ".o"}):
+        rel = path.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "little") + rel)
+        data = path.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return "sha256:" + h.hexdigest()

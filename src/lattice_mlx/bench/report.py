@@ -1,7 +1,6 @@
 """Benchmark reports: provenance (git revision, device, peers), terminal and markdown tables, plots, and the
 one-line headline; run.py runs the legs and hands its results here."""
 
-import hashlib
 import platform
 import subprocess
 from pathlib import Path
@@ -10,25 +9,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import settings
+from ..runtime import PACKAGE, source_digest  # noqa: F401 (PACKAGE: read here by the bench tests)
 from . import stats as bs
 
 SYNTHETIC = "SYNTHETIC (oracle drafts)"
-
-
-PACKAGE = Path(__file__).resolve().parents[1]
-
-
-def source_digest(root: Path = PACKAGE) -> str:
-    """sha256 over the package's files as they are on disk when the run starts (relative path and bytes, in path
-    order, caches left out): names the code that ran even where there is no git, or the tree was dirty."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                       and p.suffix not in {".pyc", ".so", ".o"}):
-        rel = path.relative_to(root).as_posix().encode()
-        h.update(len(rel).to_bytes(4, "little") + rel)
-        data = path.read_bytes()
-        h.update(len(data).to_bytes(8, "little") + data)
-    return "sha256:" + h.hexdigest()
 
 
 def provenance() -> dict:

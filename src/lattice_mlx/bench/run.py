@@ -295,12 +295,12 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
         config["quantization"] = {"group_size": group_size, "bits": bits} if bits else None
         model = random_model(**SHAPES[name], bits=bits or None, group_size=group_size, dtype=DTYPES[dtype])
         target = Target(f"random {name} Q{bits or 16} {dtype}", model, config, None, synthetic=True)
-        keep_round_builds(model, config)  # (once per machine, on CUDA: the legs speculate)
+        keep_round_builds(model)  # (once per machine, on CUDA: the legs speculate)
     else:
         path = resolve_path(DEMO_MODEL if name == "demo" else name)
         model, config = load_model(path, dtype=dtype)
         target = Target(f"{name} ({path})", model, config, load_tokenizer(path, config), synthetic=False)
-        keep_round_builds(model, config)
+        keep_round_builds(model)
     if stock:
         try:
             log("built; building mlx-lm's model on the same weights (the stock leg)")
