@@ -553,3 +553,32 @@ def test_what_a_process_first_generation_measured_is_provisional():
     kept: dict = {}
     _Costs(4, kept, lag=2).run(dear, rates, 256)
     assert _Costs(4, kept, lag=2).run(costs, rates, 64)[0] == 0 and kept["off"]
+
+
+def test_a_probe_at_acceptance_zero_ends_soon_where_plain_read_dear():
+    """Run O's 0.8B shape with the random head, its third generation: plain's cost carried from a slow spell (2.26 ms,
+    1.65 afresh) put K=2 (2.33) and K=3 (2.51) near break-even at acceptance 0, and hope for more accepted rounds
+    held the probe until a stale-plain check, then a second probe ran: 60 rounds. Hope holds only at the depth the
+    tuner keeps (or shallower ones) and for HOPE_ROUNDS rounds read, and the check's fresh reading decides at once."""
+    from lattice_mlx.speculative.tuning import CHECK_PASSES
+
+    old = {0: 2.26, 1: 3.01, 2: 2.66, 3: 2.51}
+    memory = _carried(costs=old, k=2, stretch=256, off=800)
+    costs = {0: 1.65, 1: 2.1, 2: 2.33, 3: 2.5, 4: 2.8}
+    ks = _generation(memory, costs, lambda k: 0)
+    rounds = ks.index(0)
+    assert rounds <= 36, ks[:80]
+    stale = ks[rounds : rounds + CHECK_PASSES] == [0] * CHECK_PASSES and ks[rounds + CHECK_PASSES] > 0
+    assert not stale and all(k == 0 for k in ks[rounds:]), ks[:80]  # no second probe after a check
+    # where a round costs a plain step and 3% (the readings of another spell of the host), hope at the current depth
+    # fades: HOPE_ROUNDS rounds read at acceptance 0 and a rate that would pay at that cost is not hoped for
+    near = {0: 2.26, 1: 2.3, 2: 2.33, 3: 2.6, 4: 2.9}
+    ks = _generation(_carried(costs=near, k=2, stretch=256, off=800), near, lambda k: 0)
+    assert ks.index(0) <= 36 and not any(ks[ks.index(0):]), ks[:80]
+    # hope at a depth beside the current one, which it would not go to, holds nothing: K=3 at a plain step's cost
+    # predicts 1.0 at acceptance 0 and more with any hope; the tuner at K=2 (dear) goes off after its confirmations
+    tuner = PipelinedTuner(4, {"cost": {0: 2.0, 1: 2.4, 2: 2.6, 3: 2.0}, "at": {d: 0 for d in range(4)}, "clock": 1,
+                               "k": 2})
+    tuner.left, tuner.dispatched = 0, MIN_OFF_ROUNDS
+    ks = [tuner.next_k([0.0, 0.0], lambda: [0.1, 0.01]) for _ in range(OFF_CONFIRM)]
+    assert ks[-1] == 0 and tuner.decisions, (ks, tuner.log)

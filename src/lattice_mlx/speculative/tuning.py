@@ -84,6 +84,11 @@ MIN_POSITION_ROUNDS = 8
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
 # tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
 OFF_HOPE = 2.0
+# ... and hope holds only at the current depth or shallower ones (the depth it keeps), and only while fewer than this
+# many rounds were read: the 0.8B shape at acceptance 0 read K=2 at a plain step's cost plus 3% against a plain cost
+# read in a slow spell, and hope at K=2 (or at K=3 beside it, in the replay: a depth it would not go to) held the
+# probe for 45 rounds (run O)
+HOPE_ROUNDS = 24
 # ... and only after this many rounds of the generation were read: the pipelined loop reads a round two passes after
 # dispatching it, so its first decision (after ADAPTIVE_WARMUP_ROUNDS rounds dispatched) saw two rounds, and two
 # rejected first drafts turned speculation off for 64 tokens or more where the demo's head at temperature 0.7 and the
@@ -177,9 +182,10 @@ class PipelinedTuner:
     per-position acceptance (tuning.expected_tokens), and the depth picked is the K within one of the current one
     with the most tokens per second, else a traced depth further off that pays, or 0 (plain steps) when none of them
     beats plain for OFF_CONFIRM decisions in a row (and MIN_OFF_ROUNDS rounds were read; a plain cost read
-    STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps). The passes just after a
-    change of K are not timed (the pipeline refills, and a verify shape's first use compiles it; FIRST_TRACE_SKIP
-    more after a change to a depth with no trace yet), and a depth is judged after DWELL timed passes. The schedule:
+    STALE_PASSES passes ago or more is read again first, CHECK_PASSES plain steps, and the decision taken again on
+    it). The passes just after a change of K are not timed (the pipeline refills, and a verify shape's first use
+    compiles it; FIRST_TRACE_SKIP more after a change to a depth with no trace yet), and a depth is judged after DWELL
+    timed passes. The schedule:
     plain steps first (the baseline), then PIPELINED_START_K for ADAPTIVE_WARMUP_ROUNDS rounds read (`lag`: the
     passes from a round's dispatch to its acceptance); then a decision after every round. Plain wins: plain steps
     for a stretch (64 tokens, growing 4x while speculation still cannot pay) and speculation is probed again. With a
@@ -233,6 +239,7 @@ class PipelinedTuner:
         # reading kept that reading as its cost in later generations (a remembered cost alone counts as one pass)
         self.window = self.memory.setdefault("window", {})
         self.at = self.memory.setdefault("at", {})  # per depth: the process's pass (memory["clock"]) it was last timed
+        self.checking = False  # plain steps of such a check are running
         self.recheck = False  # plain's next timed pass replaces its cost (a check of a stale one) instead of joining it
         self.resume = 0  # a carried stretch's rest, where this generation's first probe goes if it finds no gain
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
@@ -380,10 +387,16 @@ class PipelinedTuner:
                 # generation (not a stale-plain check's steps inside a text's probe: the carried rest stays)
                 self.memory["off"] = self.left
             return self.k
-        if self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
+        if self.k == 0 and self.checking:  # a stale-plain check is over: the off decision that asked for it is
+            # taken again at once, on plain's fresh cost and the rounds' costs and rates read just before. A second
+            # probe (ADAPTIVE_WARMUP_ROUNDS rounds, OFF_CONFIRM decisions) re-read what the first one had read: with
+            # the hope that held the first, run O's 0.8B shape at acceptance 0 ran probes of 52-60 rounds, a fifth
+            # to a quarter of its generation's passes (docs/adr/0008, 'Runs N and O')
+            self.checking, self.k, self.below = False, self.probe_k, OFF_CONFIRM - 1
+        elif self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
             return self.k
-        if self.prev == self.k and self.since < self.skip + DWELL - 1:
+        elif self.prev == self.k and self.since < self.skip + DWELL - 1:
             return self.k  # this depth's cost is not measured enough yet to judge it (or its neighbours) by
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
@@ -391,9 +404,9 @@ class PipelinedTuner:
         k, gain = max(((k, g) for k, g in gains.items() if g is not None), key=lambda t: t[1], default=(self.k, None))
         if gain is None:  # nothing measured to decide on yet: stay
             return self.k
-        if gain < SPECULATE_MIN_GAIN and hopeful is not None:
+        if gain < SPECULATE_MIN_GAIN and hopeful is not None and self.read() < HOPE_ROUNDS:
             hoped = hopeful()
-            hope = [(d, self.speedup(d, hoped)) for d in near]
+            hope = [(d, self.speedup(d, hoped)) for d in near if d <= self.k]
             d, g = max(((d, g) for d, g in hope if g is not None), key=lambda t: t[1], default=(k, None))
             if g is not None and g >= SPECULATE_MIN_GAIN:  # too few rounds to tell: stay, or go shallower
                 # (hope is a reason to keep speculating, not to explore deeper)
@@ -442,8 +455,8 @@ class PipelinedTuner:
         if not hopeless and self.below < OFF_CONFIRM:
             return self.k
         if not hopeless and self.stale(0):  # plain's cost from long ago: read it again first (then it is fresh for
-            # STALE_PASSES passes: the decisions after the check's probe go off on it, with no second check)
-            self.recheck, self.below = True, 0
+            # STALE_PASSES passes: the decision at the check's end goes off on it, with no second check)
+            self.recheck = self.checking = True
             self.probe_k = self.k
             self.log.append(f"plain steps for {CHECK_PASSES} passes: plain's cost is stale; {self._costs()}")
             self.k, self.left = 0, CHECK_PASSES - 1
