@@ -67,6 +67,7 @@ STALE_PASSES = 32
 # read it again. The demo at temperature 0.7 read K=2 at twice its cost in one slow spell, went to K=1 and stayed
 # there for six generations where K=3 paid (docs/adr/0008, 'Run M')
 REREAD_PASSES = 256
+MONO = False
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
@@ -160,9 +161,11 @@ class DepthTuner:
 
 
 def fresh_memory() -> dict:
-    """A process's tuner memory before its first generation: what that generation measures is provisional
-    (PipelinedTuner.__init__)."""
-    return {"first": True}
+    """A process's tuner memory before its first generation. What that generation measures is kept, as any other's:
+    a second generation that started afresh (the plain baseline, then PIPELINED_START_K) to leave the first one's
+    readings behind ran at 0.59-0.82 of the best fixed depth in all six groups of run P on the H100, where run O's
+    second generations, starting from the first one's costs, ran at 0.82-1.05 (docs/adr/0008, 'Run P')."""
+    return {}
 
 
 # What a process's pipelined tuners measured of a model (`model.runtime.tuner`): greedy? -> {"cost": {K: seconds per
@@ -206,21 +209,6 @@ class PipelinedTuner:
         `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
         pipelined loop: 2)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
-        # What the process's first generation measured is provisional (a memory from `fresh_memory`, as tuner_memory
-        # makes it): the next generation starts afresh (plain steps, then PIPELINED_START_K), and what that one
-        # measures is kept. A process's first rounds of each depth cost more than its later ones past the untimed
-        # passes (its traces are built and first run there): run N's demo at temperature 0.7 read K=3 at 1.6 times
-        # its later cost in its first generation, left it, and in later generations sat at K=1 and K=4 beside that
-        # reading (docs/adr/0008, 'Runs N and O'). Replayed (replay_tuner.py --first 1.6,30: the first generation's
-        # first 30 passes of each depth 1.6x dearer; 100 seeds) the demo at 0.7 went from 0.83 to 0.90 of its best
-        # fixed depth, greedy at --first 2,20 from 0.75 to 0.94; cases with no such inflation moved by 0.01 (a second
-        # baseline and probe). A hopeless verdict goes too (the demo's inflated rounds read as hopeless; on MLX's CPU
-        # backend, where rounds do cost K + 1 plain steps, the second generation probes once more).
-        first = self.memory.get("first")
-        if first == "ran":
-            self.memory.clear()
-        elif first:
-            self.memory["first"] = "ran"
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.after = deque(maxlen=lag)  # `dispatched` after each of the last `lag` passes
@@ -317,6 +305,8 @@ class PipelinedTuner:
         shallower depth's: a reading from another spell of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
+            if MONO:
+                c = min([c, *(v for d, v in self.cost.items() if d > k)])
             if 0 < k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
                     and self.stale(k, REREAD_PASSES):
                 line = self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k
