@@ -1,0 +1,111 @@
+"""What each pass of the adaptive pipelined loop costs as its tuner times it, under forced depth schedules (no
+decisions): generations at one depth from their start, and generations that change depth every BLOCK passes. It
+answers what the tuner's readings cannot tell apart on their own: how many passes after a generation's start or a
+change of depth cost more than the depth's steady passes (the tuner leaves PipelinedTuner.SKIP of them untimed), and
+how a depth's steady pass compares with the fixed legs' whole-generation cost per round. Every pass's seconds are
+recorded (the loop's own clock: dispatch to dispatch, the consumer's handling of the tokens included), as are
+plain stretches run as plain decoding's loop. Greedy, SYNTHETIC drafts (bench/oracles.DeviceOracle at --p) on a
+random shape, or the demo's own head.
+
+Usage: python scripts/bench/pass_costs.py --model 0.8b [--p 0.8] [--tokens 256] [--reps 3] [--out FILE.json]
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import mlx.core as mx
+
+from lattice_mlx import SpecOptions, SpecStats, speculate
+from lattice_mlx.bench.oracles import DeviceOracle
+from lattice_mlx.bench.report import provenance
+from lattice_mlx.bench.run import load_target, workload_prompts
+from lattice_mlx.decode import generate_step
+from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative import tuning
+
+BLOCK = 12
+SCHEDULES = {  # name: the depths of successive blocks of BLOCK passes, cycled (one entry: that depth throughout)
+    "k0": [0], "k1": [1], "k2": [2], "k3": [3], "k4": [4],
+    "changes": [3, 2, 3, 4, 3, 1, 3, 0, 2, 4, 1, 0, 4, 2, 1, 3],
+}
+PASSES: list = []  # this generation's passes: [depth, seconds, passes at this depth before it]
+
+
+def forced(schedule: list[int]):
+    """PipelinedTuner methods that follow `schedule` and record every pass."""
+
+    def next_k(self, rates, hopeful=None):
+        i = self.__dict__.setdefault("_forced", 0)
+        self._forced = i + 1
+        k = schedule[(i // BLOCK) % len(schedule)]
+        # a plain block's other passes run as the loop's plain stretch (plain decoding's own loop), as the tuner's do
+        self.k, self.left = k, (BLOCK - 1 - i % BLOCK if k == 0 else 0)
+        return k
+
+    def observe(self, k, seconds):
+        since = PASSES[-1][2] + 1 if PASSES and PASSES[-1][0] == k else 0
+        PASSES.append([k, round(seconds * 1e3, 4), since])
+
+    def plain_ran(self, seconds):
+        for s in seconds:
+            observe(self, 0, s)
+        self._forced += len(seconds)
+        self.left = 0
+
+    return next_k, observe, plain_ran
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="0.8b")
+    ap.add_argument("--p", type=float, default=0.8, help="SYNTHETIC acceptance of the oracle drafts (random shapes)")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="pass_costs.json")
+    args = ap.parse_args()
+    target = load_target(args.model, bits=4, group_size=64, dtype="bfloat16", seed=0, stock=False)
+    model = target.model
+    ids = workload_prompts(target, "random", 1, tokens=64, seed=0)[0] if target.tokenizer is None else \
+        list(target.tokenizer.encode("def fibonacci(n):\n"))
+    greedy = Sampler(temp=0.0)
+    reference = []
+    for t in generate_step(model, mx.array(ids), sampler=greedy):
+        reference.append(t)
+        if len(reference) == args.tokens + 8:
+            break
+    tuner = tuning.PipelinedTuner
+    originals = tuner.next_k, tuner.observe, tuner.plain_ran
+    out = {"meta": provenance(), "model": target.label, "p": args.p, "tokens": args.tokens, "block": BLOCK,
+           "schedules": SCHEDULES, "generations": []}
+    for rep in range(args.reps + 1):  # (rep 0 warms every schedule: not recorded)
+        for name, schedule in SCHEDULES.items():
+            tuner.next_k, tuner.observe, tuner.plain_ran = forced(schedule)
+            PASSES.clear()
+            options = SpecOptions(draft_tokens=4)
+            stats = SpecStats.of(options)
+            drafter = DeviceOracle(reference, args.p, model.args.vocab_size, 4, seed=rep) \
+                if target.tokenizer is None else None
+            tic, n = time.perf_counter(), 0
+            try:
+                for _ in speculate(model, mx.array(ids), sampler=greedy, options=options, stats=stats,
+                                   drafter=drafter):
+                    n += 1
+                    if n == args.tokens:
+                        break
+            finally:
+                tuner.next_k, tuner.observe, tuner.plain_ran = originals
+            seconds = time.perf_counter() - tic
+            if rep:
+                out["generations"].append({"rep": rep, "schedule": name, "seconds": seconds, "rounds": stats.rounds,
+                                           "accepted": sum(stats.accepted_at), "passes": list(PASSES)})
+            print(f"rep {rep} {name}: {seconds * 1e3:.1f} ms, {len(PASSES)} passes, {stats.rounds} rounds",
+                  file=sys.stderr, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
