@@ -39,7 +39,8 @@ LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipeli
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
                noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
-               spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0)) -> float:
+               spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0),
+               settle: tuple[float, ...] = (), slow_gen: tuple[float, float] = (0.0, 1.0)) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
@@ -50,12 +51,16 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     for `length` passes (run M's demo read K=2 at twice its cost in one); plain's time is then its cost times the
     generation's mean factor. `first` (factor, passes): in a process's first generation each depth's first `passes`
     passes cost `factor` times more (runs N and O: the process's first rounds of a depth, after the untimed ones,
-    read K=3 at 1.6x its later cost on the demo)."""
+    read K=3 at 1.6x its later cost on the demo). `settle`: what the passes after a change of depth (or the
+    generation's start) cost, as multiples of their depth's, by their place after it (overrides `switch`; run R's
+    pass_costs.py: about 2, 1.1, 1.05, 1.03 on the H100). `slow_gen` (share, factor): that share of the generations
+    runs on a host that many times slower throughout (run R's host ran whole generations 1.4x slower)."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
     sigma, rho = drift
     factors = 0.0
+    gen_factor = slow_gen[1] if slow_gen[0] and rng.random() < slow_gen[0] else 1.0
     tuner = PipelinedTuner(4, memory, lag=LAG)
     done, spent, pending, last = 1, 0.0, [], []
     stretch, left = [], 0  # a plain stretch's passes, run as plain decoding's loop (pipelined.run_pipelined): no
@@ -69,14 +74,17 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
                              lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
         if sigma:
             host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
-        factor = math.exp(host.get("x", 0.0))
+        factor = math.exp(host.get("x", 0.0)) * gen_factor
         if host.get("spell", 0) <= 0 and spells[0] and rng.random() < spells[0]:
             host["spell"] = spells[2]
         if host.get("spell", 0) > 0:
             host["spell"] -= 1
             factor *= spells[1]
         factors += factor
-        cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * (switch if k not in last[-2:] else 1.0)
+        since = next((i for i, d in enumerate(reversed(last)) if d != k), len(last))
+        settled = (settle[since] if since < len(settle) else 1.0) if settle else \
+            (switch if k not in last[-2:] else 1.0)
+        cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * settled
         runs[k] += 1
         if fresh and k and runs[k] <= first[1]:
             cost *= first[0]
@@ -110,13 +118,14 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
 def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
            probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0),
            vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0),
-           first: tuple[float, int] = (1.0, 0)) -> list[float]:
+           first: tuple[float, int] = (1.0, 0), settle: tuple[float, ...] = (),
+           slow_gen: tuple[float, float] = (0.0, 1.0)) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
     share of the generations (texts) drafts at the rates times the factor."""
     share, factor = vary
     return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
                                          rng, tokens, switch=switch, probe=probe, drift=drift, host=host,
-                                         spells=spells, first=first)
+                                         spells=spells, first=first, settle=settle, slow_gen=slow_gen)
                               for _ in range(gens))
             for rng, memory, host in ((random.Random(s), fresh_memory(), {}) for s in range(seeds))]
 
@@ -142,7 +151,13 @@ def main() -> None:
                     "PASSES passes cost FACTOR times more")
     ap.add_argument("--spells", default="0,1,0", help="RATE,FACTOR,LENGTH: slow spells of the host (each pass starts "
                     "one with probability RATE; its LENGTH passes cost FACTOR times more)")
+    ap.add_argument("--settle", default="", help="F0,F1,..: the passes after a change of depth, as multiples of "
+                    "their depth's cost, by their place after it (overrides --switch)")
+    ap.add_argument("--slow-gen", default="0,1", help="SHARE,FACTOR: that share of the generations on a host that "
+                    "many times slower")
     args = ap.parse_args()
+    settle = tuple(float(x) for x in args.settle.split(",")) if args.settle else ()
+    slow_gen = tuple(float(x) for x in args.slow_gen.split(","))
     drift = tuple(float(x) for x in args.drift.split(","))
     rate, factor, length = args.spells.split(",")
     spells = (float(rate), float(factor), int(length))
@@ -153,14 +168,16 @@ def main() -> None:
         for g in range(10):
             seen = Counter()
             speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
-                                 probe=args.probe_ms, drift=drift, host=host, spells=spells, first=first)
+                                 probe=args.probe_ms, drift=drift, host=host, spells=spells, first=first,
+                                 settle=settle, slow_gen=slow_gen)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
     for name, (cond, costs) in CASES.items():
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
         runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
-                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first)
+                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first,
+                      settle=settle, slow_gen=slow_gen)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")
