@@ -39,6 +39,8 @@ from lattice_mlx.decode import generate_step
 from lattice_mlx.metal import _dialect, cuda_cache, q4_matmul
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import auto_applies
+from lattice_mlx.speculative.options import ADAPTIVE_MAX_K
+from lattice_mlx.speculative.pipelined import warm_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,6 +141,11 @@ def run_group(args) -> dict:
             run_leg(model, "plain", ids, 2, temp, drafts, None, 0)
         for leg in legs:
             run_leg(model, leg, prompts[0], n, temp, drafts, refs[0], 999)
+        if drafts.startswith("oracle:"):  # every kind of pass again with the oracle's own work in it (the loads'
+            # once-per-machine builds ran them with the head's drafts): in run Q a generation's first round at K=1 with
+            # oracle drafts built kernels for 1.9 s inside a timed repetition (docs/adr/0008, 'Runs P, Q and R')
+            warm_rounds(model, ADAPTIVE_MAX_K, (Sampler(),),
+                        DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
         return {"group": args.group, "warm_only": True}
     records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": [],
                      "kernel_builds": [], "kernel_build_s": [], "stalls_ms": []} for leg in legs}

@@ -453,6 +453,22 @@ def test_the_warm_up_runs_every_kind_of_pass(k_max):
     assert {(a, b) for a in kinds for b in kinds} <= changes, sorted(changes)
 
 
+def test_the_warm_up_drafts_through_a_benchmarks_override(checkpoints):
+    """warm_rounds(override=...): every round's drafts go through the override, as the generations' to come will (a
+    benchmark's oracle adds work of its own to each kind of pass; in run Q a generation's first round at K=1 with
+    oracle drafts built kernels for 1.9 s after a warm-up with the head's drafts)."""
+    model, _ = load(checkpoints["pattern"])
+    depths = []
+
+    def override(drafts, q, rounds_, r):
+        depths.append(drafts.shape[0])
+        return drafts, q
+
+    with rounds.tracing(False):
+        rounds.warm_rounds(model, 2, (Sampler(),), override)
+    assert len(depths) == sum(1 for seq in rounds.warm_passes(2) for k in seq if k) and set(depths) == {1, 2}
+
+
 def _pass_kinds(monkeypatch) -> set:
     """Records each pass's kind: (the depth of the pass before it, None for a generation's first; its depth)."""
     seen, real = set(), rounds.PipelinedRounds.round

@@ -169,14 +169,16 @@ def warm_passes(k_max: int) -> list[list[int]]:
     return [[k, k, 0] for k in depths] + [seq]
 
 
-def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), Sampler(temp=1.0))) -> int:
+def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), Sampler(temp=1.0)),
+                override: DraftOverride | None = None) -> int:
     """Every kind of pass the adaptive loop can run at depths up to k_max (`warm_passes`), greedy and sampled, on
     scratch caches after a 16-token prompt: each depth's traced round, plain decoding's traced step, and the work
     between passes of different kinds and a generation's first round (built op by op) are compiled now and not
     inside a generation. On MLX's CUDA backend a kind of pass not run before on the machine compiled kernels for
     2.3-2.8 s in the middle of a generation (docs/adr/0008, 'Runs N and O'); the builds are kept on disk, the traces
-    only in this process. The PRNG's key is as before (a seeded generation after it samples as without it). Returns
-    the passes run."""
+    only in this process. The PRNG's key is as before (a seeded generation after it samples as without it).
+    `override`: the drafts of the generations to come replaced as theirs will be (a benchmark's synthetic drafts add
+    work of their own to each kind of pass, compiled with it). Returns the passes run."""
     ids = mx.array([(7 * i + 3) % model.args.vocab_size for i in range(16)])
     hi, lo = mx.random.state[0].tolist()
     passes = 0
@@ -185,7 +187,7 @@ def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), S
             for seq in warm_passes(k_max):
                 cache, _, logits, hidden, _ = resume(model, ids, None, return_hidden=True)
                 first = sampler(logits)
-                rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache)
+                rounds = PipelinedRounds(model, sampler, k_max, ids.tolist(), first, hidden, cache, override)
                 verified = 0
                 for r, k in enumerate(seq):
                     rounds.bounds(r, verified)
