@@ -163,8 +163,9 @@ class DepthTuner:
 def fresh_memory() -> dict:
     """A process's tuner memory before its first generation. What that generation measures is kept, as any other's:
     a second generation that started afresh (the plain baseline, then PIPELINED_START_K) to leave the first one's
-    readings behind ran at 0.59-0.82 of the best fixed depth in all six groups of run P, where run O's second
-    generations, starting from the first one's costs, ran at 0.82-1.05 (docs/adr/0008, 'Runs P, Q and R')."""
+    readings behind ran at 0.60-0.92 of the best of plain decoding and the fixed depths (mean 0.79, six groups of
+    run P), where second generations starting from the first one's costs ran at 0.91-0.94 on average in runs N, O
+    and Q (docs/adr/0008, 'Runs P, Q and R')."""
     return {}
 
 
