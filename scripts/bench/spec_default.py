@@ -5,7 +5,9 @@ the legs interleaved (ABBA), every leg's first generation in this process inside
 
 Usage: python scripts/bench/spec_default.py --model 0.8b|demo|DIR [--drafts oracle:0.8,head] [--temps 0,0.7]
          [--lengths 256,1024] [--legs plain,plain-aa,default,k1,k2,k3,k4] [--reps 10] [--out FILE.json]
-A driver: it runs each group in a subprocess of its own (`--group`) and writes one JSON with them all.
+A driver: it runs each group in a subprocess of its own (`--group`) and writes one JSON with them all. A leg
+`default@NAME=VALUE;NAME=VALUE` is the default with the pipelined tuner's constants changed (`tuned`): an A/B of a
+tuner change paired with the default in one process.
 
 Draft sources: `oracle:P` (SYNTHETIC, greedy only: the head's drafts are computed, then replaced by plain greedy's
 token with probability P per position: bench/oracles.DeviceOracle), `head` (the checkpoint's own MTP head; on a
@@ -20,6 +22,7 @@ user's machine after its first run; the time that took is in the JSON's meta (ma
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -37,10 +40,12 @@ from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import load_profiler, load_target, profile_stream, text_prompts, workload_prompts
 from lattice_mlx.decode import generate_step
 from lattice_mlx.metal import _dialect, cuda_cache, q4_matmul
+from lattice_mlx.runtime import runtime_of
 from lattice_mlx.sample import Sampler
-from lattice_mlx.speculative import auto_applies
+from lattice_mlx.speculative import auto_applies, pipelined, tuning
 from lattice_mlx.speculative.options import ADAPTIVE_MAX_K
 from lattice_mlx.speculative.pipelined import warm_rounds
+from lattice_mlx.speculative.tuning import fresh_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +57,7 @@ def log(msg: str) -> None:
 def leg_options(leg: str) -> SpecOptions | None:
     if leg in ("plain", "plain-aa"):
         return None
-    if leg in ("default", "mtp"):  # `mtp`: --mtp on a backend where auto stays plain (the CPU)
+    if leg in ("default", "mtp") or leg.startswith("default@"):  # `mtp`: --mtp on a backend where auto stays plain
         return SpecOptions()
     return SpecOptions(draft_tokens=int(leg[1:]), adaptive=False)
 
@@ -72,6 +77,37 @@ def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, refere
     return speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter), stats
 
 
+@contextlib.contextmanager
+def tuned(model, leg: str):
+    """`default@NAME=VALUE;NAME=VALUE..`: the default with the pipelined tuner's constants NAME (a module constant of
+    speculative/tuning.py, also where speculative/pipelined.py imported it, or a PipelinedTuner class attribute) set
+    to VALUE while its generations run, and a tuner memory of its own (a key per leg in the model's tuner memories):
+    an A/B of tuner changes inside one process, paired by repetition with the default and the fixed depths, on one
+    host's spell. Other legs: nothing changes."""
+    if "@" not in leg:
+        yield
+        return
+    saved = []
+    try:
+        for item in leg.split("@", 1)[1].split(";"):
+            name, value = item.split("=")
+            owners = [o for o in (tuning, pipelined) if hasattr(o, name)] or \
+                ([tuning.PipelinedTuner] if hasattr(tuning.PipelinedTuner, name) else [])
+            if not owners:
+                raise SystemExit(f"spec_default: leg {leg}: the tuner has no constant {name}")
+            for owner in owners:
+                old = getattr(owner, name)
+                saved.append((owner, name, old))
+                setattr(owner, name, type(old)(float(value)) if isinstance(old, int) else type(old)(value))
+        memories = runtime_of(model).tuner
+        saved.append((pipelined, "tuner_memory", pipelined.tuner_memory))
+        pipelined.tuner_memory = lambda _model, greedy: memories.setdefault((leg, bool(greedy)), fresh_memory())
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            setattr(owner, name, old)
+
+
 STALL_S = 0.005  # a wait between two tokens longer than this is a stall (a plain step or a round is ~1-2 ms on a
 # GPU; run I's default logged 7-22 ms waits in its plain stretches, where plain's leg logged nothing to compare)
 
@@ -80,20 +116,21 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
             seed: int) -> tuple[float, float, dict | None, list[int]]:
     """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens). Its waits
     between tokens past STALL_S after the first: run_leg.stalls (seconds each)."""
-    tic = time.perf_counter()
-    stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
-    tokens, first, last, stalls = [], None, None, []
-    for t in stream:
-        now = time.perf_counter()
-        tokens.append(t)
-        if first is None:
-            first = now
-        elif now - last > STALL_S:
-            stalls.append(now - last)
-        last = now
-        if len(tokens) == n:
-            break
-    end = time.perf_counter()
+    with tuned(model, leg):
+        tic = time.perf_counter()
+        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
+        tokens, first, last, stalls = [], None, None, []
+        for t in stream:
+            now = time.perf_counter()
+            tokens.append(t)
+            if first is None:
+                first = now
+            elif now - last > STALL_S:
+                stalls.append(now - last)
+            last = now
+            if len(tokens) == n:
+                break
+        end = time.perf_counter()
     run_leg.stalls = stalls
     return end - tic, end - first, (stats.to_dict() if stats is not None else None), tokens
 
@@ -102,8 +139,9 @@ def profile_leg(kernel_profile, model, leg: str, ids: list[int], n: int, temp: f
                 reference: list[int] | None, seed: int) -> dict:
     """GPU kernels per generated token over n tokens after the first (one untimed generation of its own, CUPTI:
     bench.run.profile_stream), and the acceptance where the leg speculates."""
-    stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
-    out = profile_stream(kernel_profile, stream, stats, n)
+    with tuned(model, leg):
+        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
+        out = profile_stream(kernel_profile, stream, stats, n)
     if stats is not None:
         out["acceptance"] = stats.to_dict()["acceptance_rate"]
     return out

@@ -28,7 +28,8 @@
 #   oracle         MTP speedup over the synthetic acceptance grid (0.8B shape)
 #   spec-default   the default speculation vs plain and fixed K=1..4, whole generations, a process per group
 #                  (spec_default.py): SD_MODEL [0.8b; demo], SD_DRAFTS [oracle:0..1 and head], SD_TEMPS [0],
-#                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4], REPS [10], NAME, LIMIT s [520],
+#                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4; default@SKIP=3;DWELL=4: the tuner's
+#                  constants changed for that leg], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
 #                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI),

@@ -1,0 +1,55 @@
+"""scripts/bench/spec_default.py: a `default@NAME=VALUE;..` leg runs the default with the pipelined tuner's constants
+changed and a tuner memory of its own, restores them after each generation, refuses a name the tuner does not
+have, and decodes plain greedy's tokens beside the other legs (CPU, tiny shape)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from lattice_mlx.speculative import pipelined, tuning
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench" / "spec_default.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("spec_default_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_variant_leg_changes_the_tuner_for_its_generations_only():
+    sd = _script()
+    model = types.SimpleNamespace()
+    before = (tuning.PipelinedTuner.SKIP, tuning.DWELL, tuning.OFF_HOPE, pipelined.OFF_HOPE, pipelined.tuner_memory)
+    shared = tuning.tuner_memory(model, True)
+    with sd.tuned(model, "default@SKIP=3;DWELL=5;OFF_HOPE=1.5"):
+        assert (tuning.PipelinedTuner.SKIP, tuning.DWELL, tuning.OFF_HOPE, pipelined.OFF_HOPE) == (3, 5, 1.5, 1.5)
+        own = pipelined.tuner_memory(model, True)
+        assert own is not shared and own is pipelined.tuner_memory(model, True)
+        assert pipelined.tuner_memory(model, False) is not own
+    assert (tuning.PipelinedTuner.SKIP, tuning.DWELL, tuning.OFF_HOPE, pipelined.OFF_HOPE,
+            pipelined.tuner_memory) == before
+    with sd.tuned(model, "default"):  # (the default itself: nothing changes)
+        assert pipelined.tuner_memory is before[-1]
+    with pytest.raises(SystemExit, match="no constant NOPE"), sd.tuned(model, "default@DWELL=4;NOPE=1"):
+        pass
+    assert tuning.DWELL == before[1]
+
+
+def test_variant_legs_decode_plain_greedy_beside_the_others(tmp_path):
+    out = tmp_path / "sd.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--drafts", "oracle:0.5", "--lengths", "12",
+                        "--legs", "plain,default,default@SKIP=3;DWELL=4", "--reps", "2", "--prompt-tokens", "8",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    group = json.loads(out.read_text())["groups"][0]
+    assert list(group["legs"]) == ["plain", "default", "default@SKIP=3;DWELL=4"] and group["greedy_identical"]
