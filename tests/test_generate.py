@@ -431,6 +431,22 @@ def test_a_virtual_environment_is_ignored_by_git():
     assert subprocess.run(["git", "check-ignore", "-q", ".venv/"], cwd=root).returncode == 0
 
 
+def test_api_builds_the_speculative_kernels_only_when_it_speculates_adaptively(checkpoints, monkeypatch):
+    """stream_generate (so the API's generate and the CLI) asks for the once-per-machine builds of the adaptive loop's
+    passes (load.keep_round_builds: a no-op off CUDA, and after its first check per model) when a generation
+    speculates with adaptive depth; plain decoding and a fixed depth do not."""
+    from lattice_mlx import SpecOptions
+
+    gen = importlib.import_module("lattice_mlx.generate")
+    asked = []
+    monkeypatch.setattr(gen, "keep_round_builds", lambda model: asked.append(model.has_mtp))
+    model, tokenizer = load(checkpoints["tied"])
+    for speculation, want in ((None, []), (SpecOptions(draft_tokens=2, adaptive=False), []), (SpecOptions(), [True])):
+        asked.clear()
+        gen.generate(model, tokenizer, "hi", max_tokens=3, speculation=speculation)
+        assert asked == want, speculation
+
+
 def test_cli_builds_the_speculative_kernels_only_when_it_speculates_adaptively(checkpoints, monkeypatch, capsys):
     """The CLI asks for the once-per-machine builds of the adaptive loop's passes (load.keep_round_builds: a no-op
     off CUDA) when it speculates with adaptive depth, with the loaded model; plain decoding and a fixed depth

@@ -276,6 +276,7 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
     runs. Loading a model runs none of it (plain decoding never pays for it)."""
     import sys
 
+    from lattice_mlx import runtime
     from lattice_mlx.metal import cuda_cache
     from lattice_mlx.speculative import pipelined
 
@@ -301,6 +302,17 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
         assert [f.name for f in (tmp_path / "ptx").iterdir()][0].startswith("lattice_rounds_")
         loader.keep_round_builds(model)
         assert len(runs) == 1 and capsys.readouterr().err == ""
+        digests = []
+        monkeypatch.setattr(runtime, "source_digest", lambda: digests.append(1) or "sha256:x")
+        fresh, _ = load(checkpoints["pattern"])
+        for _ in range(3):  # (the API asks before every adaptive generation: one check per model and process)
+            loader.keep_round_builds(fresh)
+        assert len(digests) == 1 and len(runs) == 2
+        monkeypatch.undo()
+        monkeypatch.setattr(cuda_cache, "cache_dir", lambda: tmp_path / "ptx")
+        monkeypatch.setattr(pipelined, "warm_rounds", lambda m, k: runs.append((m, k)) or 0)
+        monkeypatch.setattr(loader, "on_cuda", lambda: True)
+        del runs[1:]
         bf16, _ = load(checkpoints["pattern"], dtype="bfloat16")
         loader.keep_round_builds(bf16)  # another dtype: its own builds
         assert len(runs) == 2
@@ -320,4 +332,6 @@ def test_round_builds_run_once_per_machine_on_cuda_and_say_so(checkpoints, no_mt
         loader.keep_round_builds(load(checkpoints["pattern"], dtype="float16")[0])
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 2 and "not prebuilt" in err[1] and "RuntimeError" in err[1]
-        assert len(list((tmp_path / "ptx").iterdir())) == 3  # (no marker for the failed one, no part file left)
+        # (a marker each for the model, the one checked three times, bf16 and 4 bits; none for the failed one, no part
+        # file left)
+        assert len(list((tmp_path / "ptx").iterdir())) == 4

@@ -156,6 +156,9 @@ def stream_generate(
             raise ValueError(f"max_kv_size (--max-kv-size) must be an integer > 4, got {max_kv_size!r}")
         if speculation is not None:
             raise ValueError("max_kv_size (--max-kv-size) works with plain decoding only: drop it or the speculation")
+    if speculation is not None and speculation.adaptive and getattr(model, "sharding_group", None) is None:
+        keep_round_builds(model)  # (on MLX's CUDA backend: once per machine, announced; the first call per model
+        # in a process checks its marker)
     if seed is not None:
         mx.random.seed(seed)
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
@@ -391,8 +394,6 @@ def run(args: argparse.Namespace) -> GenerationResult:
     except ValueError as e:
         raise ValueError(f"{e}: shorten the prompt or --max-tokens, or pass --allow-long-context") from None
     speculation = resolve_speculation(model, options, when) if args.max_kv_size is None or when == "on" else None
-    if speculation is not None and speculation.adaptive and group is None:
-        keep_round_builds(model)  # (on CUDA, once per machine)
     result = generate(
         model, tokenizer, prompt, max_tokens=args.max_tokens, **sampling, chat_template=chat_template,
         speculation=speculation,

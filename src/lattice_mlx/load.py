@@ -221,8 +221,8 @@ def on_cuda() -> bool:
 
 
 def keep_round_builds(model: Model) -> None:
-    """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (the generate CLI with MTP
-    on, chat, the benchmarks): every kind of pass adaptive speculation runs, each depth and each change between them
+    """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (`stream_generate` and so
+    the generate CLI and the API, chat, the benchmarks; the first call per model in a process): every kind of pass adaptive speculation runs, each depth and each change between them
     (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
     for them in its PTX cache, and a marker there records that this model (its parameters' names, shapes and dtypes:
     its shape, quantization and activation dtype) was warmed with this package's source; a later process only loads
@@ -233,12 +233,16 @@ def keep_round_builds(model: Model) -> None:
     where they are first run, and on Metal the builds are not kept on disk. A failure leaves the builds to the
     generations, as without it."""
     from .metal import cuda_cache
-    from .runtime import source_digest
+    from .runtime import runtime_of, source_digest
     from .speculative import pipelined
     from .speculative.options import ADAPTIVE_MAX_K
 
     if not (model.has_mtp and on_cuda() and pipelined.tracing_enabled()):
         return
+    runtime = runtime_of(model)
+    if runtime.round_builds:  # (checked in this process: the API asks before every adaptive generation)
+        return
+    runtime.round_builds = True
     params = [(name, tuple(a.shape), str(a.dtype)) for name, a in tree_flatten(model.parameters())]
     key = hashlib.sha256(f"{mx.__version__}|{source_digest()}|{params}".encode()).hexdigest()[:24]
     marker = cuda_cache.cache_dir() / f"lattice_rounds_{key}.done"
