@@ -222,8 +222,9 @@ def on_cuda() -> bool:
 
 def keep_round_builds(model: Model) -> None:
     """On MLX's CUDA backend, for a model with an MTP head about to speculate adaptively (`stream_generate` and so
-    the generate CLI and the API, chat, the benchmarks; the first call per model in a process): every kind of pass adaptive speculation runs, each depth and each change between them
-    (speculative/pipelined.warm_rounds), run once per machine, announced in one line. MLX keeps the kernels it builds
+    the generate CLI and the API, chat, the benchmarks; the first call per model in a process): every kind of pass
+    adaptive speculation runs, each depth and each change between them (speculative/pipelined.warm_rounds), run
+    once per machine, announced in one line. MLX keeps the kernels it builds
     for them in its PTX cache, and a marker there records that this model (its parameters' names, shapes and dtypes:
     its shape, quantization and activation dtype) was warmed with this package's source; a later process only loads
     them. Without this a kind of pass not seen before on the machine compiled for seconds in the middle of a

@@ -67,7 +67,6 @@ STALE_PASSES = 32
 # read it again. The demo at temperature 0.7 read K=2 at twice its cost in one slow spell, went to K=1 and stayed
 # there for six generations where K=3 paid (docs/adr/0008, 'Run M')
 REREAD_PASSES = 256
-MONO = False
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
@@ -306,8 +305,6 @@ class PipelinedTuner:
         shallower depth's: a reading from another spell of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
-            if MONO:
-                c = min([c, *(v for d, v in self.cost.items() if d > k)])
             if 0 < k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
                     and self.stale(k, REREAD_PASSES):
                 line = self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k
