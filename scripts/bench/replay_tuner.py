@@ -21,8 +21,9 @@ import random
 import statistics
 from collections import Counter
 
+from lattice_mlx.speculative import tuning
 from lattice_mlx.speculative.options import SpecOptions, SpecStats
-from lattice_mlx.speculative.tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner, expected_tokens, fresh_memory
+from lattice_mlx.speculative.tuning import PipelinedTuner, expected_tokens, fresh_memory, tuner_rates
 
 # name: (P(draft i accepted | drafts before it accepted), {K: ms per pass})
 CASES = {
@@ -32,6 +33,9 @@ CASES = {
     "0.8B p=0": ([0.0] * 4, {0: 2.2, 1: 2.7, 2: 3.1, 3: 3.4, 4: 3.85}),
     "0.8B p=0.8": ([0.8] * 4, {0: 2.2, 1: 2.8, 2: 3.2, 3: 3.5, 4: 3.85}),
     "demo greedy": ([0.99] * 4, {0: 0.7, 1: 1.05, 2: 1.25, 3: 1.4, 4: 1.55}),
+    # run Q's (an H100, a quiet host): the demo at 0.7 over 1,024 tokens, per round of its fixed K=3 leg and the
+    # tuner's readings; the rates are a guess that gives the K=3 leg's 3.0-3.9 tokens per round
+    "demo 0.7 H100": ([0.9, 0.85, 0.85, 0.85], {0: 0.65, 1: 1.08, 2: 1.38, 3: 1.55, 4: 1.76}),
 }
 LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
 
@@ -40,7 +44,8 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
                noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
                spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0),
-               settle: tuple[float, ...] = (), slow_gen: tuple[float, float] = (0.0, 1.0)) -> float:
+               settle: tuple[float, ...] = (), slow_gen: tuple[float, float] = (0.0, 1.0),
+               start: tuple[float, int] = (1.0, 0)) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
@@ -54,7 +59,9 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     read K=3 at 1.6x its later cost on the demo). `settle`: what the passes after a change of depth (or the
     generation's start) cost, as multiples of their depth's, by their place after it (overrides `switch`; run R's
     pass_costs.py: about 2, 1.1, 1.05, 1.03 on the H100). `slow_gen` (share, factor): that share of the generations
-    runs on a host that many times slower throughout (run R's host ran whole generations 1.4x slower)."""
+    runs on a host that many times slower throughout (run R's host ran whole generations 1.4x slower). `start`
+    (factor, tokens): over the generation's first tokens the deeper drafts (all but the first) pass at their rates
+    times the factor (run Q's demo at 0.7 read position 1 at 0.35 early, and position 0 at 0.92-0.94 later)."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
@@ -70,8 +77,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         if inner:
             k, left = 0, left - 1
         else:
-            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS),
-                             lambda: stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+            k = tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, tuning.OFF_HOPE))
         if sigma:
             host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
         factor = math.exp(host.get("x", 0.0)) * gen_factor
@@ -100,7 +106,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
             left = tuner.plain_left() if k == 0 else 0
         spent += cost
         accepted = 0
-        while accepted < k and rng.random() < cond[accepted]:
+        while accepted < k and rng.random() < cond[accepted] * (start[0] if done < start[1] and accepted else 1.0):
             accepted += 1
         pending.append((k, accepted))
         if len(pending) >= LAG:  # (recorded in the pass after its own, as the loop does: in the rates 2 passes on)
@@ -119,13 +125,14 @@ def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, swit
            probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0),
            vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0),
            first: tuple[float, int] = (1.0, 0), settle: tuple[float, ...] = (),
-           slow_gen: tuple[float, float] = (0.0, 1.0)) -> list[float]:
+           slow_gen: tuple[float, float] = (0.0, 1.0), start: tuple[float, int] = (1.0, 0)) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
     share of the generations (texts) drafts at the rates times the factor."""
     share, factor = vary
     return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
                                          rng, tokens, switch=switch, probe=probe, drift=drift, host=host,
-                                         spells=spells, first=first, settle=settle, slow_gen=slow_gen)
+                                         spells=spells, first=first, settle=settle, slow_gen=slow_gen,
+                                         start=start)
                               for _ in range(gens))
             for rng, memory, host in ((random.Random(s), fresh_memory(), {}) for s in range(seeds))]
 
@@ -155,9 +162,12 @@ def main() -> None:
                     "their depth's cost, by their place after it (overrides --switch)")
     ap.add_argument("--slow-gen", default="0,1", help="SHARE,FACTOR: that share of the generations on a host that "
                     "many times slower")
+    ap.add_argument("--start", default="1,0", help="FACTOR,TOKENS: over each generation's first TOKENS tokens the "
+                    "drafts after the first pass at the case's rates times FACTOR")
     args = ap.parse_args()
     settle = tuple(float(x) for x in args.settle.split(",")) if args.settle else ()
     slow_gen = tuple(float(x) for x in args.slow_gen.split(","))
+    start = (float(args.start.split(",")[0]), int(args.start.split(",")[1]))
     drift = tuple(float(x) for x in args.drift.split(","))
     rate, factor, length = args.spells.split(",")
     spells = (float(rate), float(factor), int(length))
@@ -169,7 +179,7 @@ def main() -> None:
             seen = Counter()
             speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
                                  probe=args.probe_ms, drift=drift, host=host, spells=spells, first=first,
-                                 settle=settle, slow_gen=slow_gen)
+                                 settle=settle, slow_gen=slow_gen, start=start)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
@@ -177,7 +187,7 @@ def main() -> None:
         best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
         runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
                       drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first,
-                      settle=settle, slow_gen=slow_gen)
+                      settle=settle, slow_gen=slow_gen, start=start)
         med = statistics.median(runs)
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")

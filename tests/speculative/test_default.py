@@ -571,3 +571,23 @@ def test_a_probe_at_acceptance_zero_ends_soon_where_plain_read_dear():
     tuner.left, tuner.dispatched = 0, MIN_OFF_ROUNDS
     ks = [tuner.next_k([0.0, 0.0], lambda: [0.1, 0.01]) for _ in range(OFF_CONFIRM)]
     assert ks[-1] == 0 and tuner.decisions, (ks, tuner.log)
+
+
+def test_a_depth_left_early_is_tried_again_when_the_first_draft_keeps_passing():
+    """Run Q's demo at 0.7 over 1,024 tokens: K=2's second draft read at 0.35 in the generation's first rounds, the
+    tuner went to K=1, and 460-500 rounds later, its first draft passing at 0.92-0.94, it was still there (the stale
+    rate predicted K=2 below K=1) where K=3 ran at 1.5-1.7x plain. A position no round drafted in the last
+    FRESH_POSITION_ROUNDS is continued as one never read: the tuner goes back to K=2."""
+    from lattice_mlx.speculative.tuning import FRESH_POSITION_ROUNDS, tuner_rates
+
+    costs = {0: 0.65, 1: 1.08, 2: 1.38, 3: 1.55}  # run Q's readings (ms)
+    stats = SpecStats(draft_tokens=3)
+    for i in range(30):
+        stats.record(2, 2 if i % 3 == 0 else 1)  # the start: the second draft at 1 in 3
+    for _ in range(FRESH_POSITION_ROUNDS + 10):
+        stats.record(1, 1)
+    memory = {"cost": dict(costs), "window": {k: [c] for k, c in costs.items()}, "at": {k: 0 for k in costs},
+              "clock": 1, "k": 1}
+    tuner = PipelinedTuner(3, memory)
+    tuner.left, tuner.dispatched = 0, 200
+    assert tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE)) == 2, tuner.log

@@ -76,6 +76,23 @@ def test_rates_for_the_tuner_need_rounds_at_a_position_and_can_hope():
     assert expected_tokens(3, s.accepted_per_position(8)) > expected_tokens(3, s.accepted_per_position()) + 0.4
 
 
+def test_rates_for_the_tuner_leave_out_a_position_not_drafted_lately():
+    """accepted_per_position(fresh=n): a position after the first is read only while one of the last n rounds
+    drafted it (the tuner continues it as one never read); `+` keeps each position's last round in the sum's count;
+    to_dict leaves the bookkeeping out."""
+    s = SpecStats(draft_tokens=2)
+    for i in range(20):  # a start at K=2: the second draft mostly rejected
+        s.record(2, 2 if i < 4 else 1)
+    for _ in range(40):  # then K=1, every draft kept
+        s.record(1, 1)
+    assert s.last_drafted == [60, 20]
+    assert s.accepted_per_position(8) == pytest.approx([1.0, 4 / 20])
+    assert s.accepted_per_position(8, fresh=41) == pytest.approx([1.0, 4 / 20])
+    assert s.accepted_per_position(8, fresh=40) == pytest.approx([1.0])
+    assert (s + s).last_drafted == [120, 80] and (SpecStats() + s).last_drafted == [60, 20]
+    assert "last_drafted" not in s.to_dict()
+
+
 def test_tree_stats_keep_child_ranks_per_depth():
     t = SpecStats.of(SpecOptions(tree="3-2"))
     assert t.draft_tokens == 2 and t.tree == "3-2"

@@ -926,7 +926,7 @@ def test_the_pipelined_tuner_counts_the_rounds_its_rates_hold(checkpoints, monke
 
     class Counting(rounds.PipelinedTuner):
         def next_k(self, rates, hopeful=None):
-            seen.append((self.read(), hopeful.func.__self__.rounds))
+            seen.append((self.read(), hopeful.args[0].rounds))  # (hopeful: tuning.tuner_rates on the stats)
             return super().next_k(rates, hopeful)
 
     monkeypatch.setattr(rounds, "PipelinedTuner", Counting)

@@ -41,7 +41,7 @@ from ..sample import Sampler, accept_sampled_arrays, sample_from, split_keys
 from .drafters import feed_head
 from .options import SpecStats
 from .pipelined import tracing_enabled
-from .tuning import MIN_POSITION_ROUNDS, OFF_HOPE, PipelinedTuner
+from .tuning import OFF_HOPE, PipelinedTuner, tuner_rates
 
 
 def _rounds_layout(cache: list) -> list:
@@ -199,8 +199,7 @@ class BatchRounds(BatchDecoder):
             self.tuner.observe(k, tic - start - self._outside)
             if k and self._replayed:  # (that pass replayed the trace at this bucket)
                 runtime_of(self.model).batch_sizes.add(self._trace_size_key(k, size))
-        k = self.tuner.next_k(self.stats.accepted_per_position(MIN_POSITION_ROUNDS),
-                              lambda: self.stats.accepted_per_position(MIN_POSITION_ROUNDS, OFF_HOPE))
+        k = self.tuner.next_k(tuner_rates(self.stats), lambda: tuner_rates(self.stats, OFF_HOPE))
         self._tic, self._outside = (k, tic, len(self.active)), 0.0
         return k
 

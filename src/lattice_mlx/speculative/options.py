@@ -101,6 +101,8 @@ class SpecStats:
     decisions: list[str] = field(default_factory=list)
     # pipelined tuner diagnostics: its first changes of K and off decisions with the costs behind them, slow passes
     tuner_log: list[str] = field(default_factory=list)
+    # per position: the round (1, 2, ..) that last drafted it (accepted_per_position's `fresh`; not in to_dict)
+    last_drafted: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, options: SpecOptions) -> "SpecStats":
@@ -115,6 +117,7 @@ class SpecStats:
         self.proposed_at = _add_lists(self.proposed_at, [1] * proposed)
         self.accepted_at = _add_lists(self.accepted_at, [1] * accepted + [0] * (proposed - accepted))
         self.accepted_hist = _add_lists(self.accepted_hist, [0] * accepted + [1])
+        self.last_drafted = [self.rounds + 1] * proposed + self.last_drafted[proposed:]
         for d, r in enumerate(ranks):
             if d == len(self.branch_hist):
                 self.branch_hist.append([])
@@ -128,19 +131,27 @@ class SpecStats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("proposed_at", "accepted_at", "accepted_hist"):
             setattr(out, name, _add_lists(getattr(self, name), getattr(other, name)))
+        # (the rounds of the sum: other's count after self's)
+        later = [r + self.rounds if r else 0 for r in other.last_drafted]
+        out.last_drafted = [max(a, b) for a, b in zip(*(x + [0] * (max(len(self.last_drafted), len(later)) - len(x))
+                                                          for x in (self.last_drafted, later)))]
         depth = max(len(self.branch_hist), len(other.branch_hist))
         pad = lambda h: h + [[]] * (depth - len(h))  # noqa: E731
         out.branch_hist = [_add_lists(a, b) for a, b in zip(pad(self.branch_hist), pad(other.branch_hist))]
         return out
 
-    def accepted_per_position(self, min_rounds: int = 0, hope: float = 0.0) -> list[float]:
+    def accepted_per_position(self, min_rounds: int = 0, hope: float = 0.0, fresh: int = 0) -> list[float]:
         """Share of the rounds that drafted position i whose draft i was accepted (so were all before it). With
         min_rounds: the first position, then the next ones while at least that many rounds drafted them (the
         tuner's view: tuning.expected_tokens continues the rest from the last conditional rate). `hope` adds that
-        many accepted rounds at every position (an optimistic estimate from few rounds)."""
+        many accepted rounds at every position (an optimistic estimate from few rounds). `fresh`: the first position,
+        then the next ones while one of the last `fresh` rounds drafted them (a rate read long ago, at a depth the
+        tuner left, is continued as one never read)."""
         out = []
         for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at)):
             if min_rounds and (not p or (i and p < min_rounds)):
+                break
+            if fresh and i and self.rounds - (self.last_drafted[i] if i < len(self.last_drafted) else 0) >= fresh:
                 break
             out.append((a + hope) / (p + hope) if p else 0.0)
         return out
@@ -148,7 +159,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         drafted, accepted = sum(self.proposed_at), sum(self.accepted_at)
         out = {
-            **asdict(self),
+            **{k: v for k, v in asdict(self).items() if k != "last_drafted"},
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "accepted_per_position": self.accepted_per_position(),
             "mean_accepted_length": accepted / self.rounds if self.rounds else 0.0,

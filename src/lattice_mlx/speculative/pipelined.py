@@ -35,10 +35,10 @@ from ..sample import Sampler, accept_sampled_arrays
 from .drafters import _pick, feed_head
 from .options import SpecOptions, SpecStats
 from .tuning import (
-    MIN_POSITION_ROUNDS,
     OFF_HOPE,
     PipelinedTuner,
     tuner_memory,
+    tuner_rates,
 )
 
 log = logging.getLogger("lattice_mlx")
@@ -563,13 +563,13 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden
     verified, pending, r, last, logged, decided = 0, None, 0, None, 0, 0  # (log/decisions entries forwarded)
-    hopeful = functools.partial(stats.accepted_per_position, MIN_POSITION_ROUNDS, OFF_HOPE)
+    hopeful = functools.partial(tuner_rates, stats, OFF_HOPE)
     while True:
         tic = time.perf_counter()
         if tuner is not None:
             if last is not None:
                 tuner.observe(last[0], tic - last[1])
-            k = tuner.next_k(stats.accepted_per_position(MIN_POSITION_ROUNDS), hopeful)
+            k = tuner.next_k(tuner_rates(stats), hopeful)
             last = (k, tic)
         rounds.bounds(r, verified)
         out = rounds.round(r, k)

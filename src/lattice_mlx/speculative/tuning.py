@@ -80,6 +80,16 @@ SWITCH_MIN_GAIN = 1.03  # move to a neighbouring depth only if it predicts this 
 # continues the shallower positions' rate. One round at a new depth whose deepest draft was rejected read as a rate of 0
 # there, and the tuner left that depth for good (the same page)
 MIN_POSITION_ROUNDS = 8
+# ... and only while one of the last this many rounds drafted it: a deeper position's rate read at the generation's
+# start and never again (the tuner sat at a shallower depth since) held the demo at temperature 0.7 at K=1 for 460-500
+# rounds of a 1,024-token generation with position 0 accepting 0.92-0.94 of its drafts, where K=3 ran at 1.48-1.73x
+# plain; its rate from the start (0.35) predicted K=2 below K=1 (docs/adr/0008, 'Runs P, Q and R'). Past it the
+# position is continued from the fresh ones' conditional rate, as one never read, and the tuner tries it again.
+# Replayed with a text whose deeper drafts pass at 0.45 of their rate over its first 100 tokens (a quiet host, 1,024
+# tokens, 80 seeds; replay_tuner.py --start, deeper positions only), the demo at 0.7 went from 1.15x to 1.22x plain
+# (its best fixed depth: 1.34x) at 32 rounds, 1.21x at 64, 1.18x at 128; the other cases, and every case without
+# such a start, moved by 0.01 or less
+FRESH_POSITION_ROUNDS = 32
 # Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
 # tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
@@ -115,6 +125,13 @@ HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # temperature 0.7 read K=3 from them at three times its fixed leg's cost, went off as hopeless at its first decision
 # and never speculated again in that process (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
+
+
+def tuner_rates(stats, hope: float = 0.0) -> list[float]:
+    """The per-position acceptance the pipelined tuners decide on (SpecStats.accepted_per_position): positions read
+    in at least MIN_POSITION_ROUNDS rounds and in the last FRESH_POSITION_ROUNDS; `hope`: OFF_HOPE for next_k's
+    `hopeful`."""
+    return stats.accepted_per_position(MIN_POSITION_ROUNDS, hope, FRESH_POSITION_ROUNDS)
 
 
 def expected_tokens(k: int, rates: list[float]) -> float:
