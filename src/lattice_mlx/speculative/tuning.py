@@ -92,22 +92,23 @@ MIN_POSITION_ROUNDS = 8
 FRESH_POSITION_ROUNDS = 32
 # Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
-# tokens at plain speed, while a round kept at low acceptance costs about a plain step (the same page)
+# tokens at plain speed, while a round kept at low acceptance costs about a plain step
+# (docs/results/code_measurements.md, 'pipelined tuner')
 OFF_HOPE = 2.0
-# ... and hope holds only at the current depth or shallower ones (the depth it keeps), and only while fewer than this
-# many rounds were read: the 0.8B shape at acceptance 0 read K=2 at a plain step's cost plus 3% against a plain cost
-# read in a slow spell, and hope at K=2 (or at K=3 beside it, in the replay: a depth it would not go to) held the
-# probe for 45 rounds (run O)
-HOPE_ROUNDS = 24
 # ... and only after this many rounds of the generation were read: the pipelined loop reads a round two passes after
 # dispatching it, so its first decision (after ADAPTIVE_WARMUP_ROUNDS rounds dispatched) saw two rounds, and two
 # rejected first drafts turned speculation off for 64 tokens or more where the demo's head at temperature 0.7 and the
 # 0.8B shape at oracle 0.5 paid at a fixed K (docs/adr/0008, 'Run E')
 MIN_OFF_ROUNDS = 8
+# OFF_HOPE's hope holds only at the current depth or shallower ones (the depth it keeps), and only while fewer than
+# this many rounds were read: the 0.8B shape at acceptance 0 read K=2 at a plain step's cost plus 3% against a plain
+# cost read in a slow spell, and hope at K=2 (or at K=3 beside it, in the replay: a depth it would not go to) held the
+# probe for 45 rounds (docs/adr/0008, 'Runs P, Q and R')
+HOPE_ROUNDS = 24
 # No depth can pay, and speculation goes off for the longest stretch (its rest carried into the process's later
 # generations, as any stretch's; after a confirmation, below), only when keeping every draft predicts no more than
 # plain decoding: costs read on a noisy host put the ceiling just over 1 for the demo's sampled rounds, where a fixed
-# K=3 paid (the same run). On MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling
+# K=3 paid (docs/adr/0008, 'Run E'). On MLX's CPU backend a round's rows cost what as many plain steps cost, and the ceiling
 # stays at or below 1.
 HOPELESS_CEILING = 1.01
 # A first hopeless verdict takes only the ordinary plain stretch (PIPELINED_FIRST_OFF, or the carried schedule's): the
