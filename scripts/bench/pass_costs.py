@@ -7,7 +7,11 @@ recorded (the loop's own clock: dispatch to dispatch, the consumer's handling of
 plain stretches run as plain decoding's loop. Greedy, SYNTHETIC drafts (bench/oracles.DeviceOracle at --p) on a
 random shape, or the demo's own head.
 
-Usage: python scripts/bench/pass_costs.py --model 0.8b [--p 0.8] [--tokens 256] [--reps 3] [--out FILE.json]
+Usage: python scripts/bench/pass_costs.py --model 0.8b [--p 0.8] [--tokens 256] [--reps 3] [--profile DIR]
+         [--out FILE.json]
+With --profile (a folder holding gpu_kernels.py): one more generation per schedule under CUPTI, its kernels per
+generated token, GPU kernel time, busy and span (bench/run.profile_stream), so a pass's cost can be told apart into
+GPU work and host time.
 """
 
 import argparse
@@ -20,7 +24,7 @@ import mlx.core as mx
 from lattice_mlx import SpecOptions, SpecStats, speculate
 from lattice_mlx.bench.oracles import DeviceOracle
 from lattice_mlx.bench.report import provenance
-from lattice_mlx.bench.run import load_target, workload_prompts
+from lattice_mlx.bench.run import load_profiler, load_target, profile_stream, workload_prompts
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import tuning
@@ -63,6 +67,7 @@ def main() -> int:
     ap.add_argument("--p", type=float, default=0.8, help="SYNTHETIC acceptance of the oracle drafts (random shapes)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", metavar="DIR", help="a folder with gpu_kernels.py: CUPTI per schedule")
     ap.add_argument("--out", default="pass_costs.json")
     args = ap.parse_args()
     target = load_target(args.model, bits=4, group_size=64, dtype="bfloat16", seed=0, stock=False)
@@ -79,22 +84,28 @@ def main() -> int:
     originals = tuner.next_k, tuner.observe, tuner.plain_ran
     out = {"meta": provenance(), "model": target.label, "p": args.p, "tokens": args.tokens, "block": BLOCK,
            "schedules": SCHEDULES, "generations": []}
+    def stream(seed: int):
+        options = SpecOptions(draft_tokens=4)
+        stats = SpecStats.of(options)
+        drafter = DeviceOracle(reference, args.p, model.args.vocab_size, 4, seed=seed) \
+            if target.tokenizer is None else None
+        return speculate(model, mx.array(ids), sampler=greedy, options=options, stats=stats, drafter=drafter), stats
+
     for rep in range(args.reps + 1):  # (rep 0 warms every schedule: not recorded)
         for name, schedule in SCHEDULES.items():
             tuner.next_k, tuner.observe, tuner.plain_ran = forced(schedule)
             PASSES.clear()
-            options = SpecOptions(draft_tokens=4)
-            stats = SpecStats.of(options)
-            drafter = DeviceOracle(reference, args.p, model.args.vocab_size, 4, seed=rep) \
-                if target.tokenizer is None else None
             tic, n = time.perf_counter(), 0
+            tokens, stats = stream(rep)
             try:
-                for _ in speculate(model, mx.array(ids), sampler=greedy, options=options, stats=stats,
-                                   drafter=drafter):
+                for _ in tokens:
                     n += 1
                     if n == args.tokens:
                         break
             finally:
+                # closed here, under this schedule: a stream stopped inside a plain stretch reports that stretch's
+                # passes when it closes, and a later close recorded them under the next schedule
+                tokens.close()
                 tuner.next_k, tuner.observe, tuner.plain_ran = originals
             seconds = time.perf_counter() - tic
             if rep:
@@ -102,6 +113,16 @@ def main() -> int:
                                            "accepted": sum(stats.accepted_at), "passes": list(PASSES)})
             print(f"rep {rep} {name}: {seconds * 1e3:.1f} ms, {len(PASSES)} passes, {stats.rounds} rounds",
                   file=sys.stderr, flush=True)
+    if args.profile:
+        kernel_profile, out["gpu_profile"] = load_profiler(args.profile), {}
+        for name, schedule in SCHEDULES.items():
+            tuner.next_k, tuner.observe, tuner.plain_ran = forced(schedule)
+            try:
+                tokens, stats = stream(999)
+                out["gpu_profile"][name] = profile_stream(kernel_profile, tokens, stats, args.tokens - 1)
+            finally:
+                tuner.next_k, tuner.observe, tuner.plain_ran = originals
+            print(f"profile {name}: {out['gpu_profile'][name]}", file=sys.stderr, flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f)
     return 0

@@ -131,10 +131,10 @@ class SpecStats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("proposed_at", "accepted_at", "accepted_hist"):
             setattr(out, name, _add_lists(getattr(self, name), getattr(other, name)))
-        # (the rounds of the sum: other's count after self's)
-        later = [r + self.rounds if r else 0 for r in other.last_drafted]
-        out.last_drafted = [max(a, b) for a, b in zip(*(x + [0] * (max(len(self.last_drafted), len(later)) - len(x))
-                                                          for x in (self.last_drafted, later)))]
+        n = max(len(self.last_drafted), len(other.last_drafted))
+        mine, theirs = (v + [0] * (n - len(v)) for v in (self.last_drafted, other.last_drafted))
+        # (in the sum's count of rounds, other's come after self's)
+        out.last_drafted = [max(a, b + self.rounds if b else 0) for a, b in zip(mine, theirs)]
         depth = max(len(self.branch_hist), len(other.branch_hist))
         pad = lambda h: h + [[]] * (depth - len(h))  # noqa: E731
         out.branch_hist = [_add_lists(a, b) for a, b in zip(pad(self.branch_hist), pad(other.branch_hist))]

@@ -1,0 +1,33 @@
+"""scripts/bench/pass_costs.py on the CPU (tiny shape): every schedule's passes are recorded at the depths it forces
+(a changing schedule changes depth every BLOCK passes), and --profile adds the kernel profiler's figures per
+schedule (a stand-in gpu_kernels.py: CUPTI runs only on the GPU machine)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench" / "pass_costs.py"
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+from test_bench import FAKE_PROFILER  # noqa: E402
+
+
+def test_schedules_are_recorded_and_profiled(tmp_path):
+    (tmp_path / "gpu_kernels.py").write_text(FAKE_PROFILER)
+    out = tmp_path / "pc.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tokens", "40", "--reps", "1",
+                        "--profile", str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    gens = {g["schedule"]: g for g in result["generations"]}
+    assert set(gens) == set(result["schedules"])
+    for k in range(5):
+        assert {p[0] for p in gens[f"k{k}"]["passes"]} == {k}
+    block, depths = result["block"], [p[0] for p in gens["changes"]["passes"]]
+    assert depths[:block] == [3] * block and depths[block] == 2
+    assert set(result["gpu_profile"]) == set(result["schedules"])
+    assert result["gpu_profile"]["k3"]["kernels_per_step"] == 160.0 and result["gpu_profile"]["k3"]["rounds"] >= 1
