@@ -36,6 +36,9 @@ CASES = {
     # run Q's (an H100, a quiet host): the demo at 0.7 over 1,024 tokens, per round of its fixed K=3 leg and the
     # tuner's readings; the rates are a guess that gives the K=3 leg's 3.0-3.9 tokens per round
     "demo 0.7 H100": ([0.9, 0.85, 0.85, 0.85], {0: 0.65, 1: 1.08, 2: 1.38, 3: 1.55, 4: 1.76}),
+    # run R's 0.8B shape (pass_costs.py, steady passes of forced depths, an H100) at the oracle's rates
+    "0.8B p=0.5 H100": ([0.5] * 4, {0: 1.52, 1: 1.80, 2: 2.12, 3: 2.54, 4: 3.36}),
+    "0.8B p=0.8 H100": ([0.8] * 4, {0: 1.52, 1: 1.80, 2: 2.12, 3: 2.54, 4: 3.36}),
 }
 LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
 

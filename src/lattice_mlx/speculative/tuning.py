@@ -65,8 +65,12 @@ STALE_PASSES = 32
 # A depth's cost read this many passes ago or more, while the tuner sat at another, no longer rules it out: it is
 # estimated on the line through plain's cost and the current depth's, and a better estimate takes the tuner there to
 # read it again. The demo at temperature 0.7 read K=2 at twice its cost in one slow spell, went to K=1 and stayed
-# there for six generations where K=3 paid (docs/adr/0008, 'Run M')
-REREAD_PASSES = 256
+# there for six generations where K=3 paid (docs/adr/0008, 'Run M'). Not sooner: the line is no measured cost (and
+# flat where plain's cost read high), and each return to a depth on it costs the passes after a change of depth and
+# DWELL passes there. Replayed, 1,024 passes ran every case as fast as 256 or up to 0.02 faster, as fast as no rule,
+# and kept the demo at 0.7 over 1,024 tokens with a poor start as fast as 256 did, where no rule lost a tenth
+# (docs/adr/0008, 'Run S', with the GPU's figures)
+REREAD_PASSES = 1024
 CHECK_PASSES = 6
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
