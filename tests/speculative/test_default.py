@@ -168,9 +168,9 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     new text drafts as it does: on the H100 two poor texts at temperature 0.7 held three good ones after them in
     plain steps, docs/adr/0008 'Runs K and L'), finding nothing it runs the stretch's rest, then probes, and the
     schedule goes on growing (on the H200, halving the carried stretch per generation made every other generation
-    probe, at 6-20% of its time: docs/adr/0008 'Run F'). A text's probe is 8 rounds at the depth the last one
-    found best."""
-    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH
+    probe, at 6-20% of its time: docs/adr/0008 'Run F'), until POOR_TEXTS texts in a row found no gain. A text's
+    probe is 8 rounds at the depth the last one found best."""
+    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH, POOR_TEXTS
 
     costs = {0: 1.6, 1: 2.0, 2: 2.3, 3: 2.6, 4: 2.9}  # ms per pass at the H200's 0.8B shape
     memory: dict = {}
@@ -186,14 +186,24 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     ks = _generation(memory, costs, lambda k: 0)
     assert all(ks[:8]) and ks[8 : 8 + rest] == [0] * rest and ks[8 + rest] > 0 and _probes(ks) == 1
     assert memory["stretch"] == MAX_OFF_TOKENS == stretch * PIPELINED_OFF_GROWTH
-    # ... which the generations after it run out: a probe of each text, and one more per MAX_OFF_TOKENS tokens of the
-    # process
+    # ... which the generations after it run out: a probe of each text until POOR_TEXTS texts in a row found no gain
+    # (the second generation's was the first), then none (a probe of each text at acceptance 0 was 2-3% of a
+    # generation's time on an H100, docs/adr/0008 'Run S'), and one more per MAX_OFF_TOKENS tokens of the process
     later = [_generation(memory, costs, lambda k: 0) for _ in range(8)]
-    assert all(ks.index(0) == 8 for ks in later)
-    assert sum(map(_probes, later)) == 2 and sum(1 for ks in later if ks.count(0) == 256 - 8) == 6
+    assert [ks.index(0) for ks in later] == [8] * (POOR_TEXTS - 1) + [0] * (9 - POOR_TEXTS)
+    assert sum(map(_probes, later)) == 2 and memory["poor_texts"] == POOR_TEXTS
+    # a stretch's probe that pays (a text that drafts well) resets both: the next text is probed first again
+    good_rates = [0.95, 0.9, 0.85, 0.8]
+    for _ in range(8):
+        ks = _generation(memory, costs, lambda k: k)
+        if ks[-1]:
+            break
+    assert ks[-1] and memory["poor_texts"] == 0 and memory["off"] is False
+    memory.update(off=100, stretch=MAX_OFF_TOKENS)  # (as if that text had ended in a plain stretch)
+    assert _generation(memory, costs, lambda k: 0).index(0) == 8
     # a generation that speculates and pays resets it
     good = {}
-    _Costs(4, good).run(costs, [0.95, 0.9, 0.85, 0.8], 40)
+    _Costs(4, good).run(costs, good_rates, 40)
     assert good.get("off") in (None, False) and good.get("stretch") in (None, False)
     # the H200's case: at K=1 with K=2's cost known, hope favouring K=2 keeps K=1
     tuner = PipelinedTuner(4, {"cost": {0: 1.6, 1: 2.0, 2: 2.3}, "k": 1})

@@ -53,6 +53,13 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # stretches excepted): texts draft unequally, and two poor texts at temperature 0.7 held the good ones after them in
 # plain steps ('Runs K and L', with the replay of unequal texts, replay_tuner.py --vary, that chose this at the price
 # of a probe per generation where drafts never pass).
+# ... but not after this many texts in a row whose first probe found no gain: the next text goes on with the carried
+# stretch, whose end probes as any stretch's (MAX_OFF_TOKENS apart at most), until speculation pays again. Where
+# drafts never pass, a probe per text was the default's whole loss to plain decoding: the GPU time of plain's tokens
+# and 2.7% more, with waits of tens of milliseconds where rounds began (docs/adr/0008, 'Runs P, Q and R', 'Run S').
+# Replayed, acceptance 0 went from 0.97 to 0.98 of plain over ten generations, and texts three in ten of which draft
+# at a fifth of the rate lost nothing; after two poor texts they lost 0.03 (the demo at 0.7). 0: every text probed.
+POOR_TEXTS = 3
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
 # plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
 # depth's cost per pass moved by two thirds within one process), and a plain cost read in a fast spell makes rounds
@@ -262,7 +269,12 @@ class PipelinedTuner:
                 # generations shorter than it, docs/adr/0008, 'Run H')
                 self.carried, rest = True, int(self.memory.get("off") or 0)
                 self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
-                if rest and not self.memory.get("hopeless"):
+                poor = self.memory.get("poor_texts", 0)
+                if rest and POOR_TEXTS and poor >= POOR_TEXTS and not self.memory.get("hopeless"):
+                    self.k, self.left = 0, rest
+                    self.log.append(f"plain steps for {rest} more tokens first: the probes of the last {poor} texts "
+                                    "found no gain")
+                elif rest and not self.memory.get("hopeless"):
                     # a new generation is a new text: a probe of it first (its catch-up only the prompt's slots),
                     # and the stretch's rest only if that finds no gain either
                     self.resume = rest
@@ -438,7 +450,7 @@ class PipelinedTuner:
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = k
             self.memory["off"] = self.memory["stretch"] = False
-            self.resume = 0
+            self.memory["poor_texts"], self.resume = 0, 0
             return k
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
@@ -450,7 +462,7 @@ class PipelinedTuner:
                 self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
             self.k = self.probe_k = self.memory["k"] = d
             self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
-            self.resume = 0
+            self.memory["poor_texts"], self.resume = 0, 0
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
@@ -474,6 +486,7 @@ class PipelinedTuner:
         if self.resume and not hopeless:  # this text's first probe found no gain: the carried stretch goes on, its
             # schedule as it was
             rest, self.resume = self.resume, 0
+            self.memory["poor_texts"] = self.memory.get("poor_texts", 0) + 1
             self.decisions.append(f"speculation off for the carried stretch's {rest} more tokens: predicted speedup "
                                   f"{gain:.2f} at K={k}")
             self.log.append(f"{self.decisions[-1]}; {self._costs()}")
