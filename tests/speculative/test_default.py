@@ -187,8 +187,9 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     assert all(ks[:8]) and ks[8 : 8 + rest] == [0] * rest and ks[8 + rest] > 0 and _probes(ks) == 1
     assert memory["stretch"] == MAX_OFF_TOKENS == stretch * PIPELINED_OFF_GROWTH
     # ... which the generations after it run out: a probe of each text until POOR_TEXTS texts in a row found no gain
-    # (the second generation's was the first), then none (a probe of each text at acceptance 0 was 2-3% of a
-    # generation's time on an H100, docs/adr/0008 'Run S'), and one more per MAX_OFF_TOKENS tokens of the process
+    # (the second generation's was the first), then none (at acceptance 0 a probe per text cost plain's GPU time per
+    # token plus 2.7% on an H100, docs/adr/0008 'Runs P, Q and R'), and one more per MAX_OFF_TOKENS tokens of the
+    # process
     later = [_generation(memory, costs, lambda k: 0) for _ in range(8)]
     assert [ks.index(0) for ks in later] == [8] * (POOR_TEXTS - 1) + [0] * (9 - POOR_TEXTS)
     assert sum(map(_probes, later)) == 2 and memory["poor_texts"] == POOR_TEXTS

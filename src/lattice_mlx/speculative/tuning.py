@@ -55,10 +55,11 @@ PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # of a probe per generation where drafts never pass).
 # ... but not after this many texts in a row whose first probe found no gain: the next text goes on with the carried
 # stretch, whose end probes as any stretch's (MAX_OFF_TOKENS apart at most), until speculation pays again. Where
-# drafts never pass, a probe per text was the default's whole loss to plain decoding: the GPU time of plain's tokens
-# and 2.7% more, with waits of tens of milliseconds where rounds began (docs/adr/0008, 'Runs P, Q and R', 'Run S').
-# Replayed, acceptance 0 went from 0.97 to 0.98 of plain over ten generations, and texts three in ten of which draft
-# at a fifth of the rate lost nothing; after two poor texts they lost 0.03 (the demo at 0.7). 0: every text probed.
+# drafts never pass, a probe per text was most of the default's loss to plain decoding: the GPU time of plain's
+# tokens and 2.7% more, with waits of tens of milliseconds where rounds began (docs/adr/0008, 'Runs P, Q and R',
+# 'Run S'). Replayed, acceptance 0 went from 0.97 to 0.98 of plain over ten generations, and texts three in ten of
+# which draft at a fifth of the rate lost nothing; after two poor texts they lost 0.03 (the demo at 0.7). 0: every
+# text probed.
 POOR_TEXTS = 3
 # Plain steps' cost last read this many passes of the process ago or more is stale, and is read afresh (CHECK_PASSES
 # plain steps, then rounds again) before speculation goes off on it. A host's speed drifts over a process (run F: one
