@@ -1,5 +1,6 @@
 """scripts/bench/pass_costs.py on the CPU (tiny shape): every schedule's passes are recorded at the depths it forces
-(a changing schedule changes depth every BLOCK passes), and --profile adds the kernel profiler's figures per
+(a changing schedule changes depth every BLOCK passes), with the host's share of each pass the loop decided on, and
+--profile adds the kernel profiler's figures per
 schedule (a stand-in gpu_kernels.py: CUPTI runs only on the GPU machine)."""
 
 import json
@@ -29,5 +30,12 @@ def test_schedules_are_recorded_and_profiled(tmp_path):
         assert {p[0] for p in gens[f"k{k}"]["passes"]} == {k}
     block, depths = result["block"], [p[0] for p in gens["changes"]["passes"]]
     assert depths[:block] == [3] * block and depths[block] == 2
+    # each pass the loop decided on its own: the host's time building its graph and launching it, within the pass
+    for p in gens["k3"]["passes"] + [p for p in gens["changes"]["passes"] if p[0]]:
+        assert 0 < p[3] and 0 <= p[4] and p[3] + p[4] <= p[1] * 1.01 + 0.01, p
+    # a plain stretch's passes after its first: no graph of their own (plain decoding's loop), none recorded
+    plain = gens["k0"]["passes"]
+    assert plain[0][3] is not None and any(p[3] is None for p in plain)
+    assert all(p[4] is None for p in plain if p[3] is None)
     assert set(result["gpu_profile"]) == set(result["schedules"])
     assert result["gpu_profile"]["k3"]["kernels_per_step"] == 160.0 and result["gpu_profile"]["k3"]["rounds"] >= 1
