@@ -564,23 +564,29 @@ def test_adaptive_pipelined_plain_steps_sample_as_plain_decoding(checkpoints, mo
     assert built == plain
 
 
-@pytest.mark.parametrize("traced", [False, True])
-def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints, traced):
+@pytest.mark.parametrize("traced, pad", [(False, 1), (True, 1), (True, 0)])
+def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints, monkeypatch, traced, pad):
     """The head's KV cache after plain steps (their slots and the prompt's caught up when a round follows), rounds of
     K = 2 and changes of depth holds, row for row, what one forward of the head over all the verified slots writes
     (fp32): the drafts after a plain stretch see the right past. Traced, each round after another kind of pass
     replays its depth's trace (PipelinedRounds._settle: the slots but the newest fed first, the newest pending
-    alone); built op by op, the first round after plain steps takes the slots with its draft's forward."""
+    alone; after a shallower round, PAD_UPWARD, its pending rows padded to the new depth); built op by op, the
+    first round after plain steps takes the slots with its draft's forward."""
     from lattice_mlx.speculative.pipelined import CATCH_UP_PIECE
 
+    monkeypatch.setattr(rounds, "PAD_UPWARD", pad)
     model, _ = load(checkpoints["untied"])
+    plain = [t for t, _ in zip(generate_step(model, mx.array(PROMPT), sampler=Sampler()), range(200))]
     cache = model.make_cache()
     logits, hidden = prefill(model, mx.array(PROMPT), cache, return_hidden=True)
     first = mx.argmax(logits).item()
+    # oracle drafts (mostly accepted: rounds keep several rows, so a change of depth finds pending rows past the
+    # first); the head's cache holds the verified slots whatever the drafts were
+    oracle = oracles.DeviceOracle(plain, 0.95, model.args.vocab_size, 3, seed=4)
     with rounds.tracing(traced), decode.tracing(traced):
-        pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache)
-    schedule = [0] * (CATCH_UP_PIECE + 5) + [2, 0, 0, 2, 2, 3, 3, 1, 0, 2]
-    verified, out_tokens = 0, [first]
+        pr = rounds.PipelinedRounds(model, Sampler(), 2, PROMPT, first, hidden, cache, oracle)
+    schedule = [0] * (CATCH_UP_PIECE + 5) + [2, 0, 0, 2, 2, 3, 3, 1, 0, 2, 1, 1, 3, 3, 1, 2, 3, 2]
+    verified, out_tokens, accepted = 0, [first], []
     for r, k in enumerate(schedule + [0]):
         pr.bounds(r, verified)
         with rounds.tracing(traced), decode.tracing(traced):
@@ -588,17 +594,24 @@ def test_head_cache_after_plain_stretches_equals_one_prefill(checkpoints, traced
         n = n.item() if k else 0
         out_tokens += tokens.reshape(-1).tolist()[: n + 1]  # (a plain step returns a scalar)
         verified += n + 1
+        accepted.append(n)
     # the reference: the target's hiddens over the whole sequence, every slot (token t+1, hidden t) through the head
     ids = PROMPT + out_tokens
     _, h_all = prefill(model, mx.array(ids), model.make_cache(), return_hidden=True)
     ref = model.mtp.make_cache()
     head = model.mtp
     head(model.model.embed_tokens(mx.array(ids[1:]))[None], head.from_target(h_all[:-1])[None], ref)
+    assert out_tokens == plain[: len(out_tokens)]
+    # changes to a deeper depth after rounds that kept drafts
+    ks = schedule + [0]
+    assert sum(1 for i in range(1, len(ks)) if 0 < ks[i - 1] < ks[i] and accepted[i - 1] > 0) >= 2
     got = pr.mcache[0]
     rows = got.offset.item()  # the head's true rows: every slot but the last plain step's, still pending
     assert rows == len(ids) - 2
-    assert mx.allclose(got.keys[..., :rows, :], ref[0].keys[..., :rows, :], atol=1e-4, rtol=1e-4).item()
-    assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-4, rtol=1e-4).item()
+    # (fp32: verify forwards of up to four rows against one forward over the sequence differ by ~1e-4 where rounds
+    # kept drafts; a row from the wrong slot differs by ~1)
+    assert mx.allclose(got.keys[..., :rows, :], ref[0].keys[..., :rows, :], atol=1e-3, rtol=1e-3).item()
+    assert mx.allclose(got.values[..., :rows, :], ref[0].values[..., :rows, :], atol=1e-3, rtol=1e-3).item()
 
 
 def _tune(tuner, rates, cost_of, n):

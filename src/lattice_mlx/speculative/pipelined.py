@@ -139,6 +139,9 @@ def _traced_round(model, k: int):
 
 # The row count of every head forward that catches up on pending slots (the prompt's, a plain stretch's)
 CATCH_UP_PIECE = 64
+# A change to a deeper depth pads the last round's pending rows and recorded steps instead of settling them
+# (PipelinedRounds._settle); 0: settles them as after any other pass
+PAD_UPWARD = 1
 
 
 def warm_catch_up(model) -> None:
@@ -295,7 +298,20 @@ class PipelinedRounds:
         (docs/results/code_measurements.md, 'The switch from plain steps to rounds'). The head takes every pending
         slot but the newest, which waits alone, repeated to k + 1 rows (pn = 0: the copies are scratch rows); each
         GDN cache's window and state become a recorded forward of k + 1 steps read at its first step (window_pick
-        [1, 0, ..]: the rows after the first hold nothing the round reads)."""
+        [1, 0, ..]: the rows after the first hold nothing the round reads). After a shallower round (PAD_UPWARD),
+        its own pending rows and recorded steps, padded to k + 1 with copies, are that state already: a round of
+        depth k that accepted as many drafts leaves the same rows up to pn and scratch after them, so nothing of
+        the head or the GDN caches is computed here (the head's forward and the caches' picking, built op by op,
+        made the first pass after a change of depth the dearest: docs/adr/0008, 'Run S')."""
+        if PAD_UPWARD and 0 < self.last_k < k:
+            extra = k - self.last_k
+            self.ptok = mx.concatenate([self.ptok, mx.repeat(self.ptok[-1:], extra)])
+            self.phid = mx.concatenate([self.phid, mx.repeat(self.phid[-1:], extra, axis=0)])
+            for c in self.gdn:  # (the recorded forward's conv input [B, W + R, C] and per-step states [B, R, ..])
+                c.conv = mx.pad(c.conv, [(0, 0), (0, extra), (0, 0)])
+                c.ssm = mx.pad(c.ssm, [(0, 0), (0, extra)] + [(0, 0)] * (c.ssm.ndim - 2))
+            self.last_k = k
+            return
         window = self.model.args.linear_conv_kernel_dim - 1
         if self.last_k == 0:
             tok, hid = self._pending_slots()
