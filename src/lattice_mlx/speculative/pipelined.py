@@ -301,8 +301,8 @@ class PipelinedRounds:
         [1, 0, ..]: the rows after the first hold nothing the round reads). After a shallower round (PAD_UPWARD),
         its own pending rows and recorded steps, padded to k + 1 with copies, are that state already: a round of
         depth k that accepted as many drafts leaves the same rows up to pn and scratch after them, so nothing of
-        the head or the GDN caches is computed here (the head's forward and the caches' picking, built op by op,
-        made the first pass after a change of depth the dearest: docs/adr/0008, 'Run S')."""
+        the head or the GDN caches is computed here (the first pass after a change of depth was the dearest of all,
+        docs/adr/0008 'Run S', with the head's forward and the caches' picking built op by op in it)."""
         if PAD_UPWARD and 0 < self.last_k < k:
             extra = k - self.last_k
             self.ptok = mx.concatenate([self.ptok, mx.repeat(self.ptok[-1:], extra)])
