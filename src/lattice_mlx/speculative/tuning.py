@@ -271,20 +271,19 @@ class PipelinedTuner:
                 self.carried, rest = True, int(self.memory.get("off") or 0)
                 self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
                 poor = self.memory.get("poor_texts", 0)
-                if rest and POOR_TEXTS and poor >= POOR_TEXTS and not self.memory.get("hopeless"):
-                    self.k, self.left = 0, rest
-                    self.log.append(f"plain steps for {rest} more tokens first: the probes of the last {poor} texts "
-                                    "found no gain")
-                elif rest and not self.memory.get("hopeless"):
+                poor = poor if POOR_TEXTS and poor >= POOR_TEXTS else 0
+                if rest and not self.memory.get("hopeless") and not poor:
                     # a new generation is a new text: a probe of it first (its catch-up only the prompt's slots),
                     # and the stretch's rest only if that finds no gain either
                     self.resume = rest
                     self.log.append(f"a probe of this text first, then plain steps for {rest} more tokens if it finds "
                                     "no gain: the last generation ended in a plain stretch")
-                elif rest:  # the stretch goes on here: plain steps for its rest first, then a probe
+                elif rest:  # the stretch goes on here (hopeless, or POOR_TEXTS texts in a row found no gain): plain
+                    # steps for its rest first, then a probe
                     self.k, self.left = 0, rest
-                    self.log.append(f"plain steps for {rest} more tokens first: the last generation ended in a "
-                                    "plain stretch")
+                    why = f"the probes of the last {poor} texts found no gain" if poor and not \
+                        self.memory.get("hopeless") else "the last generation ended in a plain stretch"
+                    self.log.append(f"plain steps for {rest} more tokens first: {why}")
 
     def _costs(self) -> str:
         """The measured cost per depth, for the decision log: 'ms per pass K=0 1.52 K=1 1.90 ..'."""
