@@ -220,6 +220,7 @@ CPU_RENDER = [
     ("test_gated_delta.py", "test_conv_kernel_matches_ref[T15-Dk64-fp16]"),
     ("test_gated_delta.py", "test_conv_kernel_rows_per_warp_change_no_result[*]"),
     ("test_gated_delta.py", "test_conv_kernel_reads_the_picked_window_and_state_in_place[2-fp32]"),
+    ("test_gated_delta.py", "test_conv_kernel_reads_each_sequences_pick_in_place[steps1-bf16]"),
     ("test_gated_delta.py", "test_conv_kernel_reads_packed_projection_in_place[bf16-4-record]"),
     ("test_gated_delta_tree.py", "test_kernel_matches_ref[drafter-2-2-1-Hv=2Hk-Dk64-Dv128-bf16]"),
     ("test_gated_delta_tree.py", "test_kernel_matches_ref[random13-Hv=2Hk-Dk64-Dv128-fp32]"),
@@ -255,6 +256,7 @@ CPU_RENDER = [
     ("test_argmax.py", "test_kernel_matches_mlx_argmax[False-shape1-dtype0]"),
     ("test_argmax.py", "test_kernel_rows_of_minus_infinity_and_a_single_maximum_at_the_end"),
     ("test_fallback.py", "*"),
+    ("test_batched.py", "test_the_gdn_kernel_reads_each_rows_pick_and_every_sequence_stays_exact"),
 ]
 
 

@@ -399,6 +399,40 @@ def test_conv_ref_reads_a_picked_window_and_state(step):
         assert mx.array_equal(g, w).item()
 
 
+def _rows_picked(inputs, steps):
+    """Each sequence b's window rows steps[b] + 1 .. + 3 and state at step steps[b], as separate arrays."""
+    qkv, prev, cw, a, b, A_log, dt_bias, states = inputs
+    window = mx.stack([prev[i, s + 1 : s + 4] for i, s in enumerate(steps)])
+    state = mx.stack([states[i, s] for i, s in enumerate(steps)])
+    return qkv, window, cw, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("steps", [(0, 4), (3, 1)])
+def test_conv_ref_reads_each_sequences_own_pick(steps):
+    """A batch's rounds: `pick` [B, 2] holds each sequence's [n_b + 1, n_b]."""
+    inputs, _, heads = _picked_inputs(mx.float32, 0)
+    pick = mx.array([[s + 1, s] for s in steps], dtype=mx.int32)
+    got = gated_delta_conv_ref(*inputs, heads=heads, step_states=True, pick=pick)
+    want = gated_delta_conv_ref(*_rows_picked(inputs, steps), heads=heads, step_states=True)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("steps", [(0, 4), (3, 1)])
+def test_conv_kernel_reads_each_sequences_pick_in_place(steps, dtype):
+    """A batch's rounds: the kernel reading each sequence's window and state at its own device index ([B, 2]) is
+    bitwise the kernel given those rows as separate arrays (no gathers)."""
+    inputs, _, heads = _picked_inputs(dtype, 0)
+    pick = mx.array([[s + 1, s] for s in steps], dtype=mx.int32)
+    got = gated_delta_conv_kernel(*inputs, heads=heads, step_states=True, pick=pick, init_value=float("nan"))
+    want = gated_delta_conv_kernel(*_rows_picked(inputs, steps), heads=heads, step_states=True,
+                                   init_value=float("nan"))
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("step", [0, 2, 4])

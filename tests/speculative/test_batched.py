@@ -432,3 +432,43 @@ def test_an_oracle_engine_replays_its_own_acceptance_not_the_trace_makers(checkp
         assert [s.tokens for s in seqs] == [refs[i][:32] for i in range(2)]
         rates.append(engine.accepted / engine.drafted)
     assert rates == [1.0, 0.0]
+
+
+@pytest.mark.kernels
+def test_the_gdn_kernel_reads_each_rows_pick_and_every_sequence_stays_exact(tmp_path, monkeypatch):
+    """Rounds leave the GDN caches as the verify's whole conv input and per-step states, and the next verify's
+    kernel reads each row's window and state at its own [n_b + 1, n_b] in place (no gather): with the kernels on
+    (the CPU render where no GPU is), oracle drafts kept at 0.6 (each row keeping its own count), a sequence joining
+    and one leaving mid-generation, every sequence's tokens are its plain greedy ones. A kernel reading one row's
+    pick for every row, or the pick of the wrong row after a join or a leave, would change them."""
+    from lattice_mlx.bench.oracles import OracleBatchRounds
+    from lattice_mlx.bench.synthetic import random_checkpoint
+    from lattice_mlx.metal import gated_delta
+    from lattice_mlx.models import compiled
+    from lattice_mlx.speculative import pipelined
+
+    picks = []
+    real = gated_delta.gated_delta_conv_kernel
+
+    def counted(*args, pick=None, **kwargs):
+        out = real(*args, pick=pick, **kwargs)  # (raises where the kernel cannot run: the test then fails below)
+        picks.append(None if pick is None else pick.shape)
+        return out
+
+    monkeypatch.setattr(gated_delta, "gated_delta_conv_kernel", counted)
+    # (the tiny shape's key heads of 16 take the reference: the fused kernel needs multiples of 32)
+    path = random_checkpoint(tmp_path / "ckpt", seed=5, linear_key_head_dim=32, linear_value_head_dim=32)
+    model = load(path, dtype="float32")[0]
+    prompts = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 30)), [3] * 6]
+    budgets = [20, 8, 16, 12]
+    with compiled.forced(False), pipelined.tracing(False):  # (the render runs eagerly: no traces)
+        refs = {i: solo(model, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))}
+        engine = OracleBatchRounds(model, k=3, references=refs, p_correct=0.6, max_batch=3)  # (uids in add order)
+        seqs = [engine.add(p, max_tokens=n) for p, n in zip(prompts[:3], budgets[:3])]
+        while engine.busy:
+            engine.step()
+            if len(seqs) == 3 and not engine.full:  # the second's budget ended: the fourth joins the running rows
+                seqs.append(engine.add(prompts[3], max_tokens=budgets[3]))
+    assert [s.tokens for s in seqs] == [refs[i] for i in range(4)]
+    assert 0 < engine.accepted < engine.drafted
+    assert (3, 2) in picks and (2, 2) in picks, set(picks)  # rows' own picks, in batches of three and of two

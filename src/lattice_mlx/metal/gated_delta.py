@@ -414,10 +414,11 @@ def gated_delta_update(
 # per warp cut it by a third at 16 sequences and by half at 64 (docs/results/code_measurements.md, 'GDN rows per
 # warp'). Each row's arithmetic is the one-row form's, in the same order, whatever DVW is.
 _BODY_CONV = _IDS.replace("v_shape[1]", "qkv_shape[1]").replace("LX_GID_Y;", "LX_GID_Y * DVW;  // the first row") + """
-  // state_in [B, ST, Hv, Dv, Dk]: step pick[1] (0 for a plain state, [B, 1, ...])
+  // state_in [B, ST, Hv, Dv, Dk]: step pick[PR * bi + 1] (0 for a plain state, [B, 1, ...]). pick: [row, step, ..]
+  // for every sequence (PR = 0), or a batch's rounds' [B, 2], each sequence's own (PR = 2)
   float S[DVW][NK];
   for (int d = 0; d < DVW; ++d) {
-    const int si = (((bi * state_in_shape[1] + pick[1]) * Hv + hv) * Dv + dv + d) * Dk + lane;
+    const int si = (((bi * state_in_shape[1] + pick[PR * bi + 1]) * Hv + hv) * Dv + dv + d) * Dk + lane;
     for (int i = 0; i < NK; ++i) S[d][i] = state_in[si + 32 * i];
   }
   constexpr int C = 2 * Hk * Dk + Hv * Dv;
@@ -434,10 +435,10 @@ _BODY_CONV = _IDS.replace("v_shape[1]", "qkv_shape[1]").replace("LX_GID_Y;", "LX
     }
     for (int d = 0; d < DVW; ++d) wv[d][j] = LX_F32(conv_w[(cv + d) * KC + j]);
   }
-  // Window rows 0..W-1 come from the conv state (rows pick[0] .. pick[0] + W - 1 of conv_state [B, R, C]: a plain
+  // Window rows 0..W-1 come from the conv state (rows pick[PR * bi] .. + W - 1 of conv_state [B, R, C]: a plain
   // window, or a previous verify's whole conv input); they are also the first rows of conv_in.
   for (int r = 0; r < W; ++r) {
-    const int src = (bi * conv_state_shape[1] + pick[0] + r) * C;
+    const int src = (bi * conv_state_shape[1] + pick[PR * bi] + r) * C;
     const int dst = (bi * (W + T) + r) * C;
     for (int i = 0; i < NK; ++i) {
       xq[i][r] = LX_F32(conv_state[src + cq[i]]);
@@ -541,7 +542,7 @@ def conv_rows_per_warp(B: int, Dv: int, Dk: int = 128) -> int:
 
 # Offsets are 32-bit (the run-5 form: 96 registers against 108-110 with 64-bit ones); the wrapper checks the sizes.
 # Without a pick (plain decode and verify) the body reads step 0 and window row 0 and takes no `pick` input.
-_BODY_CONV_NO_PICK = _BODY_CONV.replace("pick[0]", "0").replace("pick[1]", "0")
+_BODY_CONV_NO_PICK = _BODY_CONV.replace("pick[PR * bi]", "0").replace("pick[PR * bi + 1]", "0")
 _CONV_INPUTS = ("qkv", "conv_state", "conv_w", "a", "b", "A_log", "dt_bias", "state_in", "pick")
 _CONV_OUTPUTS = ("y", "state_out", "conv_in")
 # The fused form serves decode and verify (T below this); longer prompts take conv1d + the batched form.
@@ -564,10 +565,16 @@ def conv_silu_ref(conv_in: mx.array, conv_w: mx.array) -> mx.array:
 
 
 def picked(conv_state: mx.array, state: mx.array | None, pick: mx.array | None, window: int):
-    """With `pick` = [row, step] (device int32): the window rows row .. row + window - 1 of conv_state [B, R, C] and
-    step `step` of state [B, ST, Hv, Dv, Dk] (a previous verify's conv input and per-step states); else as given."""
+    """With `pick` = [row, step, ..] (device int32): the window rows row .. row + window - 1 of conv_state [B, R, C]
+    and step `step` of state [B, ST, Hv, Dv, Dk] (a previous verify's conv input and per-step states); with `pick`
+    [B, 2], each sequence's own row and step (a batch's rounds); else as given."""
     if pick is None:
         return conv_state, state
+    if pick.ndim == 2:
+        rows = pick[:, :1] + iota(window)[None]  # [B, window]
+        steps = pick[:, 1].reshape(-1, *([1] * (state.ndim - 1)))
+        return (mx.take_along_axis(conv_state, rows[..., None], axis=1),
+                mx.take_along_axis(state, steps, axis=1).squeeze(1))
     return mx.take(conv_state, pick[0] + iota(window), axis=1), mx.take(state, pick[1], axis=1)
 
 
@@ -628,6 +635,7 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         extra = []
     else:
         assert conv_state.shape[1] >= KC - 1 and conv_state.shape[2] == C and state.ndim == 5
+        assert pick.shape == (B, 2) or (pick.ndim == 1 and pick.size >= 2), pick.shape
         kernel = _dialect.build("lattice_gated_delta_conv_pick", _BODY_CONV, _CONV_INPUTS, _CONV_OUTPUTS,
                                 consts=cols)
         extra = [pick if pick.dtype == mx.int32 else pick.astype(mx.int32)]
@@ -640,7 +648,7 @@ def gated_delta_conv_kernel(qkv, conv_state, conv_w, a, b, A_log, dt_bias, state
         inputs=[qkv, conv_state, conv_w, a, b, A_log, dt_bias,
                 state if state.dtype == mx.float32 else state.astype(mx.float32), *extra],
         template=[("YT", qkv.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KC", KC),
-                  ("STEP", step_states), ("DVW", dvw)],
+                  ("STEP", step_states), ("DVW", dvw), *([("PR", 2 if pick.ndim == 2 else 0)] if extra else [])],
         grid=(32, Dv // dvw, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), s_shape, (B, KC - 1 + T, C)],

@@ -10,8 +10,13 @@ A round, for B sequences at depth K (shapes: B rows, P pending head slots, V voc
 - accept: greedy, the leading drafts equal to the target's argmax; sampled, min(1, p/q) per draft with the residual
   resample (sample.accept_sampled_arrays), per sequence;
 - rollback per sequence, on the device: attention columns past n_b + 1 marked dead (RoundKVCache.keep: no copy), the
-  GDN state and conv window of step n_b picked row by row; the next round's pending slots are this round's K + 1
-  tokens and hiddens with n_b + 1 valid, and its newest token the bonus.
+  GDN layers' caches keep the verify's whole conv input and per-step states with each sequence's [n_b + 1, n_b]
+  (`gpick` [B, 2], every layer's `window_pick`), and the next round's GDN kernel reads each sequence's window and
+  state there in place (metal/gated_delta.py `picked`): no gather of the states (the third dearest kernel of a
+  16-sequence round: docs/adr/0009). A plain step gathers them first (`_settle`); a
+  joining sequence's caches are padded to that form (its window at row 0, its state at step 0) and a leave takes
+  the remaining rows' picks along; the next round's pending slots are this round's K + 1 tokens and hiddens with
+  n_b + 1 valid, and its newest token the bonus.
 Nothing in a round is read back: round r + 1 is dispatched on round r's device arrays before the host reads round r's
 tokens (the host builds one round while the device runs the other), so a sequence that ends inside round r (its
 budget, a stop token) still has a row in round r + 1, whose tokens for it are discarded, and the others' are exact.
@@ -93,6 +98,9 @@ class BatchRounds(BatchDecoder):
         self.y = self.ptok = self.phid = self.pn = self.gen = None
         self.holes = False  # whether some row has fewer than P valid pending slots (after a round or a join)
         self.tail: list[tuple[mx.array, mx.array]] = []  # plain steps' slots not yet in ptok / phid (_pending)
+        # after a round: each row's [n + 1, n] [B, 2], where the GDN layers' next forward reads its conv window and
+        # state in their caches (the verify's whole conv input and per-step states: every layer's `window_pick`)
+        self.gpick: mx.array | None = None
         self._queued: tuple | None = None  # the dispatched pass not read yet: (k, n [B], tokens [B, k + 1])
         # (the K of the last pass dispatched, when, the batch size), for the tuner; whether that pass replayed a trace
         self._tic: tuple[int, float, int] | None = None
@@ -107,7 +115,14 @@ class BatchRounds(BatchDecoder):
     # --- joins and leaves -----------------------------------------------------------------------------------------
 
     def _join(self, seq: Sequence, cache: list, hidden: mx.array) -> None:
+        if self.gpick is not None:  # the newcomer's GDN caches in the running rows' form: its window rows 0 .., step 0
+            for mine, new in zip(self.cache, cache):
+                if isinstance(new, caches.GDNCache):
+                    new.conv = mx.pad(new.conv, [(0, 0), (0, mine.conv.shape[1] - new.conv.shape[1]), (0, 0)])
+                    new.ssm = mx.pad(new.ssm[:, None], [(0, 0), (0, mine.ssm.shape[1] - 1)] + [(0, 0)] * 3)
         super()._join(seq, cache, hidden)  # (reads the queued pass first)
+        if self.gpick is not None:
+            self._set_gpick(mx.concatenate([self.gpick, mx.zeros((1, 2), mx.int32)]))
         self._shape = False
         self.cache = _rounds_layout(self.cache)
         # the prompt's slots: embed(t_{j+1}) with h_j; all but the last go in now, the last with the first round
@@ -141,11 +156,13 @@ class BatchRounds(BatchDecoder):
             return None
         self._shape = False
         if not keep:
-            self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = None
+            self.head_cache = self.y = self.ptok = self.phid = self.pn = self.gen = self.gpick = None
             self._queued, self.holes, self.tail, self._tic, self._outside = None, False, [], None, 0.0
             return keep
         idx = mx.array(keep, dtype=mx.int32)
         filter_rows(self.head_cache, keep)
+        if self.gpick is not None:  # (filter_rows took the GDN caches' rows)
+            self._set_gpick(self.gpick[idx])
         self._pending()
         self.y, self.ptok, self.phid, self.pn, self.gen = (a[idx] for a in (self.y, self.ptok, self.phid, self.pn,
                                                                              self.gen))
@@ -245,14 +262,35 @@ class BatchRounds(BatchDecoder):
 
     def _replayable(self) -> bool:
         """What a traced round and a traced plain step both need: one sampler structure, one process, no hidden
-        tap, no GDN window picks pending."""
+        tap."""
         return (self._structure() is not None and getattr(self.model, "sharding_group", None) is None
-                and runtime_of(self.model).hidden_tap is None
-                and all(c.window_pick is None for c in self.cache if isinstance(c, caches.GDNCache)))
+                and runtime_of(self.model).hidden_tap is None)
 
     def _traceable(self, K: int) -> bool:
+        """The steady state: K + 1 pending slots and the GDN caches a round of depth K left (`gpick`)."""
         return (tracing_enabled() and self.ptok.shape[1] == K + 1 and self._replayable()
+                and self.gpick is not None and all(c.ssm.shape[1] == K + 1 for c in self._gdn())
                 and all(c.keys is not None for c in self.head_cache))
+
+    def _gdn(self) -> list:
+        return [c for c in self.cache if isinstance(c, caches.GDNCache)]
+
+    def _set_gpick(self, pick: mx.array | None) -> None:
+        self.gpick = pick
+        for c in self._gdn():
+            c.window_pick = pick
+
+    def _settle(self) -> None:
+        """The GDN caches as plain windows and states (each row's picked ones gathered), before a plain step."""
+        if self.gpick is None:
+            return
+        rows, steps = iota(self.gpick.shape[0]), self.gpick[:, 1]
+        for c in self._gdn():
+            W = c.conv.shape[1] - c.ssm.shape[1]  # (the verify's conv input: the window, then its K + 1 rows)
+            window = self.gpick[:, :1] + iota(W)[None]  # [B, W]
+            c.conv = mx.take_along_axis(c.conv, window[..., None], axis=1)
+            c.ssm = c.ssm[rows, steps]
+        self._set_gpick(None)
 
     def _model_kv(self) -> list:
         return [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
@@ -263,15 +301,17 @@ class BatchRounds(BatchDecoder):
     def _cache_state(self, kv: list) -> list[mx.array]:
         """The arrays of the round caches `kv` and of the GDN layers, as a trace carries them."""
         out = [a for c in kv for a in (c.keys, c.values, c.live, c.offset, c.pos)]
-        return out + [a for c in self.cache if isinstance(c, caches.GDNCache) for a in (c.conv, c.ssm)]
+        out += [a for c in self._gdn() for a in (c.conv, c.ssm)]
+        return out + ([self.gpick] if self.gpick is not None else [])
 
     def _set_cache_state(self, kv: list, it) -> None:
         """Takes what _cache_state(kv) gave from `it`."""
         for c in kv:
             c.keys, c.values, c.live, c.offset, c.pos = (next(it) for _ in range(5))
-        for c in self.cache:
-            if isinstance(c, caches.GDNCache):
-                c.conv, c.ssm = next(it), next(it)
+        for c in self._gdn():
+            c.conv, c.ssm = next(it), next(it)
+        if self.gpick is not None:
+            self._set_gpick(next(it))
 
     def _state(self) -> list[mx.array]:
         out = [self.y, self.ptok, self.phid, self.pn, self.gen, self._keys]
@@ -474,6 +514,7 @@ class BatchRounds(BatchDecoder):
         (LATTICE_TRACE_STEPS) and the rows' samplers have one structure, as a plain batch's steps are."""
         if self.holes:
             self._feed_head()
+        self._settle()
         for c in self.cache:
             if isinstance(c, caches.RoundKVCache):
                 c.reserve(1)
@@ -509,7 +550,7 @@ class BatchRounds(BatchDecoder):
             keys = mx.vmap(lambda k: mx.random.split(k, K + 1))(use)  # [B, K + 1, 2]
         drafts, q = self._draft(K, keys)
         kv = [c for c in self.cache if isinstance(c, caches.RoundKVCache)]
-        gdn = [c for c in self.cache if isinstance(c, caches.GDNCache)]
+        gdn = self._gdn()
         for c in kv:
             c.reserve(K + 1)
         for c in gdn:
@@ -520,13 +561,11 @@ class BatchRounds(BatchDecoder):
         for c in kv:  # rollback, row by row: keep n_b + 1 of the K + 1 positions
             c.keep(n + 1)
         rows = iota(B)
-        for c in gdn:
+        for c in gdn:  # the next forward reads row b's window from row n_b + 1, its state at step n_b, in place
             (conv_in,), (states,) = c._conv_in, c._states  # [B, W + K + 1, C], [B, K + 1, Hv, Dv, Dk]
-            W = conv_in.shape[1] - (K + 1)
-            window = (n + 1)[:, None] + iota(W)[None]  # [B, W]
             c.commit()
-            c.conv = mx.take_along_axis(conv_in, window[..., None], axis=1)
-            c.ssm = states[rows, n]
+            c.conv, c.ssm = conv_in, states
+        self._set_gpick(mx.stack([n + 1, n], axis=1))
         self.ptok, self.phid, self.pn, self.holes = tokens, hidden, n + 1, True
         self.y, self.gen = tokens[rows, n], self.gen + n + 1
         return K, n, tokens
