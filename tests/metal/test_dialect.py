@@ -123,7 +123,8 @@ def test_cuda_render_compiles(op, tmp_path):
             BODIES[op],
             ins,
             [("y", bf), ("state_out", "float"), ("conv_in", bf)],
-            [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("KC", 4), ("STEP", True), ("DVW", 4)],
+            [("YT", bf), ("Hk", 2), ("Hv", 4), ("Dk", 128), ("Dv", 64), ("KC", 4), ("STEP", True), ("DVW", 4)]
+            + [("PR", 2)] * (op == "gated_delta_conv"),  # (picks per row: a batch's rounds)
             _dialect.constants(QKV_S=1544, QKV_C=0, B_S=1544, B_C=1536, A_S=1544, A_C=1540),
         )
     elif op.startswith("gated_delta"):
