@@ -208,6 +208,8 @@ def run_group(args) -> dict:
             r["rounds"].append(st["rounds"] if st else None)
             r["decisions"].append((st["decisions"] + st["tuner_log"])[:12] if st else None)
             outputs[leg] = tokens
+            if rep == 0:  # (the first generations: a call cut inside them still logs where its time went)
+                log(f"{args.group}: first generation of {leg}: {wall:.1f} s")
         if temp == 0:
             identical &= all(t == outputs[legs[0]] for t in outputs.values())
         log(f"{args.group}: rep {rep} in {time.perf_counter() - tic:.1f} s: " + " ".join(
@@ -286,8 +288,10 @@ def main() -> int:
                 continue
             warmed.add(kind)
             cmd = [sys.executable, __file__, *sys.argv[1:], "--warm-only", "--group", g]
+            tic = time.perf_counter()
             rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-            log(f"machine warm-up, {g}: exit {rc}")
+            log(f"machine warm-up, {g}: exit {rc} in {time.perf_counter() - tic:.0f} s")  # (a cut call's log says where
+            # its time went: run U's did not)
         result["meta"]["machine_warmup_s"] = time.perf_counter() - t
     for g in groups:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--group", g]
