@@ -40,6 +40,7 @@ from .. import traces
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
 from ..decode import tracing_enabled as decode_tracing_enabled
 from ..metal import iota, kernel_policy
+from ..metal.gated_delta import picked
 from ..models import compiled
 from ..runtime import runtime_of
 from ..sample import Sampler, accept_sampled_arrays, sample_from, split_keys
@@ -284,12 +285,8 @@ class BatchRounds(BatchDecoder):
         """The GDN caches as plain windows and states (each row's picked ones gathered), before a plain step."""
         if self.gpick is None:
             return
-        rows, steps = iota(self.gpick.shape[0]), self.gpick[:, 1]
-        for c in self._gdn():
-            W = c.conv.shape[1] - c.ssm.shape[1]  # (the verify's conv input: the window, then its K + 1 rows)
-            window = self.gpick[:, :1] + iota(W)[None]  # [B, W]
-            c.conv = mx.take_along_axis(c.conv, window[..., None], axis=1)
-            c.ssm = c.ssm[rows, steps]
+        for c in self._gdn():  # (the verify's conv input holds the window, then its K + 1 rows)
+            c.conv, c.ssm = picked(c.conv, c.ssm, self.gpick, c.conv.shape[1] - c.ssm.shape[1])
         self._set_gpick(None)
 
     def _model_kv(self) -> list:
