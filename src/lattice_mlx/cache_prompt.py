@@ -8,7 +8,7 @@ from .cli import ArgumentParser, command_name
 from .generate import check_context
 from .load import LoadError, load
 from .prompt_cache import PromptCache
-from .startup import interrupts_to_main
+from .startup import end_startup, interrupts_to_main
 
 EPILOG = ("Then `python -m lattice_mlx.generate --prompt-cache-file PATH --prompt MORE` continues the cached prompt "
           "with MORE and prefills only MORE's tokens.")
@@ -27,10 +27,12 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupts_to_main()
     args = setup_arg_parser().parse_args(argv)
     try:
+        interrupts_to_main()  # (inside the try: a Ctrl-C after it is caught below)
         model, tokenizer = load(args.model, dtype=args.dtype)
+        if args.prompt == "-":
+            end_startup()  # (reading stdin: a blocking read that Ctrl-C interrupts)
         text = sys.stdin.read() if args.prompt == "-" else args.prompt
         ids = list(tokenizer.encode(text))
         try:

@@ -31,7 +31,7 @@ from .load import DEMO_MODEL, LoadError, keep_round_builds, load, resolve_path
 from .prompt_cache import PromptCache
 from .sample import Sampler
 from .speculative import SpecOptions
-from .startup import interrupts_to_main
+from .startup import end_startup, interrupts_to_main
 
 HELP = ("/reset starts a new conversation, /quit (or Ctrl-D, or Ctrl-C here) leaves; Ctrl-C during a reply stops it "
         "and keeps the part shown")
@@ -146,10 +146,11 @@ def converse(model, tokenizer, args: argparse.Namespace, sampling: dict, specula
 
 def main(argv: list[str] | None = None) -> int:
     """0 after /quit or end of input; 130 after Ctrl-C at the prompt (or while loading); 1 for a load error."""
-    interrupts_to_main()
     args = setup_arg_parser().parse_args(argv)
     try:
+        interrupts_to_main()  # (inside the try: a Ctrl-C after it is caught below)
         model, tokenizer, sampling, from_checkpoint = start(args)
+        end_startup()  # (the prompt's input() is a blocking read that Ctrl-C interrupts)
         mx.random.seed(args.seed)
         speculation = SpecOptions() if model.has_mtp and not args.no_mtp else None
         print(banner(sampling, from_checkpoint, speculation), file=sys.stderr)

@@ -222,7 +222,6 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupts_to_main()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     if not args.quantize and (args.q_bits or args.q_group_size or args.quantize_mtp):
@@ -232,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
+        interrupts_to_main()  # (inside the try: a Ctrl-C after it is caught below)
         dst = convert(args.hf_path, args.mlx_path, quantize_bits=(args.q_bits or DEFAULT_Q_BITS) if args.quantize
                       else None, group_size=args.q_group_size or DEFAULT_Q_GROUP_SIZE, quantize_mtp=args.quantize_mtp,
                       dtype=args.dtype, force=args.force, rotate_seed=args.rotation_seed if args.rotate else None,

@@ -18,7 +18,7 @@ from .load import DEMO_MODEL, LoadError, keep_round_builds, load, resolve_path
 from .sample import Sampler
 from .speculative import SpecOptions, SpecStats, auto_applies, speculate
 from .speculative.batched import BatchRounds
-from .startup import interrupts_to_main
+from .startup import end_startup, interrupts_to_main
 
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DEFAULT_MAX_TOKENS = 128
@@ -424,12 +424,14 @@ def distributed_group():
 
 
 def main(argv: list[str] | None = None) -> int:
-    interrupts_to_main()
     args = setup_arg_parser().parse_args(argv)
     group = distributed_group()
     if group is not None and group.rank() != 0:  # every rank computes; rank 0 speaks for them all
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
+        interrupts_to_main()  # (inside the try: a Ctrl-C after it is caught below)
+        if args.prompt == "-":
+            end_startup()  # (reading stdin: a blocking read that Ctrl-C interrupts)
         result = run(args)
     except (LoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from ..speculative.options import ADAPTIVE_MAX_K
 from ..speculative.pipelined import tracing_enabled as rounds_tracing_enabled
 from ..speculative.pipelined import warm_catch_up, warm_rounds
 from ..speculative.tuning import PIPELINED_START_K
-from ..startup import interrupts_to_main
+from ..startup import end_startup, interrupts_to_main
 from .engine import BatchEngine, Engine, Job
 from .http import Server, Site, is_loopback, make_handler
 from .protocol import BadRequest, HTTPError, Limits, StopScanner, parse_request
@@ -183,13 +183,21 @@ def _check_flags(args) -> None:
         raise ValueError(f"--max-tokens ({args.max_tokens}) must be <= --max-tokens-limit ({args.max_tokens_limit})")
 
 
+def _closed(httpd, code: int) -> int:
+    if httpd is not None:
+        httpd.server_close()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    interrupts_to_main()
-    args = setup_arg_parser().parse_args(argv)
+    args = setup_arg_parser().parse_args(argv)  # (Ctrl-C here: the start-up handler's one line and exit 130)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    # until serving starts, SIGTERM stops the process as Ctrl-C does: one line, no traceback
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    httpd, stage = None, "loading"
     try:
+        # from here to the Stopper's installation a Ctrl-C is a KeyboardInterrupt caught below, wherever it lands
+        interrupts_to_main()
+        # until serving starts, SIGTERM stops the process as Ctrl-C does: one line, no traceback
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         _check_flags(args)
         model, tokenizer = load(args.model, dtype=args.dtype)
         defaults = {}
@@ -198,37 +206,35 @@ def main(argv: list[str] | None = None) -> int:
         batched = args.max_batch > 1  # continuous batching (batch.py; MTP rounds: speculative/batched.py)
         speculation = SpecOptions(draft_tokens=args.draft_tokens) if model.has_mtp and not args.no_mtp else None
         httpd = Server((args.host, args.port), None)
-    except (LoadError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted while loading", file=sys.stderr)
-        return 130
-    if not args.no_warmup:
-        try:
+        if not args.no_warmup:
+            stage = "warming up"
             # (a request alone runs the pipelined rounds; a batch's plain steps are traced per batch size)
             warm_up(model, speculation, args.max_batch)
-        except KeyboardInterrupt:
-            print("error: interrupted while warming up", file=sys.stderr)
-            httpd.server_close()
-            return 130
-        except (RuntimeError, ValueError) as e:  # e.g. out of memory at the first forward
-            print(f"error: warming up failed: {e}", file=sys.stderr)
-            httpd.server_close()
-            return 1
-    model_id = served_name(args.model, args.served_model_name)
-    engine = (BatchEngine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context,
-                          max_batch=args.max_batch) if batched else
-              Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context))
-    host, port = httpd.server_address[:2]
-    limits = Limits(default_max_tokens=args.max_tokens, max_tokens=args.max_tokens_limit,
-                    context=model.args.max_position_embeddings, allow_long_context=args.allow_long_context,
-                    seconds=args.request_timeout)
-    site = Site(str(host), port, set(args.allow_host), set(args.allow_origin))
-    httpd.RequestHandlerClass = make_handler(engine, site, limits, defaults, args.max_body_bytes, args.io_timeout)
-    stop = Stopper(engine)
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+        stage = "starting"
+        model_id = served_name(args.model, args.served_model_name)
+        engine = (BatchEngine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context,
+                              max_batch=args.max_batch) if batched else
+                  Engine(model, tokenizer, model_id, speculation, args.max_queue, args.allow_long_context))
+        host, port = httpd.server_address[:2]
+        limits = Limits(default_max_tokens=args.max_tokens, max_tokens=args.max_tokens_limit,
+                        context=model.args.max_position_embeddings, allow_long_context=args.allow_long_context,
+                        seconds=args.request_timeout)
+        site = Site(str(host), port, set(args.allow_host), set(args.allow_origin))
+        httpd.RequestHandlerClass = make_handler(engine, site, limits, defaults, args.max_body_bytes,
+                                                 args.io_timeout)
+        stop = Stopper(engine)
+        signal.signal(signal.SIGTERM, stop)  # (a signal pending here runs the handler it came under: caught below)
+        signal.signal(signal.SIGINT, stop)
+        end_startup()  # (serving: Ctrl-C straight to the Stopper)
+    except KeyboardInterrupt:
+        print(f"error: interrupted while {stage}", file=sys.stderr)
+        return _closed(httpd, 130)
+    except (LoadError, ValueError, OSError, RuntimeError) as e:
+        if stage == "loading" and not isinstance(e, RuntimeError):
+            print(f"error: {e}", file=sys.stderr)
+        else:  # e.g. out of memory at the first forward
+            print(f"error: {stage} failed: {e}", file=sys.stderr)
+        return _closed(httpd, 1)
     if not is_loopback(str(host).strip("[]").lower()) and not args.allow_host:
         log.warning("bound to %s: clients on other machines must name this server by an --allow-host name", host)
     sampling = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "greedy"
