@@ -102,10 +102,14 @@ def test_a_ctrl_c_as_the_server_installs_its_stopper_is_caught(monkeypatch, caps
     closed = []
     monkeypatch.setattr(server, "Stopper", _interrupted_on_entry)
     monkeypatch.setattr(server, "_closed", lambda httpd, code: closed.append(httpd) or code)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         rc = server.main(["--port", "0", "--no-warmup"])
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped the server's main")
+    finally:  # (main set SIGTERM's start-up handler: this test process keeps its own)
+        for s, handler in before.items():
+            signal.signal(s, handler)
     assert rc == 130 and capsys.readouterr().err.strip().splitlines() == ["error: interrupted while starting"]
     assert closed and closed[0] is not None
     closed[0].server_close()
