@@ -35,30 +35,31 @@ def _started_command() -> str | None:
 # once per process, at its first compiled-kernel build, through C's system(), which ignores SIGINT in the calling
 # process until its child exits (POSIX), and a signal that arrives meanwhile is discarded unless it is blocked.
 # Blocked from the package's first import on, it is also blocked in every thread started later (loading, MLX's
-# own), so it waits in the process's queue until the watcher takes it. Where Python has no signal.sigtimedwait
-# (macOS), SIGINT is delivered as usual.
-_watching = threading.Event()
+# own), so it waits in the process's queue until the watcher takes it. Linux only (elsewhere, as usual). The watcher
+# waits in sigwait, so that it takes a Ctrl-C at once: a pending SIGINT is discarded, blocked or not, when system()
+# sets it to SIG_IGN (POSIX), which a watcher that polled lost (seen). Not sigtimedwait: CPython's, interrupted by
+# another signal past its timeout, returns an uninitialised siginfo instead of None (seen: a "SIGINT" from pid 0
+# stopped servers nobody signalled). `end_startup` wakes it with a signal of its own (_WAKE) to stop it.
+_WAKE = getattr(signal, "SIGRTMAX", None)
 _watcher: threading.Thread | None = None
 
 
 def _watch() -> None:
-    while _watching.is_set():
-        if signal.sigtimedwait({signal.SIGINT}, 0.05) is None:
-            continue
+    while signal.sigwait({signal.SIGINT, _WAKE}) == signal.SIGINT:
         if signal.getsignal(signal.SIGINT) is _interrupted_at_startup:
             _interrupted_at_startup(signal.SIGINT, None)  # (at once, even while the main thread runs native code)
         _thread.interrupt_main()  # the main thread's SIGINT handler runs at its next bytecode
 
 
 def watch_interrupts() -> None:
-    """Start taking SIGINT on a watcher thread (see above); the main thread only. A no-op where unsupported."""
+    """Start taking SIGINT on a watcher thread (see above); the main thread only. A no-op but on Linux."""
     global _watcher
-    if _watcher is not None or not hasattr(signal, "sigtimedwait") or not hasattr(signal, "pthread_sigmask"):
+    if _watcher is not None or not sys.platform.startswith("linux") or _WAKE is None:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    _watching.set()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, _WAKE})
     _watcher = threading.Thread(target=_watch, name="sigint-watcher", daemon=True)
-    _watcher.start()
+    _watcher.start()  # (the watcher keeps _WAKE blocked, for its sigwait; the other threads need not)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {_WAKE})
 
 
 def end_startup() -> None:
@@ -68,7 +69,7 @@ def end_startup() -> None:
     global _watcher
     if _watcher is None:
         return
-    _watching.clear()
+    signal.pthread_kill(_watcher.ident, _WAKE)  # (a SIGINT pending beside it is taken first: lower numbers first)
     _watcher.join()
     _watcher = None
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
