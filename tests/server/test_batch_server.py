@@ -8,7 +8,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 
-from test_server import MODEL, PROMPT, _client, _served, _streaming  # noqa: E402
+from test_server import MODEL, PROMPT, _cancelled_after, _client, _served, _streaming  # noqa: E402
 
 from lattice_mlx import generate, load  # noqa: E402
 
@@ -78,14 +78,14 @@ def test_streaming_and_stop_strings_per_request(bclient):
 
 def test_a_client_leaving_frees_its_row_and_the_others_go_on(bclient, batch_server):
     port, log = batch_server
+    before = len(log.read_text())
     sock = _streaming(port)
     other = bclient.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0)
     sock.close()
     assert other.usage.completion_tokens == 6
     assert bclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                       temperature=0).usage.completion_tokens == 4
-    lines = [line for line in log.read_text().splitlines() if "cancelled by its client" in line]
-    assert lines and int(lines[-1].split("after ")[1].split()[0]) < 2000
+    assert _cancelled_after(log, before) < 2000
 
 
 @pytest.fixture(scope="module")
