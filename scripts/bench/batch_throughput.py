@@ -118,7 +118,7 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
 
 def summary(prof) -> dict:
     """A profile's totals per step and its costliest kernels, rounded."""
-    s = prof.summary(top=24)  # (8 hid what replaced the gathers in batch run 7: copies below the eighth)
+    s = prof.summary(top=24)  # (with 8, batch run 7 could not tell whether its new copies ran before, below the eighth)
     out = {k: round(s[k], 2) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
                                        "span_us_per_step")}
     out["top_kernels"] = [{"name": t["name"], "per_step": round(t["per_step"], 2),
