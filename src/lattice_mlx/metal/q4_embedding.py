@@ -13,6 +13,8 @@ and keeps the one that matches bitwise, or falls back to MLX's four launches if 
 fp32: an 8- or 11-bit significand times a 4-bit integer.) The probe and the kernel have not run on Apple hardware.
 """
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -80,6 +82,7 @@ _ROUNDING: dict[tuple[mx.Dtype, str], int | None] = {}
 _PROBE = (64, 256, 64)  # the probe's table: rows, columns, group size
 
 
+@functools.cache  # (per dtype: a recording of the model's forwards asked for it at every lookup, 0.2 s a listing)
 def _probe_table(dtype: mx.Dtype):
     rng = np.random.default_rng(7)
     V, K, G = _PROBE
