@@ -52,7 +52,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
                spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0),
                settle: tuple[float, ...] = (), slow_gen: tuple[float, float] = (0.0, 1.0),
-               start: tuple[float, int] = (1.0, 0)) -> float:
+               start: tuple[float, int] = (1.0, 0), host_ms: tuple[float, float] | None = None) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
@@ -68,12 +68,17 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     pass_costs.py: about 2, 1.1, 1.05, 1.03 on the H100). `slow_gen` (share, factor): that share of the generations
     runs on a host that many times slower throughout (run R's host ran whole generations 1.4x slower). `start`
     (factor, tokens): over the generation's first tokens the deeper drafts (all but the first) pass at their rates
-    times the factor (run Q's demo at 0.7 read position 1 at 0.35 early, and position 0 at 0.92-0.94 later)."""
+    times the factor (run Q's demo at 0.7 read position 1 at 0.35 early, and position 0 at 0.92-0.94 later).
+    `host_ms` (a, b): a host-bound loop: a pass of depth k costs max(its depth's cost, (a + b * k) ms times the
+    host's factor), so the host's spells and drift raise the shallow depths' costs more than a deep depth's that the
+    GPU bounds (run V: a slow spell read K=3 at 1.4x its cost and K=4 at 1.2x), and plain's time is the same max over
+    the generation's factors."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
     sigma, rho = drift
     factors = 0.0
+    plain_floor = host_ms[0] if host_ms else 0.0
     gen_factor = slow_gen[1] if slow_gen[0] and rng.random() < slow_gen[0] else 1.0
     tuner = PipelinedTuner(4, memory, lag=LAG)
     done, spent, pending, last = 1, 0.0, [], []
@@ -93,11 +98,12 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         if host.get("spell", 0) > 0:
             host["spell"] -= 1
             factor *= spells[1]
-        factors += factor
+        factors += max(costs[0], plain_floor * factor) if host_ms else factor
         since = next((i for i, d in enumerate(reversed(last)) if d != k), len(last))
         settled = (settle[since] if since < len(settle) else 1.0) if settle else \
             (switch if k not in last[-2:] else 1.0)
-        cost = costs[k] * factor * rng.lognormvariate(0.0, noise) * settled
+        bound = max(costs[k], (host_ms[0] + host_ms[1] * k) * factor) if host_ms else costs[k] * factor
+        cost = bound * rng.lognormvariate(0.0, noise) * settled
         runs[k] += 1
         if fresh and k and runs[k] <= first[1]:
             cost *= first[0]
@@ -125,21 +131,22 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
             seen[k] += 1
     tuner.plain_ran(stretch)  # (a stretch the generation ended inside)
     # (plain's mean pass: the noise's mean is above 1)
-    return costs[0] * math.exp(noise**2 / 2) * tokens * (factors / len(last)) / spent
+    return (1.0 if host_ms else costs[0]) * math.exp(noise**2 / 2) * tokens * (factors / len(last)) / spent
 
 
 def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, switch: float = 1.0,
            probe: float = 0.0, tokens: int = 256, drift: tuple[float, float] = (0.0, 0.0),
            vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0),
            first: tuple[float, int] = (1.0, 0), settle: tuple[float, ...] = (),
-           slow_gen: tuple[float, float] = (0.0, 1.0), start: tuple[float, int] = (1.0, 0)) -> list[float]:
+           slow_gen: tuple[float, float] = (0.0, 1.0), start: tuple[float, int] = (1.0, 0),
+           host_ms: tuple[float, float] | None = None) -> list[float]:
     """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
     share of the generations (texts) drafts at the rates times the factor."""
     share, factor = vary
     return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
                                          rng, tokens, switch=switch, probe=probe, drift=drift, host=host,
                                          spells=spells, first=first, settle=settle, slow_gen=slow_gen,
-                                         start=start)
+                                         start=start, host_ms=host_ms)
                               for _ in range(gens))
             for rng, memory, host in ((random.Random(s), fresh_memory(), {}) for s in range(seeds))]
 
@@ -147,6 +154,25 @@ def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, swit
 def fixed(cond: list[float], costs: dict, k: int) -> float:
     """A fixed depth's expected speedup over plain decoding (the tuner's own tokens-per-round model)."""
     return expected_tokens(k, list(itertools.accumulate(cond, operator.mul))) * costs[0] / costs[k]
+
+
+def fixed_host(cond: list[float], costs: dict, k: int, host_ms: tuple[float, float], spells: tuple[float, float, int],
+               drift: tuple[float, float], slow_gen: tuple[float, float], passes: int = 200_000) -> float:
+    """fixed() on a host-bound loop (`host_ms`): plain's and depth k's mean pass over the same host factors (the
+    spells', the drift's, the slow generations' in proportion)."""
+    rng, x, spell, plain, deep = random.Random(1), 0.0, 0, 0.0, 0.0
+    sigma, rho = drift
+    for i in range(passes):
+        if sigma:
+            x = rho * x + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
+        factor = math.exp(x) * (slow_gen[1] if i < slow_gen[0] * passes else 1.0)
+        if spell <= 0 and spells[0] and rng.random() < spells[0]:
+            spell = spells[2]
+        if spell > 0:
+            spell, factor = spell - 1, factor * spells[1]
+        plain += max(costs[0], host_ms[0] * factor)
+        deep += max(costs[k], (host_ms[0] + host_ms[1] * k) * factor)
+    return expected_tokens(k, list(itertools.accumulate(cond, operator.mul))) * plain / deep
 
 
 def main() -> None:
@@ -171,7 +197,11 @@ def main() -> None:
                     "many times slower")
     ap.add_argument("--start", default="1,0", help="FACTOR,TOKENS: over each generation's first TOKENS tokens the "
                     "drafts after the first pass at the case's rates times FACTOR")
+    ap.add_argument("--host-ms", default="", help="A,B: a host-bound loop, each pass at least (A + B * K) ms "
+                    "times the host's factor (--drift, --spells, --slow-gen then slow the host alone)")
+    ap.add_argument("--cases", default="", help="NAME,..: only these cases")
     args = ap.parse_args()
+    host_ms = tuple(float(x) for x in args.host_ms.split(",")) if args.host_ms else None
     settle = tuple(float(x) for x in args.settle.split(",")) if args.settle else ()
     slow_gen = tuple(float(x) for x in args.slow_gen.split(","))
     start = (float(args.start.split(",")[0]), int(args.start.split(",")[1]))
@@ -186,17 +216,22 @@ def main() -> None:
             seen = Counter()
             speedup = generation(memory, cond, costs, rng, args.tokens, seen=seen, switch=args.switch,
                                  probe=args.probe_ms, drift=drift, host=host, spells=spells, first=first,
-                                 settle=settle, slow_gen=slow_gen, start=start)
+                                 settle=settle, slow_gen=slow_gen, start=start, host_ms=host_ms)
             print(g, f"{speedup:.2f}", dict(sorted(seen.items())), {k: round(v, 2) for k, v in
                                                                    sorted(memory.get("cost", {}).items())})
         return
     for name, (cond, costs) in CASES.items():
-        best, k = max((fixed(cond, costs, k), k) for k in range(1, 5))
+        if args.cases and name not in args.cases.split(","):
+            continue
+        best, k = max((fixed_host(cond, costs, k, host_ms, spells, drift, slow_gen) if host_ms else
+                       fixed(cond, costs, k), k) for k in range(1, 5))
         runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
                       drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first,
-                      settle=settle, slow_gen=slow_gen, start=start)
+                      settle=settle, slow_gen=slow_gen, start=start, host_ms=host_ms)
         med = statistics.median(runs)
-        print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f})  best fixed K={k} {best:.2f}"
+        p10 = sorted(runs)[len(runs) // 10]
+        print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f}, tenth {p10:.2f})  best fixed "
+              f"K={k} {best:.2f}"
               f"  default / max(best, 1) {med / max(best, 1.0):.2f}")
 
 

@@ -345,6 +345,39 @@ def test_a_depth_read_long_ago_in_a_slow_spell_is_read_again():
     assert tuner.next_k([0.0], lambda: [0.0]) == 0
 
 
+def test_a_neighbour_read_in_a_slower_spell_is_read_again_when_the_host_speeds_up(monkeypatch):
+    """Run V's 0.8B shape at oracle 0.8: K=3 read at 3.74 ms and K=4 at 4.10 in a slow spell, the tuner sat at K=4
+    as its cost fell to 3.47 (a sixth) and never read K=3 again, where K=3 ran 2.6 ms per round. With REVISIT_DRIFT
+    the tuner goes back to K=3 once K=4's cost falls by that share below its reading on arrival, and the re-read
+    replaces K=3's window (its slow readings are not averaged in); a smaller fall, or the rule off, stays."""
+    from lattice_mlx.speculative import tuning
+
+    rates = [0.82, 0.72, 0.5, 0.35]
+    costs = {0: 2.65e-3, 3: 3.74e-3, 4: 4.10e-3}
+
+    def after_fall(fall: float) -> PipelinedTuner:
+        memory = {"cost": dict(costs), "k": 4, "clock": 1_000, "at": {0: 10, 3: 200, 4: 990},
+                  "window": {3: [3.74e-3] * 7, 4: [4.10e-3] * 7}, "arrival": {4: (4.10e-3, 300)}}
+        tuner = PipelinedTuner(4, memory, lag=2)
+        assert tuner.k == 4 and tuner.judged == 4  # (its arrival was marked in an earlier generation)
+        tuner.left = 0
+        for _ in range(tuner.SKIP + tuning.COST_WINDOW):  # K=4's passes now, on a faster host
+            tuner.observe(4, 4.10e-3 * fall)
+            if tuner.next_k(rates, lambda: rates) != 4:
+                break
+        return tuner
+
+    monkeypatch.setattr(tuning, "REVISIT_DRIFT", 0.15)
+    assert after_fall(0.90).k == 4  # a tenth: not yet
+    tuner = after_fall(0.84)
+    assert tuner.k == 3 and tuner.reread == 3 and "read again" in tuner.log[-1]
+    for s in (2.6e-3,) * (tuner.SKIP + 1):
+        tuner.observe(3, s)
+    assert tuner.window[3] == [2.6e-3] and tuner.cost[3] == 2.6e-3 and tuner.reread is None
+    monkeypatch.setattr(tuning, "REVISIT_DRIFT", 1.0)  # off
+    assert after_fall(0.84).k == 4
+
+
 def _replay_module():
     import importlib.util
     from pathlib import Path

@@ -80,6 +80,17 @@ STALE_PASSES = 32
 # (docs/adr/0008, 'Run S', with the GPU's figures)
 REREAD_PASSES = 1024
 CHECK_PASSES = 6
+# A neighbour of the current depth read before the tuner arrived at it is read again when the current depth's cost
+# has fallen by this share since its first COST_WINDOW timed passes there (the host sped up: the neighbour's reading
+# is from the slower spell), if its gain scaled by that fall is at least REVISIT_FLOOR of the current depth's. On a
+# host-bound loop a slow spell raises a shallow depth's cost more than a deep one's that the GPU bounds: run V's 0.8B
+# shape at oracle 0.8 read K=3 at 1.4x its cost and K=4 at 1.2x in its first repetitions, moved to K=4, and sat there
+# for eight generations as K=4's cost fell by a sixth, at 0.91 of the fixed K=3 (docs/adr/0008, 'Run V'). Scaling the
+# old reading instead of reading it again cannot tell a common slowdown from this one (the same page). Off (1.0) until
+# a GPU run's A/B leg shows it paying: replayed (replay_tuner.py, 50 seeds, with a host-bound model of run V,
+# --host-ms) at 0.15 it moved every case by -0.02 to +0.005 of its best fixed depth and did not lift run V's case,
+# whose stay the replay does not reproduce (docs/adr/0008, 'Run V')
+REVISIT_DRIFT, REVISIT_FLOOR = 1.0, 0.95
 # A depth's cost is the median of its last this many timed passes: on a noisy host an average let one slow pass
 # steer the depth for rounds after it (the same page)
 COST_WINDOW = 7
@@ -260,11 +271,16 @@ class PipelinedTuner:
         self.checking = False  # plain steps of such a check are running
         self.recheck = False  # plain's next timed pass replaces its cost (a check of a stale one) instead of joining it
         self.resume = 0  # a carried stretch's rest, where this generation's first probe goes if it finds no gain
+        # per depth: (its cost, the pass clock) after its first COST_WINDOW timed passes since the tuner arrived there
+        self.arrival = self.memory.setdefault("arrival", {})
+        self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
+        self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
             self.timed = {d: 2 for d in self.cost}  # established: a fast pass is averaged in, not taken as the cost
             self.log.append(f"start at K={self.k} from the costs measured before; {self._costs()}")
+            self.judged = self.k if self.k in self.arrival else None  # (its neighbours were read before it still)
             if self.memory.get("stretch"):  # the last probe ended in a plain stretch (and nothing paid since; a
                 # hopeless one too: restarting its MAX_OFF_TOKENS in every generation never probed again in
                 # generations shorter than it, docs/adr/0008, 'Run H')
@@ -320,8 +336,10 @@ class PipelinedTuner:
         self.rejected[k] = 0
         # a first measurement that was itself a spike gives way to the next ordinary pass (only the first: a lone
         # fast pass later is averaged in, as any other)
-        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck
+        fresh = old is None or self.timed.get(k, 0) == 1 and old > self.SPIKE * seconds or k == 0 and self.recheck \
+            or k == self.reread
         self.recheck = self.recheck and k != 0
+        self.reread = None if k == self.reread else self.reread
         self.at[k] = clock
         self.timed[k] = 1 if fresh else self.timed.get(k, 0) + 1
         window = self.window[k] = [seconds] if fresh else [*self.window.get(k, [old]), seconds][-COST_WINDOW:]
@@ -402,6 +420,27 @@ class PipelinedTuner:
             return self.dispatched
         return self.after[0] if len(self.after) == self.lag else 0
 
+    def _revisit(self, gains: dict) -> int | None:
+        """A neighbour of the current depth to read again (REVISIT_DRIFT), or None. The current depth's mark is
+        re-armed: the next re-read waits for a further fall of the same share."""
+        mark, current = self.arrival.get(self.k), gains.get(self.k)
+        if mark is None or current is None or self.k not in self.cost:
+            return None
+        fall = self.cost[self.k] / mark[0]
+        if fall > 1 - REVISIT_DRIFT:
+            return None
+        scaled = {n: g / fall for n, g in gains.items()
+                  if n != self.k and g is not None and self.at.get(n, mark[1]) < mark[1] and self.traced(n)}
+        n, g = max(scaled.items(), key=lambda t: t[1], default=(None, 0.0))
+        if n is None or g < current * REVISIT_FLOOR:
+            return None
+        self.arrival[self.k] = (self.cost[self.k], self.memory.get("clock", 0))
+        if self.switches < self.LOGGED_SWITCHES:
+            self.switches += 1
+            self.log.append(f"K {self.k} -> {n}: read again, K={self.k}'s cost fell to {fall:.2f} of its reading on "
+                            f"arrival, after K={n}'s; {self._costs()}")
+        return n
+
     def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
             self.left -= 1
@@ -420,6 +459,10 @@ class PipelinedTuner:
             return self.k
         elif self.prev == self.k and self.since < self.skip + DWELL - 1:
             return self.k  # this depth's cost is not measured enough yet to judge it (or its neighbours) by
+        if self.prev == self.k and self.judged != self.k and self.k in self.cost \
+                and self.since >= self.skip + COST_WINDOW - 1:  # a whole window read since the tuner came here
+            self.arrival[self.k] = (self.cost[self.k], self.memory.get("clock", 0))
+            self.judged = self.k
         # one step at a time: a depth not run yet is a guess (and its first rounds compile a new verify shape)
         near = range(max(1, self.k - 1), min(self.k_max, self.k + 1) + 1)
         gains = {k: self.speedup(k, rates) for k in near}
@@ -444,7 +487,10 @@ class PipelinedTuner:
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
                 k = self.k  # a change of K costs untraced rounds (and a new depth a compile): not for a small gain
-            if k != self.k and self.switches < self.LOGGED_SWITCHES:
+            again = self._revisit(gains) if k == self.k else None
+            if again is not None:
+                k, self.reread, self.judged = again, again, None  # (back here, its mark is taken afresh)
+            elif k != self.k and self.switches < self.LOGGED_SWITCHES:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
