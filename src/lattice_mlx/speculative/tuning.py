@@ -88,7 +88,7 @@ CHECK_PASSES = 6
 # for eight generations as K=4's cost fell by a sixth, at 0.91 of the fixed K=3 (docs/adr/0008, 'Run V'). Scaling the
 # old reading instead of reading it again cannot tell a common slowdown from this one (the same page). Off (1.0):
 # replayed (replay_tuner.py, 50 seeds, with a host-bound model of run V, --host-ms) at 0.15 it moved every case by
-# -0.02 to +0.005 of its best fixed depth, and run W's A/B leg on an H100 gained 0.04 of the best fixed depth at
+# -0.02 to +0.005 of its best fixed depth, and run W's A/B leg on the GPU gained 0.04 of the best fixed depth at
 # oracle 0.8 where it fired, less than legs with the same rules differed by where it never fired (-0.07 to +0.01;
 # docs/adr/0008, 'Run W')
 REVISIT_DRIFT, REVISIT_FLOOR = 1.0, 0.95
