@@ -419,3 +419,31 @@ def test_a_batchs_traced_step_and_round_launch_no_index_ops(tmp_path):
         for graph in row.values():
             assert graph["by_primitive"].get("Arange", 0) == 0, graph["by_primitive"]
         assert row["round_k2"]["by_primitive"]["CustomKernel"] > row["step"]["by_primitive"]["CustomKernel"] > 0
+
+
+def test_an_archived_result_is_drawn_again_and_anything_else_is_one_line(tmp_path, capsys):
+    """The archive drops superseded runs' plots for the tree's size and keeps their JSON: `python -m
+    lattice_mlx.bench.report` draws the plot again, the same bars as the run drew (here against one it kept), and a
+    file that is no benchmark result is one line and exit 2."""
+    import gzip
+    import importlib.util
+
+    from lattice_mlx.bench import report
+
+    kept = Path(__file__).parents[2] / "docs/results/archive/h200/run19/final_10681fd"
+    (tmp_path / "bad.json").write_text('{"groups": 3}')
+    (tmp_path / "text.json.gz").write_bytes(gzip.compress(b"not json"))
+    for bad in ("bad.json", "text.json.gz", "missing.json"):
+        assert report.main([str(tmp_path / bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"report: {tmp_path / bad}: cannot draw it")
+    if not importlib.util.find_spec("matplotlib"):
+        pytest.skip("matplotlib (the bench extra) is not installed")
+    import numpy as np
+    from PIL import Image
+
+    assert report.main([str(kept / "decode.json.gz"), "--out", str(tmp_path / "plots")]) == 0
+    drawn = np.asarray(Image.open(tmp_path / "plots/decode_tok_s.png").convert("RGB"), dtype=int)
+    archived = np.asarray(Image.open(kept / "decode_tok_s.png").convert("RGB"), dtype=int)
+    assert drawn.shape == archived.shape
+    assert (np.abs(drawn - archived).max(axis=2) > 40).mean() < 1e-3  # (anti-aliasing apart)

@@ -1,8 +1,16 @@
 """Benchmark reports: provenance (git revision, device, peers), terminal and markdown tables, plots, and the
-one-line headline; run.py runs the legs and hands its results here."""
+one-line headline; run.py runs the legs and hands its results here. Run as a module, it draws an archived result's
+plot again (the archive keeps the JSON; the plots of superseded runs are not kept):
 
+    python -m lattice_mlx.bench.report docs/results/archive/h200/run14/steps_traced_43f0c7c/decode.json.gz --out /tmp
+"""
+
+import argparse
+import gzip
+import json
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -252,3 +260,39 @@ def headline(name: str, result: dict) -> dict:
     return out
 
 
+def replot(path: Path, out: Path | None = None) -> list[Path]:
+    """The plot of the result `path` (NAME.json as the bench wrote it, or gzipped), written into `out` (default:
+    beside it), as the run that measured it drew it."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not ({"groups", "curves", "rows"} & data.keys()):
+        raise ValueError("no groups, curves or rows")
+    meta = data.pop("meta", {})
+    name = meta.get("experiment") or path.name.split(".")[0]
+    out = out or path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    files, note = make_plots(out, name, data)
+    if note:
+        raise RuntimeError(note)
+    return [out / f for f in files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lattice_mlx.bench.report",
+                                 description="Draws archived benchmark results' plots again.")
+    ap.add_argument("results", nargs="+", type=Path, help="NAME.json or NAME.json.gz, as `lattice_mlx.bench` wrote it")
+    ap.add_argument("--out", type=Path, help="the folder for the plots (default: beside each result)")
+    args = ap.parse_args(argv)
+    for path in args.results:
+        try:
+            for f in replot(path, args.out):
+                print(f)
+        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                RuntimeError) as e:
+            print(f"report: {path}: cannot draw it ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
