@@ -47,6 +47,21 @@ CASES = {
 LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
 
 
+def host_factor(host: dict, rng: random.Random, drift: tuple[float, float], spells: tuple[float, float, int]) -> float:
+    """The host's speed factor for the next pass, moving `host` ({"x": the drift's log-AR(1) value, "spell": passes
+    of a slow spell left}) on: `drift` (sigma, rho) and `spells` (rate, factor, length) as `generation` takes them."""
+    sigma, rho = drift
+    if sigma:
+        host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
+    factor = math.exp(host.get("x", 0.0))
+    if host.get("spell", 0) <= 0 and spells[0] and rng.random() < spells[0]:
+        host["spell"] = spells[2]
+    if host.get("spell", 0) > 0:
+        host["spell"] -= 1
+        factor *= spells[1]
+    return factor
+
+
 def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random, tokens: int = 256,
                noise: float = 0.2, seen: Counter | None = None, switch: float = 1.0, probe: float = 0.0,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
@@ -76,7 +91,6 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
-    sigma, rho = drift
     factors = 0.0
     plain_floor = host_ms[0] if host_ms else 0.0
     gen_factor = slow_gen[1] if slow_gen[0] and rng.random() < slow_gen[0] else 1.0
@@ -90,14 +104,7 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
             k, left = 0, left - 1
         else:
             k = tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, tuning.OFF_HOPE))
-        if sigma:
-            host["x"] = rho * host.get("x", 0.0) + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
-        factor = math.exp(host.get("x", 0.0)) * gen_factor
-        if host.get("spell", 0) <= 0 and spells[0] and rng.random() < spells[0]:
-            host["spell"] = spells[2]
-        if host.get("spell", 0) > 0:
-            host["spell"] -= 1
-            factor *= spells[1]
+        factor = host_factor(host, rng, drift, spells) * gen_factor
         factors += max(costs[0], plain_floor * factor) if host_ms else factor
         since = next((i for i, d in enumerate(reversed(last)) if d != k), len(last))
         settled = (settle[since] if since < len(settle) else 1.0) if settle else \
@@ -160,16 +167,9 @@ def fixed_host(cond: list[float], costs: dict, k: int, host_ms: tuple[float, flo
                drift: tuple[float, float], slow_gen: tuple[float, float], passes: int = 200_000) -> float:
     """fixed() on a host-bound loop (`host_ms`): plain's and depth k's mean pass over the same host factors (the
     spells', the drift's, the slow generations' in proportion)."""
-    rng, x, spell, plain, deep = random.Random(1), 0.0, 0, 0.0, 0.0
-    sigma, rho = drift
+    rng, host, plain, deep = random.Random(1), {}, 0.0, 0.0
     for i in range(passes):
-        if sigma:
-            x = rho * x + math.sqrt(1 - rho * rho) * sigma * rng.gauss(0.0, 1.0)
-        factor = math.exp(x) * (slow_gen[1] if i < slow_gen[0] * passes else 1.0)
-        if spell <= 0 and spells[0] and rng.random() < spells[0]:
-            spell = spells[2]
-        if spell > 0:
-            spell, factor = spell - 1, factor * spells[1]
+        factor = host_factor(host, rng, drift, spells) * (slow_gen[1] if i < slow_gen[0] * passes else 1.0)
         plain += max(costs[0], host_ms[0] * factor)
         deep += max(costs[k], (host_ms[0] + host_ms[1] * k) * factor)
     return expected_tokens(k, list(itertools.accumulate(cond, operator.mul))) * plain / deep

@@ -424,6 +424,8 @@ class PipelinedTuner:
     def _revisit(self, gains: dict) -> int | None:
         """A neighbour of the current depth to read again (REVISIT_DRIFT), or None. The current depth's mark is
         re-armed: the next re-read waits for a further fall of the same share."""
+        if REVISIT_DRIFT >= 1:  # off
+            return None
         mark, current = self.arrival.get(self.k), gains.get(self.k)
         if mark is None or current is None or self.k not in self.cost:
             return None
