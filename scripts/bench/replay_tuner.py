@@ -43,6 +43,9 @@ CASES = {
     # its fast repetitions, the rates from the fixed legs' acceptance (bf16 verify rows disagree with the oracle's
     # recorded run: 0.8 asked for, 0.82 read at the first draft)
     "0.8B p=0.8 H100 V": ([0.82, 0.88, 0.69, 0.7], {0: 1.65, 1: 2.16, 2: 2.43, 3: 2.57, 4: 3.38}),
+    # run W's (an H100, a host slow in spells): the tuner's readings in the oracle-0.3 group (K=4: the line's)
+    "0.8B p=0.3 H100 W": ([0.3] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
+    "0.8B p=0 H100 W": ([0.0] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
 }
 LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
 
@@ -200,7 +203,14 @@ def main() -> None:
     ap.add_argument("--host-ms", default="", help="A,B: a host-bound loop, each pass at least (A + B * K) ms "
                     "times the host's factor (--drift, --spells, --slow-gen then slow the host alone)")
     ap.add_argument("--cases", default="", help="NAME,..: only these cases")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a constant of speculative/tuning.py for the replay (e.g. SPECULATE_MIN_GAIN=1.02)")
     args = ap.parse_args()
+    for item in args.set:
+        name, value = item.split("=", 1)
+        if not hasattr(tuning, name):
+            ap.error(f"tuning.py has no constant {name}")
+        setattr(tuning, name, type(getattr(tuning, name))(float(value)))
     host_ms = tuple(float(x) for x in args.host_ms.split(",")) if args.host_ms else None
     settle = tuple(float(x) for x in args.settle.split(",")) if args.settle else ()
     slow_gen = tuple(float(x) for x in args.slow_gen.split(","))
