@@ -22,8 +22,8 @@ model in --mtp-dtype (float32 by default on a random shape) against `ours-mtp-ba
 and `mtp_rounds` counts the rows that left. --skip drops legs by name. Each leg runs once untimed per B first.
 With --profile (CUPTI, DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels
 per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each
-B, after every B's timings, and one more step's (round's) kernels in launch order with the copy kernels' neighbours
-(`one_step`, `one_round`). Per MTP leg and timed repetition, `mtp_rounds` holds the tokens per round (a fixed
+B, after every B's timings, from the first step after every sequence joined, and three more steps' (rounds') kernels
+in launch order with the copy kernels' neighbours (`one_step`, `one_round`). Per MTP leg and timed repetition, `mtp_rounds` holds the tokens per round (a fixed
 depth K at p keeps 1 + p + .. + p^K on average) and, with --oracle recorded, how many rows left plain's recorded
 continuation.
 """
@@ -128,7 +128,7 @@ def summary(prof) -> dict:
 
 
 def kernel_order(prof, width: int = 90) -> dict:
-    """One step's (or round's) kernels in launch order, runs of one name collapsed ([name, launches, us]), and where
+    """A few steps' (or rounds') kernels in launch order, runs of one name collapsed ([name, launches, us]), and where
     the copy kernels sit: for each copy kernel, the kernel launched before it and the next one that is no copy,
     counted (batch run 7's copy_v / copy_s per layer and round came from no op of the package's graph)."""
     ker = sorted((e for e in prof.events if e["cat"] == "kernel"), key=lambda e: e["ts"])
@@ -141,14 +141,25 @@ def kernel_order(prof, width: int = 90) -> dict:
         else:
             runs.append([n, 1, e["dur"]])
     sites: dict[str, int] = {}
-    for i, n in enumerate(names):
+    short = [n.replace("void ", "", 1).replace("mlx::core::cu::", "") for n in names]  # (CUDA names: void mlx::..)
+    for i, n in enumerate(short):
         if n.startswith("copy"):
-            before = names[i - 1] if i else "-"
-            after = next((m for m in names[i + 1:] if not m.startswith("copy")), "-")
+            before = short[i - 1] if i else "-"
+            after = next((m for m in short[i + 1:] if not m.startswith("copy")), "-")
             key = f"{n[:40]} | before: {before[:60]} | next: {after[:60]}"
             sites[key] = sites.get(key, 0) + 1
     return {"kernels": len(names), "runs": [[n, c, round(d, 1)] for n, c, d in runs],
             "copy_sites": dict(sorted(sites.items(), key=lambda kv: -kv[1]))}
+
+
+def joined(engine) -> None:
+    """Steps `engine` until every added sequence is prefilled and running: a profile of steady steps or rounds. Batch
+    runs 5-8 profiled from the second step, whose window held the prefills and joins of the sequences the first step
+    had not prefilled (run 8: 8 of 16, with per GDN layer a float copy and a zero fill of each joining state)."""
+    while engine.waiting:
+        engine.step()
+    for _ in range(2):  # (a round right after a join is built op by op; the next one replays its trace)
+        engine.step()
 
 
 def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
@@ -156,15 +167,16 @@ def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
     with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows)):
         engine = rounds_engine(args.mtp_target, len(prompts), refs, args.mtp_k, args.oracle_p)
-        seqs = [engine.add(p, max_tokens=(rounds + 3) * (args.mtp_k + 1)) for p in prompts]
-        engine.step()
+        seqs = [engine.add(p, max_tokens=(rounds + 12) * (args.mtp_k + 1)) for p in prompts]
+        joined(engine)
         before = sum(len(s.tokens) for s in seqs)
         with kernel_profile(steps=rounds) as prof:
             for _ in range(rounds):
                 engine.step()
         made = sum(len(s.tokens) for s in seqs) - before
-        with kernel_profile(steps=1) as one:
-            engine.step()
+        with kernel_profile(steps=3) as one:
+            for _ in range(3):
+                engine.step()
     return {**summary(prof), "tokens_per_round": round(made / rounds, 2),  # (every row's)
             "one_round": kernel_order(one)}
 
@@ -174,13 +186,14 @@ def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, 
     with settings.override(trace_steps=traced, dequant_rows=None if dequant_rows is None else str(dequant_rows)):
         engine = BatchDecoder(target.model, max_batch=len(prompts))
         for p in prompts:
-            engine.add(p, max_tokens=steps + 4)
-        engine.step()
+            engine.add(p, max_tokens=steps + 24)
+        joined(engine)
         with kernel_profile(steps=steps) as prof:
             for _ in range(steps):
                 engine.step()
-        with kernel_profile(steps=1) as one:
-            engine.step()
+        with kernel_profile(steps=3) as one:
+            for _ in range(3):
+                engine.step()
     return {**summary(prof), "one_step": kernel_order(one)}
 
 
