@@ -22,10 +22,10 @@ model in --mtp-dtype (float32 by default on a random shape) against `ours-mtp-ba
 and `mtp_rounds` counts the rows that left. --skip drops legs by name. Each leg runs once untimed per B first.
 With --profile (CUPTI, DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels
 per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each
-B, after every B's timings, from the first step after every sequence joined, and three more steps' (rounds') kernels
-in launch order with the copy kernels' neighbours (`one_step`, `one_round`). Per MTP leg and timed repetition, `mtp_rounds` holds the tokens per round (a fixed
-depth K at p keeps 1 + p + .. + p^K on average) and, with --oracle recorded, how many rows left plain's recorded
-continuation.
+B, after every B's timings, from the first step after every sequence joined; then three more steps' (rounds')
+kernels in launch order, with the copy kernels' neighbours (`one_step`, `one_round`). Per MTP leg and timed
+repetition, `mtp_rounds` holds the tokens per round (a fixed depth K at p keeps 1 + p + .. + p^K on average) and,
+with --oracle recorded, how many rows left plain's recorded continuation.
 """
 
 import argparse
@@ -130,7 +130,7 @@ def summary(prof) -> dict:
 def kernel_order(prof, width: int = 90) -> dict:
     """A few steps' (or rounds') kernels in launch order, runs of one name collapsed ([name, launches, us]), and where
     the copy kernels sit: for each copy kernel, the kernel launched before it and the next one that is no copy,
-    counted (batch run 7's copy_v / copy_s per layer and round came from no op of the package's graph)."""
+    counted (batch run 7's copy_v / copy_s per layer were the profile window's joins: ADR 0009, 'Batch run 8')."""
     ker = sorted((e for e in prof.events if e["cat"] == "kernel"), key=lambda e: e["ts"])
     names = [e["name"][:width] for e in ker]
     runs = []
@@ -155,7 +155,8 @@ def kernel_order(prof, width: int = 90) -> dict:
 def joined(engine) -> None:
     """Steps `engine` until every added sequence is prefilled and running: a profile of steady steps or rounds. Batch
     runs 5-8 profiled from the second step, whose window held the prefills and joins of the sequences the first step
-    had not prefilled (run 8: 8 of 16, with per GDN layer a float copy and a zero fill of each joining state)."""
+    had not prefilled (run 8: 8 of 16, with per GDN layer two float copies and a zero fill of each joining
+    state)."""
     while engine.waiting:
         engine.step()
     for _ in range(2):  # (a round right after a join is built op by op; the next one replays its trace)

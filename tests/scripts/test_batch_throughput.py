@@ -23,8 +23,9 @@ def test_kernel_order_collapses_runs_and_counts_each_copys_neighbours():
     events.append({"cat": "memcpy", "name": "copy_v<float>", "ts": 5.0, "dur": 3.0})  # not a kernel: left out
     got = _module().kernel_order(types.SimpleNamespace(events=events))
     assert got["kernels"] == len(names)
-    assert got["runs"][:5] == [["rms", 1, 1.0], ["copy_v<float>", 1, 2.0], ["void mlx::core::cu::copy_s<float>", 1, 3.0],
-                               ["gdn_kernel", 1, 4.0], ["qmm", 2, 11.0]]
+    assert got["runs"][:5] == [["rms", 1, 1.0], ["copy_v<float>", 1, 2.0],
+                               ["void mlx::core::cu::copy_s<float>", 1, 3.0], ["gdn_kernel", 1, 4.0],
+                               ["qmm", 2, 11.0]]
     sites = got["copy_sites"]
     assert sites == {"copy_v<float> | before: rms | next: gdn_kernel": 1,
                      "copy_s<float> | before: copy_v<float> | next: gdn_kernel": 1,
