@@ -155,8 +155,8 @@ def kernel_order(prof, width: int = 90) -> dict:
 def joined(engine) -> None:
     """Steps `engine` until every added sequence is prefilled and running: a profile of steady steps or rounds. Batch
     runs 5-8 profiled from the second step, whose window held the prefills and joins of the sequences the first step
-    had not prefilled (run 8: 8 of 16, with per GDN layer two float copies and a zero fill of each joining
-    state)."""
+    had not prefilled (run 8: 8 of 16, with two float copies and two zero fills per joining sequence and GDN
+    layer)."""
     while engine.waiting:
         engine.step()
     for _ in range(2):  # (a round right after a join is built op by op; the next one replays its trace)
