@@ -19,7 +19,9 @@ bench's model in its dtype and are paired against `ours`. --oracle recorded: the
 continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
 continuation and its drafts are never right again (batch runs 2-4, even in float32 on a GPU), so these legs run on the
 model in --mtp-dtype (float32 by default on a random shape) against `ours-mtp-base`, batched plain steps on that model,
-and `mtp_rounds` counts the rows that left. --skip drops legs by name. Each leg runs once untimed per B first.
+and `mtp_rounds` counts the rows that left. --skip drops legs by name. Each leg runs once untimed per B first. On a
+GPU, with the adaptive leg, a process of its own runs every kind of pass that leg runs at each B first (`warm_kinds`,
+--machine-warmup 1: what MLX builds once per machine is then on disk; the seconds are meta.machine_warmup_s).
 With --profile (CUPTI, DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels
 per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each
 B, after every B's timings, from the first step after every sequence joined; then three more steps' (rounds')
@@ -30,6 +32,7 @@ with --oracle recorded, how many rows left plain's recorded continuation.
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 import types
@@ -46,7 +49,9 @@ from lattice_mlx.bench.report import device_name, provenance
 from lattice_mlx.bench.run import SHAPES, load_profiler, load_target
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
+from lattice_mlx.speculative.pipelined import warm_passes
 
+WARMUP: dict = {}  # the machine warm-up's seconds and exit status, for the JSON's meta
 NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 
@@ -90,6 +95,27 @@ def run_rounds(target, prompts: list[list[int]], n: int, refs: list[list[int]], 
         engine.step()
     run_rounds.stats = engine.stats
     return [s.tokens for s in seqs]
+
+
+def warm_kinds(target, B: int, p: float, k_max: int = 4) -> int:
+    """Every kind of pass the adaptive batch engine runs at B sequences, untimed: its depths forced through the
+    single generation's warm-up schedule (pipelined.warm_passes: each depth first, plain steps and each depth after
+    them, every change between two depths), greedy. What MLX builds for them on a GPU is kept on disk, so the timed
+    process finds it as a user's second run on the machine would; the traces stay this process's. Batch runs 5, 6 and
+    8 compiled for 3.8-12.7 s inside timed repetitions of the adaptive leg (ADR 0009). Returns the passes run."""
+    passes = 0
+    for seq in warm_passes(k_max):
+        engine = rounds_engine(target, B, None, k_max, p, adaptive=True)
+        depths = iter(seq)
+        engine._choose_k = lambda depths=depths: next(depths, 0)  # (plain steps once the schedule is over)
+        seqs = [engine.add([(7 * i + 3 + b) % target.model.args.vocab_size for i in range(16)],
+                           max_tokens=(len(seq) + 4) * (k_max + 1)) for b in range(B)]
+        for _ in range(len(seq) + 2):  # (the prefills' steps, then the schedule's passes)
+            engine.step()
+            passes += 1
+        for s in seqs:
+            engine.cancel(s)
+    return passes
 
 
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
@@ -225,8 +251,18 @@ def main() -> int:
                    help="1: also `ours` and `ours-mtp` with LATTICE_SPLIT_K=0 (`-nosplit` legs), paired")
     p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
     p.add_argument("--profile", metavar="DIR")
+    p.add_argument("--machine-warmup", type=int, default=1,
+                   help="1 (on a GPU): first, in a process of its own, every kind of pass of the adaptive MTP leg at "
+                   "each B, untimed (MLX's builds for them are then on disk, as on a user's machine after a first run)")
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # (the machine warm-up's child)
     p.add_argument("--out", default="batch_throughput.json")
     args = p.parse_args()
+    if args.machine_warmup and not args.warm_only and args.mtp_k and "ours-mtp-auto" not in args.skip.split(",") \
+            and mx.default_device().type != mx.DeviceType.cpu:
+        tic = time.perf_counter()
+        rc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--warm-only"]).returncode
+        WARMUP.update(machine_warmup_s=round(time.perf_counter() - tic, 1), machine_warmup_rc=rc)
+        print(f"machine warm-up: exit {rc} in {WARMUP['machine_warmup_s']:.0f} s", file=sys.stderr, flush=True)
     target = load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=args.dtype or None,
                          seed=args.seed, stock=True)
     if target.stock is None:
@@ -236,11 +272,17 @@ def main() -> int:
     args.mtp_target = target if not args.mtp_k or mtp_dtype == args.dtype else \
         load_target(args.model, bits=args.bits, group_size=args.group_size, dtype=mtp_dtype, seed=args.seed,
                     stock=False)
+    if args.warm_only:
+        for B in map(int, args.streams.split(",")):
+            tic = time.perf_counter()
+            n = warm_kinds(args.mtp_target, B, args.oracle_p)
+            print(f"warm-up B={B}: {n} passes in {time.perf_counter() - tic:.1f} s", file=sys.stderr, flush=True)
+        return 0
     rng = np.random.default_rng(args.seed)
     vocab = target.model.args.vocab_size
     result = {"meta": {**provenance(), "device": device_name(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                        "argv": sys.argv, "model": target.label, "stock": target.stock_note,
-                       "mtp_model": args.mtp_target.label, "oracle": args.oracle}, "streams": {}}
+                       "mtp_model": args.mtp_target.label, "oracle": args.oracle, **WARMUP}, "streams": {}}
     kernel_profile = load_profiler(args.profile)
     profile_inputs = {}  # B: (its legs, the first repetition's prompts and references)
     for B in map(int, args.streams.split(",")):

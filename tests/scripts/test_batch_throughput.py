@@ -30,3 +30,32 @@ def test_kernel_order_collapses_runs_and_counts_each_copys_neighbours():
     assert sites == {"copy_v<float> | before: rms | next: gdn_kernel": 1,
                      "copy_s<float> | before: copy_v<float> | next: gdn_kernel": 1,
                      "copy_v<float> | before: qmm | next: gdn_kernel": 1}
+
+
+def test_the_machine_warm_up_runs_every_kind_of_pass_the_adaptive_batch_engine_runs():
+    """warm_kinds drives the adaptive batch engine through the single generation's warm-up schedule: every depth as
+    the first pass, plain steps before and after each depth, and every change between two depths are dispatched."""
+    from lattice_mlx.bench.oracles import ForcedBatchRounds
+    from lattice_mlx.bench.run import load_target
+    from lattice_mlx.speculative.pipelined import warm_passes
+
+    mod = _module()
+    target = load_target("tiny", bits=4, group_size=32, dtype="float32", seed=0, stock=False)
+    dispatched, real = [], ForcedBatchRounds._dispatch_pass
+
+    def spy(self, k):
+        dispatched.append(k)
+        return real(self, k)
+
+    ForcedBatchRounds._dispatch_pass = spy
+    try:
+        passes = mod.warm_kinds(target, 2, 0.8, k_max=3)
+    finally:
+        ForcedBatchRounds._dispatch_pass = real
+    schedules = warm_passes(3)
+    assert passes == sum(len(s) + 2 for s in schedules)
+    pairs = {(a, b) for a, b in zip(dispatched, dispatched[1:])}
+    want = {(a, b) for s in schedules for a, b in zip(s, s[1:])}
+    assert want <= pairs, want - pairs
+    for s in schedules:  # each schedule's depths in order, as a contiguous run of the dispatched passes
+        assert any(dispatched[i:i + len(s)] == s for i in range(len(dispatched))), s
