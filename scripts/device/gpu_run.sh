@@ -34,7 +34,8 @@
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
 #                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI),
 #                  DEPTHS=1: each depth's first round (first_use.py --cases depths); SD_SKIP=1: those alone
-#   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py;
+#   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py,
+#                  after its machine warm-up of the adaptive MTP leg's kinds of pass in a process of its own;
 #                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced); KERNELS=1 first: the
 #                  GDN kernel by rows per warp, MLX's 4-bit matmul by rows (bench_batch_kernels.py)
 #   trees          tree vs chain drafts: 0.8B oracle and the demo head (bench_tree.py)
