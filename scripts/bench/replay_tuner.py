@@ -46,6 +46,9 @@ CASES = {
     # run W's (an H100, a host slow in spells): the tuner's readings in the oracle-0.3 group (K=4: the line's)
     "0.8B p=0.3 H100 W": ([0.3] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
     "0.8B p=0 H100 W": ([0.0] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
+    # MLX's CPU backend, the demo greedy on a 2-core x86-64 (docs/adr/0008, 'The CPU backend'): a forward over 1-4
+    # rows 17.5, 31.4, 43.6, 56.4 ms (5 rows: the line's 69), the head's step 4.5 ms; no depth can pay
+    "demo CPU": ([0.95] * 4, {0: 17.5, 1: 35.9, 2: 52.6, 3: 69.9, 4: 87.0}),
 }
 LAG = 2  # passes from a round's dispatch to its acceptance in the rates (pipelined.run_pipelined)
 

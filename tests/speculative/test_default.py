@@ -212,6 +212,46 @@ def test_tuner_at_acceptance_zero_probes_rarely_and_never_deeper():
     assert tuner.k == 1 and tuner.next_k([0.0], lambda: [0.4, 0.35]) == 1 and not tuner.decisions
 
 
+def test_the_plain_stretch_schedule_restarts_where_speculation_paid():
+    """Stretches grow (64 -> 256 -> 1,024 tokens) only while speculation still cannot pay: a probe that pays (the
+    text drafts well again) restarts the schedule, so the next poor stretch of text goes off for 64 tokens, not for
+    the grown length; within a generation and in one whose carried schedule had grown. Replayed with texts three in
+    ten of which draft at half the rate (replay_tuner.py --vary 0.3,0.5), a good text that dipped once went off for
+    1,024 tokens, the rest of its generation, where it paid (docs/adr/0008, 'Run Y')."""
+    from lattice_mlx.speculative.tuning import PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH
+
+    costs, good = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7, 4: 1.9}, [0.95, 0.9, 0.85, 0.8]
+    rates = [[0.0]]
+    memory: dict = {}
+    tuner = _Costs(4, memory)
+
+    def run(passes: int) -> list[int]:
+        ks = []
+        for _ in range(passes):
+            k = tuner.next_k(rates[0], lambda: rates[0])
+            tuner.observe(k, costs[k])
+            ks.append(k)
+        return ks
+
+    run(400)  # drafts never pass: the schedule grows past its first stretch
+    assert [d.split(":")[0] for d in tuner.decisions[:2]] == [
+        f"speculation off for {PIPELINED_FIRST_OFF} tokens", f"speculation off for "
+        f"{PIPELINED_FIRST_OFF * PIPELINED_OFF_GROWTH} tokens"]
+    rates[0] = good
+    ks = run(2 * MAX_OFF_TOKENS)  # the stretch ends, its probe pays, speculation stays on
+    assert ks[-1] and memory["stretch"] is False
+    rates[0], seen = [0.0], len(tuner.decisions)
+    run(200)
+    assert tuner.decisions[seen].startswith(f"speculation off for {PIPELINED_FIRST_OFF} tokens"), tuner.decisions
+    # a later generation whose carried schedule had grown: its text probe pays, then its text turns poor
+    memory.update(off=100, stretch=MAX_OFF_TOKENS, poor_texts=0, hopeless=False)
+    tuner, rates[0] = _Costs(4, memory), good
+    assert tuner.resume == 100 and run(40)[-1]
+    rates[0] = [0.0]
+    run(200)
+    assert tuner.decisions[0].startswith(f"speculation off for {PIPELINED_FIRST_OFF} tokens"), tuner.decisions
+
+
 def test_tuner_recovers_from_a_wrong_off_decision_in_later_generations():
     """One poor start (acceptance 0 over a probe's rounds) turns speculation off, and later generations draft well:
     the next generation probes its own text first, finds the drafts good and speculates from its first round, the
@@ -533,6 +573,28 @@ def test_a_hopeless_stretch_is_carried_from_generation_to_generation():
         ks += _Costs(4, memory).run(cheap, [0.95, 0.9, 0.85, 0.8], 256)
     assert ks[:rest] == [0] * rest and ks[rest] > 0  # the stretch's rest, then a probe
     assert ks[-256:].count(0) == 0
+
+
+def test_one_hopeless_verdict_does_not_skip_the_next_texts_probe():
+    """A stretch's rest goes to the next generation without a probe of its text only after two hopeless verdicts in
+    a row (MLX's CPU backend, where no depth can pay, gives them every time). One verdict can be a slow spell's: on
+    the GPU's costs the demo at temperature 0.7 read a depth at twice its cost in one, found no depth able to pay,
+    and held its next three texts in plain steps, two of them good ones (replay_tuner.py --vary 0.3,0.5; docs/adr/
+    0008, 'Run Y')."""
+    cheap, good = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7}, [0.95, 0.9, 0.85]
+    memory = _carried(hopeless=True, confirmed=False)
+    tuner = _Costs(3, memory, lag=2)
+    assert tuner.resume == 50 and tuner.log[-1].startswith("a probe of this text first")
+    assert tuner.run(cheap, good, 40)[0] == 3 and memory["off"] is False  # the text drafts well: speculation on
+    # the text's probe finds no depth able to pay either: the verdict is confirmed, and the next text goes on with
+    # that stretch's rest first
+    memory = _carried(hopeless=True, confirmed=False)
+    linear = {k: 1.0 * (k + 1) for k in range(4)}
+    tuner = _Costs(3, memory, lag=2)
+    tuner.run(linear, good, 40)
+    assert "every draft kept" in tuner.decisions[0] and memory["hopeless"] and memory["confirmed"]
+    nxt = _Costs(3, memory, lag=2)
+    assert nxt.resume == 0 and nxt.k == 0 and nxt.log[-1].startswith("plain steps for")
 
 
 def test_a_hopeless_stretch_found_hopeless_again_grows():

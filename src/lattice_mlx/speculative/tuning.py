@@ -38,7 +38,9 @@ FIRST_OFF_TOKENS, MAX_OFF_TOKENS = 32, 1024  # plain stretch when speculation ca
 # after one has a fixed cost besides its rounds (the head's catch-up forward, a round and a plain step built op by op
 # where the state changes hands: docs/results/code_measurements.md, 'The switch from plain steps to rounds'), and at
 # acceptance 0 four probes in a 256-token generation lost 9% to plain
-# decoding (docs/results/code_measurements.md, 'pipelined tuner')
+# decoding (docs/results/code_measurements.md, 'pipelined tuner'). A decision that speculation pays restarts the
+# schedule: a good text that dipped once went off for 1,024 tokens, the rest of its generation, in a replay of texts
+# three in ten of which draft at half the rate (docs/adr/0008, 'Run Y')
 PIPELINED_FIRST_OFF, PIPELINED_OFF_GROWTH = 64, 4
 # A plain stretch is counted in the process's tokens, not per generation: a generation that ends inside one hands
 # the next generation the rest of it (memory["off"]), and the probe after it continues the schedule (memory["stretch"],
@@ -289,17 +291,17 @@ class PipelinedTuner:
                 self.off_tokens = min(int(self.memory["stretch"]) * PIPELINED_OFF_GROWTH, MAX_OFF_TOKENS)
                 poor = self.memory.get("poor_texts", 0)
                 poor = poor if POOR_TEXTS and poor >= POOR_TEXTS else 0
-                if rest and not self.memory.get("hopeless") and not poor:
+                if rest and not self.memory.get("confirmed") and not poor:
                     # a new generation is a new text: a probe of it first (its catch-up only the prompt's slots),
                     # and the stretch's rest only if that finds no gain either
                     self.resume = rest
                     self.log.append(f"a probe of this text first, then plain steps for {rest} more tokens if it finds "
                                     "no gain: the last generation ended in a plain stretch")
-                elif rest:  # the stretch goes on here (hopeless, or POOR_TEXTS texts in a row found no gain): plain
+                elif rest:  # the stretch goes on here (hopeless twice, or POOR_TEXTS texts in a row found no gain): plain
                     # steps for its rest first, then a probe
                     self.k, self.left = 0, rest
                     why = f"the probes of the last {poor} texts found no gain" if poor and not \
-                        self.memory.get("hopeless") else "the last generation ended in a plain stretch"
+                        self.memory.get("confirmed") else "the last generation ended in a plain stretch"
                     self.log.append(f"plain steps for {rest} more tokens first: {why}")
 
     def _costs(self) -> str:
@@ -500,6 +502,7 @@ class PipelinedTuner:
             self.k = self.probe_k = self.memory["k"] = k
             self.memory["off"] = self.memory["stretch"] = False
             self.memory["poor_texts"], self.resume = 0, 0
+            self.off_tokens = PIPELINED_FIRST_OFF
             return k
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
@@ -512,6 +515,7 @@ class PipelinedTuner:
             self.k = self.probe_k = self.memory["k"] = d
             self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
             self.memory["poor_texts"], self.resume = 0, 0
+            self.off_tokens = PIPELINED_FIRST_OFF
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
@@ -541,7 +545,7 @@ class PipelinedTuner:
             self.log.append(f"{self.decisions[-1]}; {self._costs()}")
             self.probe_k = self.memory["k"] = k
             self.k, self.left, self.below = 0, rest - 1, 0
-            self.memory["off"], self.memory["hopeless"] = self.left, False
+            self.memory["off"], self.memory["hopeless"], self.memory["confirmed"] = self.left, False, False
             return 0
         self.resume = 0  # (a hopeless verdict takes its own stretch, the carried rest dropped)
         # hopeless the first time: the ordinary stretch, and the probe after it (its own passes outvoting the older
@@ -554,6 +558,9 @@ class PipelinedTuner:
         elif hopeless and not self.memory.get("stretch"):  # speculation paid since the last stretch (or there was
             # none): the first stretch of the schedule, not the one an earlier poor stretch of text had grown to
             self.off_tokens = PIPELINED_FIRST_OFF
+        # a stretch's rest goes to the next generation with no probe of its text first only where two verdicts in a
+        # row found no depth able to pay: one can be a spell's (a depth read at twice its cost in one)
+        self.memory["confirmed"] = hopeless and bool(self.memory.get("hopeless"))
         self.memory["hopeless"] = hopeless
         self.decisions.append(f"speculation off for {self.off_tokens} tokens: predicted speedup {gain:.2f} at K={k}"
                               + (f" (at most {ceiling:.2f} with every draft kept)" if hopeless else ""))
