@@ -73,7 +73,8 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
                drift: tuple[float, float] = (0.0, 0.0), host: dict | None = None,
                spells: tuple[float, float, int] = (0.0, 1.0, 0), first: tuple[float, int] = (1.0, 0),
                settle: tuple[float, ...] = (), slow_gen: tuple[float, float] = (0.0, 1.0),
-               start: tuple[float, int] = (1.0, 0), host_ms: tuple[float, float] | None = None) -> float:
+               start: tuple[float, int] = (1.0, 0), host_ms: tuple[float, float] | None = None,
+               fixed_k: int | None = None) -> float:
     """One generation of `tokens` on a tuner with `memory`; returns plain's time over this one's. `switch`: what the
     first two passes after a change of depth cost, as a multiple of their depth's (an untraced round, the pipeline
     refilling; 1: nothing more); `probe`: ms added to a round after plain steps (the head catching up, the
@@ -93,7 +94,8 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
     `host_ms` (a, b): a host-bound loop: a pass of depth k costs max(its depth's cost, (a + b * k) ms times the
     host's factor), so the host's spells and drift raise the shallow depths' costs more than a deep depth's that the
     GPU bounds (run V: a slow spell read K=3 at 1.4x its cost and K=4 at 1.2x), and plain's time is the same max over
-    the generation's factors."""
+    the generation's factors. `fixed_k`: every pass at that depth (a fixed leg on the same simulated host), the tuner
+    only told its costs."""
     stats = SpecStats.of(SpecOptions(draft_tokens=4))
     fresh, runs = not memory.get("cost"), Counter()  # (the process's first generation)
     host = {} if host is None else host
@@ -109,7 +111,8 @@ def generation(memory: dict, cond: list[float], costs: dict, rng: random.Random,
         if inner:
             k, left = 0, left - 1
         else:
-            k = tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, tuning.OFF_HOPE))
+            k = tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, tuning.OFF_HOPE)) if fixed_k is None \
+                else fixed_k
         factor = host_factor(host, rng, drift, spells) * gen_factor
         factors += max(costs[0], plain_floor * factor) if host_ms else factor
         since = next((i for i, d in enumerate(reversed(last)) if d != k), len(last))
@@ -152,14 +155,14 @@ def replay(cond: list[float], costs: dict, gens: int = 10, seeds: int = 20, swit
            vary: tuple[float, float] = (0.0, 1.0), spells: tuple[float, float, int] = (0.0, 1.0, 0),
            first: tuple[float, int] = (1.0, 0), settle: tuple[float, ...] = (),
            slow_gen: tuple[float, float] = (0.0, 1.0), start: tuple[float, int] = (1.0, 0),
-           host_ms: tuple[float, float] | None = None) -> list[float]:
-    """Per seed (a process): the median over its generations of the default's speedup. `vary` (share, factor): that
-    share of the generations (texts) drafts at the rates times the factor."""
+           host_ms: tuple[float, float] | None = None, fixed_k: int | None = None) -> list[float]:
+    """Per seed (a process): the median over its generations of the default's speedup (`fixed_k`: that fixed
+    depth's). `vary` (share, factor): that share of the generations (texts) drafts at the rates times the factor."""
     share, factor = vary
     return [statistics.median(generation(memory, [c * factor for c in cond] if rng.random() < share else cond, costs,
                                          rng, tokens, switch=switch, probe=probe, drift=drift, host=host,
                                          spells=spells, first=first, settle=settle, slow_gen=slow_gen,
-                                         start=start, host_ms=host_ms)
+                                         start=start, host_ms=host_ms, fixed_k=fixed_k)
                               for _ in range(gens))
             for rng, memory, host in ((random.Random(s), fresh_memory(), {}) for s in range(seeds))]
 
@@ -206,6 +209,8 @@ def main() -> None:
     ap.add_argument("--host-ms", default="", help="A,B: a host-bound loop, each pass at least (A + B * K) ms "
                     "times the host's factor (--drift, --spells, --slow-gen then slow the host alone)")
     ap.add_argument("--cases", default="", help="NAME,..: only these cases")
+    ap.add_argument("--realized", action="store_true", help="each fixed depth run through the same simulated "
+                    "processes (host, texts, switch costs) as the default, instead of its expected speedup")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a constant of speculative/tuning.py for the replay (e.g. SPECULATE_MIN_GAIN=1.02)")
     args = ap.parse_args()
@@ -236,11 +241,18 @@ def main() -> None:
     for name, (cond, costs) in CASES.items():
         if args.cases and name not in args.cases.split(","):
             continue
-        best, k = max((fixed_host(cond, costs, k, host_ms, spells, drift, slow_gen) if host_ms else
-                       fixed(cond, costs, k), k) for k in range(1, 5))
-        runs = replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
-                      drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells, first=first,
-                      settle=settle, slow_gen=slow_gen, start=start, host_ms=host_ms)
+        def runs_of(fixed_k: int | None) -> list[float]:
+            return replay(cond, costs, seeds=args.seeds, switch=args.switch, probe=args.probe_ms, tokens=args.tokens,
+                          drift=drift, vary=tuple(float(x) for x in args.vary.split(",")), spells=spells,
+                          first=first, settle=settle, slow_gen=slow_gen, start=start, host_ms=host_ms,
+                          fixed_k=fixed_k)
+
+        if args.realized:
+            best, k = max((statistics.median(runs_of(k)), k) for k in range(1, 5))
+        else:
+            best, k = max((fixed_host(cond, costs, k, host_ms, spells, drift, slow_gen) if host_ms else
+                           fixed(cond, costs, k), k) for k in range(1, 5))
+        runs = runs_of(None)
         med = statistics.median(runs)
         p10 = sorted(runs)[len(runs) // 10]
         print(f"{name:12s} default {med:.2f} (seeds {min(runs):.2f}-{max(runs):.2f}, tenth {p10:.2f})  best fixed "

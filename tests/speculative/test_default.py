@@ -451,6 +451,22 @@ def test_tuner_replayed_on_run_e_costs_keeps_what_a_fixed_depth_gets(case, floor
     assert got >= floor * max(best, 1.0), (got, best)
 
 
+def test_a_fixed_depth_replayed_on_a_steady_host_gets_its_expected_speedup():
+    """replay_tuner.py --realized runs each fixed depth through the default's simulated processes (`fixed_k`): on a
+    host with no spells, drift or switch costs, a depth's median generation is its expected speedup (fixed()), within
+    the per-pass noise's spread; and a slower second pass after each change of depth costs the fixed leg nothing
+    after its first round, where it costs the default each switch."""
+    import statistics
+
+    replay = _replay_module()
+    cond, costs = replay.CASES["demo 0.7 H100"]
+    for k in (1, 3):
+        got = statistics.median(replay.replay(cond, costs, seeds=10, fixed_k=k))
+        assert abs(got / replay.fixed(cond, costs, k) - 1) < 0.04, (k, got)
+    settled = statistics.median(replay.replay(cond, costs, seeds=10, fixed_k=3, settle=(2.0, 2.0)))
+    assert settled < got and settled / got > 0.95  # (only the generation's first two passes pay it)
+
+
 @pytest.mark.parametrize("case, floor", [("demo greedy", 0.85), ("demo 0.7", 0.85)])
 def test_tuner_replayed_over_texts_that_draft_unequally_probes_each_text(case, floor):
     """A process's texts draft unequally: three in ten at 0.55 times the case's rates (the demo at temperature 0.7 on
