@@ -604,13 +604,20 @@ def test_one_hopeless_verdict_does_not_skip_the_next_texts_probe():
     assert tuner.run(cheap, good, 40)[0] == 3 and memory["off"] is False  # the text drafts well: speculation on
     # the text's probe finds no depth able to pay either: the verdict is confirmed, and the next text goes on with
     # that stretch's rest first
-    memory = _carried(hopeless=True, confirmed=False)
     linear = {k: 1.0 * (k + 1) for k in range(4)}
+    memory = _carried(hopeless=True, confirmed=False, costs=linear)
     tuner = _Costs(3, memory, lag=2)
     tuner.run(linear, good, 40)
     assert "every draft kept" in tuner.decisions[0] and memory["hopeless"] and memory["confirmed"]
     nxt = _Costs(3, memory, lag=2)
     assert nxt.resume == 0 and nxt.k == 0 and nxt.log[-1].startswith("plain steps for")
+    # a verdict after speculation paid is a first one again, whatever came before
+    memory = _carried(hopeless=True, confirmed=False)
+    tuner = _Costs(3, memory, lag=2)
+    tuner.run(cheap, good, 40)
+    assert memory["hopeless"] is False and memory["off"] is False
+    tuner.run(linear, good, 60)
+    assert "every draft kept" in tuner.decisions[-1] and memory["hopeless"] and not memory["confirmed"]
 
 
 def test_a_hopeless_stretch_found_hopeless_again_grows():

@@ -502,7 +502,8 @@ class PipelinedTuner:
             self.k = self.probe_k = self.memory["k"] = k
             self.memory["off"] = self.memory["stretch"] = False
             self.memory["poor_texts"], self.resume = 0, 0
-            self.off_tokens = PIPELINED_FIRST_OFF
+            self.off_tokens = PIPELINED_FIRST_OFF  # (and the next hopeless verdict is a first one)
+            self.memory["hopeless"] = self.memory["confirmed"] = False
             return k
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
@@ -515,7 +516,8 @@ class PipelinedTuner:
             self.k = self.probe_k = self.memory["k"] = d
             self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
             self.memory["poor_texts"], self.resume = 0, 0
-            self.off_tokens = PIPELINED_FIRST_OFF
+            self.off_tokens = PIPELINED_FIRST_OFF  # (and the next hopeless verdict is a first one)
+            self.memory["hopeless"] = self.memory["confirmed"] = False
             return d
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
