@@ -446,6 +446,14 @@ class PipelinedTuner:
                             f"arrival, after K={n}'s; {self._costs()}")
         return n
 
+    def _pays(self, k: int) -> int:
+        """Speculation pays at depth k: the tuner goes there, and the off schedule restarts (its next stretch the
+        first one, the process's record of stretches, poor texts and hopeless verdicts cleared)."""
+        self.k = self.probe_k = self.memory["k"] = k
+        self.below, self.resume, self.off_tokens = 0, 0, PIPELINED_FIRST_OFF
+        self.memory.update(off=False, stretch=False, poor_texts=0, hopeless=False, confirmed=False)
+        return k
+
     def _next_k(self, rates: list[float], hopeful: Callable[[], list[float]] | None) -> int:
         if self.left > 0:
             self.left -= 1
@@ -499,12 +507,7 @@ class PipelinedTuner:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {k}: predicted {gain:.2f} against "
                                 f"{'-' if current is None else f'{current:.2f}'}; {self._costs()}")
-            self.k = self.probe_k = self.memory["k"] = k
-            self.memory["off"] = self.memory["stretch"] = False
-            self.memory["poor_texts"], self.resume = 0, 0
-            self.off_tokens = PIPELINED_FIRST_OFF  # (and the next hopeless verdict is a first one)
-            self.memory["hopeless"] = self.memory["confirmed"] = False
-            return k
+            return self._pays(k)
         # A depth further off that pays (its cost measured or on the line): there rather than off. Moving one step
         # at a time from a depth whose neighbour read one slow pass, the tuner went off at K=1 where K=3 paid.
         far = [(d, self.speedup(d, rates)) for d in range(1, self.k_max + 1) if d not in near and self.traced(d)]
@@ -513,12 +516,7 @@ class PipelinedTuner:
             if self.switches < self.LOGGED_SWITCHES:
                 self.switches += 1
                 self.log.append(f"K {self.k} -> {d}: predicted {g:.2f} against {gain:.2f}; {self._costs()}")
-            self.k = self.probe_k = self.memory["k"] = d
-            self.below, self.memory["off"], self.memory["stretch"] = 0, False, False
-            self.memory["poor_texts"], self.resume = 0, 0
-            self.off_tokens = PIPELINED_FIRST_OFF  # (and the next hopeless verdict is a first one)
-            self.memory["hopeless"] = self.memory["confirmed"] = False
-            return d
+            return self._pays(d)
         # Could any depth pay if every draft were kept? Not when a round's rows cost what plain steps cost (MLX's
         # CPU backend: a forward's cost grows with its rows as K + 1 plain steps' would): then plain decoding for
         # the longest stretch (its rest carried into the next generations; memory["hopeless"] records that the last
