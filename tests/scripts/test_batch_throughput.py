@@ -59,3 +59,40 @@ def test_the_machine_warm_up_runs_every_kind_of_pass_the_adaptive_batch_engine_r
     assert want <= pairs, want - pairs
     for s in schedules:  # each schedule's depths in order, as a contiguous run of the dispatched passes
         assert any(dispatched[i:i + len(s)] == s for i in range(len(dispatched))), s
+
+
+def test_the_host_split_times_every_pass_and_leaves_the_engine_as_it_was():
+    """host_split parts a batch engine's passes into building, MLX's dispatch, waiting and the rest: they add up to
+    the wall time, a pass hands MLX its graph (dispatch > 0) and a round's tokens are waited for; the engine's
+    methods and mx.async_eval are its own again afterwards, and its tokens are those of an engine never timed."""
+    import mlx.core as mx
+
+    from lattice_mlx.batch import BatchDecoder
+    from lattice_mlx.bench.oracles import ForcedBatchRounds
+    from lattice_mlx.bench.run import load_target
+
+    mod = _module()
+    target = load_target("tiny", bits=4, group_size=32, dtype="float32", seed=0, stock=False)
+    prompts = [[3, 5, 7, 9], [11, 2, 4]]
+    for make, keys in ((lambda: BatchDecoder(target.model, max_batch=2), ("build", "dispatch")),
+                       (lambda: ForcedBatchRounds(target.model, k=2, p_correct=0.8, max_batch=2),
+                        ("build", "dispatch", "wait"))):
+        tokens = []
+        for timed in (True, False):
+            mx.random.seed(1)
+            engine = make()
+            seqs = [engine.add(p, max_tokens=40) for p in prompts]
+            mod.joined(engine)
+            if timed:
+                before = {n: getattr(engine, n, None) for n in ("_dispatch_pass", "_dispatch", "_read")}
+                got = mod.host_split(engine, 4)
+                assert {n: getattr(engine, n, None) for n in before} == before
+                assert mx.async_eval.__name__ == "async_eval"
+                assert got["passes"] == 4
+                assert all(got[k] > 0 for k in keys), got
+                parts = got["build"] + got["dispatch"] + got["wait"] + got["rest"]
+                assert abs(parts - got["wall"]) < 1e-2 and got["rest"] >= -1e-3, got
+            while engine.busy:
+                engine.step()
+            tokens.append([s.tokens for s in seqs])
+        assert tokens[0] == tokens[1]
