@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..metal import iota
+from ..metal.argmax import argmax
 from ..sample import Sampler
 from ..speculative.batched import BatchRounds
 from ..speculative.draft_model import MTPDraftModel
@@ -219,7 +220,7 @@ class ForcedBatchRounds(BatchRounds):
         if q is not None:
             raise ValueError("ForcedBatchRounds is greedy only")
         B, K = drafts.shape
-        target = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K + 1]
+        target = argmax(logits).astype(mx.int32)  # [B, K + 1]
         self.okey, use = mx.random.split(self.okey)
         kept = mx.random.uniform(shape=(B, K), key=use) < self.p
         n = mx.cumprod(kept.astype(mx.int32), axis=1).sum(axis=1)

@@ -40,6 +40,7 @@ from .. import traces
 from ..batch import BatchDecoder, Sequence, filter_rows, join_rows
 from ..decode import tracing_enabled as decode_tracing_enabled
 from ..metal import iota, kernel_policy
+from ..metal.argmax import argmax
 from ..metal.gated_delta import picked
 from ..models import compiled
 from ..runtime import runtime_of
@@ -496,10 +497,10 @@ class BatchRounds(BatchDecoder):
                 q = mx.stack([self._probs(b, logits[b]) if not s.sampler.greedy else logits[b]
                               for b, s in enumerate(self.active)])
                 d = mx.stack([sample_from(q[b], keys[b, step]) if not s.sampler.greedy else
-                              mx.argmax(logits[b]) for b, s in enumerate(self.active)])
+                              argmax(logits[b]) for b, s in enumerate(self.active)])
                 qs.append(q)
             else:
-                d = mx.argmax(logits, axis=-1)
+                d = argmax(logits)  # (one kernel per row on a GPU, as a plain step's greedy pick: metal/argmax.py)
             drafts.append(d.astype(mx.int32))
         for c in self.head_cache:  # the K - 1 rows built on the head's own hiddens
             c.trim(K - 1)
@@ -589,7 +590,7 @@ class BatchRounds(BatchDecoder):
         """Per sequence, on the device: drafts accepted n [B] and the round's tokens [B, K + 1] (the first n_b + 1:
         the kept drafts, then the next token)."""
         K = drafts.shape[1]
-        target = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K + 1]
+        target = argmax(logits).astype(mx.int32)  # [B, K + 1]
         greedy = mx.cumprod((drafts == target[:, :K]).astype(mx.int32), axis=1).sum(axis=1)
         if q is None:  # every sequence greedy: the kept drafts equal the targets at their rows
             return greedy, target
