@@ -226,6 +226,7 @@ def host_split(engine, passes: int) -> dict:
         t["wait"] += time.perf_counter() - tic
         return read(k, n, tokens)
 
+    own = {n: vars(engine)[n] for n in (name, "_read") if n in vars(engine)}  # (the instance's own, if any)
     setattr(engine, name, timed_dispatch)
     if read is not None:
         engine._read = timed_read
@@ -237,9 +238,9 @@ def host_split(engine, passes: int) -> dict:
         wall = time.perf_counter() - tic
     finally:
         mx.async_eval = async_eval
-        setattr(engine, name, dispatch)
-        if read is not None:
-            engine._read = read
+        for n in (name, "_read"):  # the class's methods again (no bound method left on the instance)
+            vars(engine).pop(n, None)
+        vars(engine).update(own)
     t["build"] -= t["dispatch"]
     ms = {k: round(v * 1e3 / passes, 3) for k, v in t.items()}
     ms["wall"] = round(wall * 1e3 / passes, 3)
