@@ -495,7 +495,6 @@ class PipelinedTuner:
                 self.k = self.probe_k = self.memory["k"] = k
                 return k
         if gain >= SPECULATE_MIN_GAIN:
-            self.below = 0
             current = gains.get(self.k)
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
