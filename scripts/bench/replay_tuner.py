@@ -46,6 +46,11 @@ CASES = {
     # run W's (an H100, a host slow in spells): the tuner's readings in the oracle-0.3 group (K=4: the line's)
     "0.8B p=0.3 H100 W": ([0.3] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
     "0.8B p=0 H100 W": ([0.0] * 4, {0: 2.35, 1: 2.8, 2: 3.2, 3: 3.9, 4: 4.3}),
+    # run Z's (an H100, a host slow in spells): per round of the fixed legs, medians (decode seconds / rounds), the
+    # demo's conditional rates from its fixed legs' tokens per round (1.81, 2.49, 3.04, 3.47 at K=1..4)
+    "0.8B p=0.5 H100 Z": ([0.5] * 4, {0: 1.62, 1: 1.95, 2: 2.29, 3: 2.61, 4: 3.46}),
+    "0.8B p=0.8 H100 Z": ([0.8] * 4, {0: 1.62, 1: 2.06, 2: 2.26, 3: 2.75, 4: 3.41}),
+    "demo 0.7 H100 Z": ([0.81, 0.84, 0.81, 0.78], {0: 0.64, 1: 1.03, 2: 1.28, 3: 1.44, 4: 1.63}),
     # MLX's CPU backend, the demo greedy on a 2-core x86-64 (docs/adr/0008, 'The CPU backend'): a forward over 1-4
     # rows 17.5, 31.4, 43.6, 56.4 ms (5 rows: the line's 69), the head's step 4.5 ms; no depth can pay
     "demo CPU": ([0.95] * 4, {0: 17.5, 1: 35.9, 2: 52.6, 3: 69.9, 4: 87.0}),

@@ -720,3 +720,46 @@ def test_a_depth_left_early_is_tried_again_when_the_first_draft_keeps_passing():
     tuner = PipelinedTuner(3, memory)
     tuner.left, tuner.dispatched = 0, 200
     assert tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE)) == 2, tuner.log
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_a_deeper_depth_waits_for_the_generations_rates_at_every_drafted_position(monkeypatch, rule):
+    """Run Z's 0.8B shape at oracle 0.5: a generation started at K=3 from the process's costs, its first rounds
+    accepted their first drafts, and with only that position in the rates (the deeper ones read in too few rounds)
+    their continuation predicted every draft kept: K 3 -> 4 at a predicted 3.32x. The tuner now moves deeper only on
+    rates read at every position the current depth drafts, or after DEEPER_MIN_ROUNDS rounds; shallower moves and
+    staying are as before, and rates read at every position still take it deeper where that pays."""
+    from lattice_mlx.speculative import tuning
+    from lattice_mlx.speculative.tuning import DEEPER_MIN_ROUNDS, MIN_POSITION_ROUNDS, tuner_rates
+
+    if not rule:
+        monkeypatch.setattr(tuning, "DEEPER_MIN_ROUNDS", 0)
+    costs = {0: 2.16, 1: 2.31, 2: 2.9, 3: 2.95, 4: 3.25}  # run Z's readings at oracle 0.5 (ms; K=4 on the line)
+
+    def tuner_after(record: list[tuple[int, int]], dispatched: int) -> tuple[PipelinedTuner, SpecStats]:
+        stats = SpecStats(draft_tokens=4)
+        for k, n in record:
+            stats.record(k, n)
+        memory = {"cost": dict(costs), "window": {k: [c] for k, c in costs.items()}, "at": {k: 0 for k in costs},
+                  "clock": 1, "k": 3}
+        tuner = PipelinedTuner(4, memory)
+        tuner.left, tuner.dispatched = 0, dispatched
+        return tuner, stats
+
+    # three rounds read, each keeping its first draft (the second and third not read in MIN_POSITION_ROUNDS rounds)
+    tuner, stats = tuner_after([(3, 1)] * 3, 3)
+    assert len(tuner_rates(stats)) == 1
+    k = tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE))
+    assert k == (3 if rule else 4), tuner.log
+    # the same early rates, a rule or not: shallower moves are as before (K=1 where the first draft rarely passes)
+    tuner, stats = tuner_after([(3, 0)] * 3 + [(3, 1)], 4)
+    assert tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE)) <= 3
+    # every drafted position read in enough rounds, all kept: deeper pays, and the tuner goes there
+    tuner, stats = tuner_after([(3, 3)] * MIN_POSITION_ROUNDS, MIN_POSITION_ROUNDS)
+    assert len(tuner_rates(stats)) == 3
+    assert tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE)) == 4, tuner.log
+    # past DEEPER_MIN_ROUNDS rounds the first position's rate alone may take it deeper (rounds of one draft that
+    # all passed, the deeper positions never drafted)
+    tuner, stats = tuner_after([(1, 1)] * DEEPER_MIN_ROUNDS, DEEPER_MIN_ROUNDS)
+    assert len(tuner_rates(stats)) == 1
+    assert tuner.next_k(tuner_rates(stats), lambda: tuner_rates(stats, OFF_HOPE)) == 4, tuner.log

@@ -116,6 +116,15 @@ MIN_POSITION_ROUNDS = 8
 # (its best fixed depth: 1.34x) at 32 rounds, 1.21x at 64, 1.18x at 128; the other cases, and every case without
 # such a start, moved by 0.01 or less
 FRESH_POSITION_ROUNDS = 32
+# A move to a deeper depth waits until this generation's rounds have read every position the current depth drafts
+# (MIN_POSITION_ROUNDS rounds each past the first), or this many rounds in all: before that the rates hold the first
+# position alone, read in a few rounds, and the deeper ones continue its rate, so a few accepted first drafts
+# predicted every draft of a deeper round kept. Run Z's 0.8B shape at oracle 0.5 went K 3 -> 4 at the start of a
+# generation on a predicted 3.32x, a figure no depth reaches at that acceptance (docs/adr/0008, 'Run Z'). Replayed
+# (replay_tuner.py, 40 seeds, drift and spells), medians moved by -0.01 to +0.02 of the best fixed depth, and the
+# worst processes mostly gained.
+# 0: off
+DEEPER_MIN_ROUNDS = 16
 # Speculation goes off only when it cannot pay even with this many more accepted rounds at every draft position: a
 # decision after four rounds read acceptance 0.5 as anything from 0 to 1, and a plain stretch taken wrongly costs 32+
 # tokens at plain speed, while a round kept at low acceptance costs about a plain step
@@ -499,6 +508,9 @@ class PipelinedTuner:
             margin = SWITCH_MIN_GAIN if self.traced(k) else NEW_DEPTH_MIN_GAIN
             if k != self.k and current is not None and current >= SPECULATE_MIN_GAIN and gain < current * margin:
                 k = self.k  # a change of K costs untraced rounds (and a new depth a compile): not for a small gain
+            if k > self.k and current is not None and current >= SPECULATE_MIN_GAIN and len(rates) < self.k \
+                    and self.read() < DEEPER_MIN_ROUNDS:
+                k = self.k  # deeper only on this generation's own rates at every position the current depth drafts
             again = self._revisit(gains) if k == self.k else None
             if again is not None:
                 k, self.reread, self.judged = again, again, None  # (back here, its mark is taken afresh)
