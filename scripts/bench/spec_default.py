@@ -108,6 +108,44 @@ def tuned(model, leg: str):
             setattr(owner, name, old)
 
 
+@contextlib.contextmanager
+def passes_seen():
+    """Every pass the pipelined tuner observes while it is open (PipelinedTuner.observe: a round's or a plain step's
+    seconds, each plain stretch's first and last ones), as (K, seconds) in the list it yields: what the default's
+    tuner read per depth, to set beside the fixed legs' cost per round (run Z's default read K=2 at 2.9-3.25 ms where
+    the fixed K=2 leg ran 2.29 ms per round; docs/adr/0008, 'Run Z')."""
+    seen: list[tuple[int, float]] = []
+    observe = tuning.PipelinedTuner.observe
+
+    def recording(self, k: int, seconds: float) -> None:
+        seen.append((k, seconds))
+        observe(self, k, seconds)
+
+    tuning.PipelinedTuner.observe = recording
+    try:
+        yield seen
+    finally:
+        tuning.PipelinedTuner.observe = observe
+
+
+def pass_summary(seen: list[tuple[int, float]]) -> dict:
+    """Per depth: [passes observed, their median ms, the median ms of those after the first 2 at it in a row]."""
+    out, run, prev = {}, 0, None
+    by: dict[int, list[float]] = {}
+    steady: dict[int, list[float]] = {}
+    for k, s in seen:
+        run = run + 1 if k == prev else 0
+        prev = k
+        by.setdefault(k, []).append(s)
+        if run >= 2:
+            steady.setdefault(k, []).append(s)
+    for k, xs in sorted(by.items()):
+        st = steady.get(k)
+        out[str(k)] = [len(xs), round(1e3 * float(np.median(xs)), 3), round(1e3 * float(np.median(st)), 3)
+                       if st else None]
+    return out
+
+
 STALL_S = 0.005  # a wait between two tokens longer than this is a stall (a plain step or a round is ~1-2 ms on a
 # GPU; run I's default logged 7-22 ms waits in its plain stretches, where plain's leg logged nothing to compare)
 
@@ -116,7 +154,7 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
             seed: int) -> tuple[float, float, dict | None, list[int]]:
     """One whole generation of n tokens: (wall seconds, seconds after the first token, stats, tokens). Its waits
     between tokens past STALL_S after the first: run_leg.stalls (seconds each)."""
-    with tuned(model, leg):
+    with tuned(model, leg), passes_seen() as seen:
         tic = time.perf_counter()
         stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
         tokens, first, last, stalls = [], None, None, []
@@ -131,7 +169,7 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
             if len(tokens) == n:
                 break
         end = time.perf_counter()
-    run_leg.stalls = stalls
+    run_leg.stalls, run_leg.passes = stalls, pass_summary(seen)
     return end - tic, end - first, (stats.to_dict() if stats is not None else None), tokens
 
 
@@ -186,7 +224,7 @@ def run_group(args) -> dict:
                         DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
         return {"group": args.group, "warm_only": True}
     records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": [],
-                     "kernel_builds": [], "kernel_build_s": [], "stalls_ms": []} for leg in legs}
+                     "kernel_builds": [], "kernel_build_s": [], "stalls_ms": [], "tuner_passes": []} for leg in legs}
     builds0 = _dialect.first_uses()
     log(f"{args.group}: kernel variants built while warming: {builds0['variants']} in {builds0['seconds']:.1f} s")
     identical = True
@@ -204,6 +242,7 @@ def run_group(args) -> dict:
             r["wall_s"].append(wall)
             r["decode_s"].append(decode)
             r["stalls_ms"].append([round(1e3 * x, 1) for x in run_leg.stalls])
+            r["tuner_passes"].append(run_leg.passes or None)  # (legs without a tuner: None)
             r["acceptance"].append(st["acceptance_rate"] if st else None)
             r["rounds"].append(st["rounds"] if st else None)
             r["decisions"].append((st["decisions"] + st["tuner_log"])[:12] if st else None)

@@ -53,3 +53,26 @@ def test_variant_legs_decode_plain_greedy_beside_the_others(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     group = json.loads(out.read_text())["groups"][0]
     assert list(group["legs"]) == ["plain", "default", "default@SKIP=3;DWELL=4"] and group["greedy_identical"]
+    # what the default's tuner read per depth, each repetition (plain decoding has no tuner)
+    assert group["legs"]["plain"]["tuner_passes"] == [None, None]
+    for passes in group["legs"]["default"]["tuner_passes"]:
+        assert passes and all(n >= 1 and ms > 0 for n, ms, _ in passes.values()), passes
+
+
+def test_the_pass_summary_counts_each_depths_passes_and_its_steady_ones():
+    sd = _script()
+    seen = [(3, 0.010), (3, 0.004), (3, 0.002), (3, 0.0022), (0, 0.0015), (2, 0.003), (0, 0.0016), (0, 0.0014),
+            (0, 0.0015)]
+    got = sd.pass_summary(seen)
+    assert got["3"] == [4, 3.1, 2.1]  # (the steady ones: the third pass in a row at K=3 and after)
+    assert got["2"] == [1, 3.0, None]
+    assert got["0"] == [4, 1.5, 1.5]  # (steady: the second stretch's third pass alone)
+    sd_passes = []
+    with sd.passes_seen() as seen_now:
+        tuner = tuning.PipelinedTuner(4, {})
+        for s in (0.002, 0.0021, 0.0019, 0.002):
+            tuner.observe(0, s)
+        sd_passes = list(seen_now)
+    assert sd_passes == [(0, 0.002), (0, 0.0021), (0, 0.0019), (0, 0.002)]
+    assert tuner.cost.get(0)  # (the tuner still read them: its first SKIP passes untimed, then a cost)
+    assert tuning.PipelinedTuner.observe.__name__ == "observe"  # (restored)
