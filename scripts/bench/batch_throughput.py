@@ -27,7 +27,9 @@ per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`)
 B, after every B's timings, from the first step after every sequence joined; then three more steps' (rounds')
 kernels in launch order, with the copy kernels' neighbours (`one_step`, `one_round`). Per MTP leg and timed
 repetition, `mtp_rounds` holds the tokens per round (a fixed depth K at p keeps 1 + p + .. + p^K on average) and,
-with --oracle recorded, how many rows left plain's recorded continuation.
+with --oracle recorded, how many rows left plain's recorded continuation. After each B's timings, `timeline`: one more
+generation of `ours` and `ours-mtp` pass by pass, its time by phase (prefills, the pass after a join, steady passes,
+the tail as sequences leave).
 """
 
 import argparse
@@ -248,6 +250,33 @@ def host_split(engine, passes: int) -> dict:
     return {**ms, "passes": passes}
 
 
+def timeline(engine, prompts: list[list[int]], n: int) -> dict:
+    """One whole generation of `engine` over `prompts` (n tokens each), untimed by the legs, pass by pass: where a
+    whole generation's time goes besides steady passes (batch run 9: 128 steady plain steps were 0.49 s of a
+    0.69-0.95 s generation at 16 streams, 43 steady rounds 0.31 s of 0.73-1.14 s). Each pass is one phase:
+    `prefill` (prompts waiting before it: it prefilled chunks, and may have joined sequences), `after_join` (the
+    first pass after sequences joined: a round there is built op by op), `tail` (a sequence has left) and `steady`
+    (every other). Returns per phase [passes, ms, tokens], and the whole generation's ms."""
+    seqs = [engine.add(ids, max_tokens=n) for ids in prompts]
+    phases = {p: [0, 0.0, 0] for p in ("prefill", "after_join", "steady", "tail")}
+    joined_last = False
+    tic0 = time.perf_counter()
+    while engine.busy:
+        waiting, left = bool(engine.waiting), any(s.done for s in seqs)
+        started = sum(bool(s.tokens) for s in seqs)
+        made0 = sum(len(s.tokens) for s in seqs)
+        tic = time.perf_counter()
+        engine.step()
+        ms = (time.perf_counter() - tic) * 1e3
+        phase = "prefill" if waiting else "after_join" if joined_last else "tail" if left else "steady"
+        joined_last = sum(bool(s.tokens) for s in seqs) > started
+        rec = phases[phase]
+        rec[0], rec[1], rec[2] = rec[0] + 1, rec[1] + ms, rec[2] + sum(len(s.tokens) for s in seqs) - made0
+    out = {p: [c, round(ms, 2), t] for p, (c, ms, t) in phases.items()}
+    out["total_ms"] = round((time.perf_counter() - tic0) * 1e3, 2)
+    return out
+
+
 def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
                    dequant_rows: int | None = None) -> dict:
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
@@ -394,6 +423,15 @@ def main() -> int:
               + "".join(f"; {leg} {np.median([t for t, _ in v]):.2f} tokens per round"
                         + ("" if refs[0] is None else f", rows off plain's {sum(m for _, m in v)}")
                         for leg, v in out["mtp_rounds"].items()), flush=True)
+        # each engine's passes through one more generation (reps[0]'s prompts), by phase
+        out["timeline"] = {"ours": timeline(BatchDecoder(target.model, max_batch=B), reps[0], args.tokens)}
+        if "ours-mtp" in legs:
+            out["timeline"]["ours-mtp"] = timeline(rounds_engine(args.mtp_target, B, refs[0], args.mtp_k,
+                                                                 args.oracle_p), reps[0], args.tokens)
+        print(f"B={B} timeline: " + "; ".join(f"{leg} " + " ".join(f"{p} {v[0]} passes {v[1]:.0f} ms"
+                                                                   for p, v in t.items() if p != "total_ms")
+                                              + f" of {t['total_ms']:.0f} ms" for leg, t in out["timeline"].items()),
+              flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         profile_inputs[B] = (legs, reps[0], refs[0])

@@ -96,3 +96,39 @@ def test_the_host_split_times_every_pass_and_leaves_the_engine_as_it_was():
                 engine.step()
             tokens.append([s.tokens for s in seqs])
         assert tokens[0] == tokens[1]
+
+
+def test_the_timeline_puts_every_pass_of_a_generation_in_one_phase():
+    """batch_throughput.timeline: a whole generation pass by pass; every pass and token counted once, prefills while
+    prompts wait, a pass after a join marked, steady passes at the full batch and a tail once sequences leave."""
+    from lattice_mlx.batch import BatchDecoder
+    from lattice_mlx.bench.oracles import ForcedBatchRounds
+    from lattice_mlx.bench.run import load_target
+
+    mod = _module()
+    target = load_target("tiny", bits=4, group_size=32, dtype="float32", seed=0, stock=False)
+    prompts = [[3 + i, 5, 7, 11 + i] for i in range(3)]
+    steps = []
+    real = BatchDecoder.step
+
+    def counted(self):
+        steps.append(1)
+        return real(self)
+
+    BatchDecoder.step = counted
+    try:
+        got = mod.timeline(BatchDecoder(target.model, max_batch=3, prefill_step=4), prompts, 8)
+    finally:
+        BatchDecoder.step = real
+    phases = {p: got[p] for p in ("prefill", "after_join", "steady", "tail")}
+    assert sum(c for c, _, _ in phases.values()) == len(steps)
+    assert sum(t for _, _, t in phases.values()) == 3 * 8
+    # one prompt per step (prefill_step = its length): three prefill passes, each joining one sequence (its first
+    # token, then a step's in the same pass); the pass after the last join, one steady pass, and the first sequence
+    # leaves (8 tokens after 5 passes): four passes of tail
+    assert [phases[p][0] for p in ("prefill", "after_join", "steady", "tail")] == [3, 1, 1, 4], got
+    assert got["total_ms"] >= sum(ms for _, ms, _ in phases.values())
+    # MTP rounds at forced acceptance: sequences finish at different rounds, so a tail
+    rounds = ForcedBatchRounds(target.model, k=3, p_correct=0.5, max_batch=3, seed=1)
+    got = mod.timeline(rounds, prompts, 12)
+    assert sum(got[p][2] for p in ("prefill", "after_join", "steady", "tail")) == 3 * 12
