@@ -25,7 +25,8 @@ GPU, with the adaptive leg, a process of its own runs every kind of pass that le
 With --profile (CUPTI, DIR/gpu_kernels.py): kernels, GPU kernel time, busy against span and the costliest kernels
 per decode step of `ours` (and `ours-untraced`, `ours-dequant`, `ours-mtp-base`) and per round of `ours-mtp` at each
 B, after every B's timings, from the first step after every sequence joined; then three more steps' (rounds')
-kernels in launch order, with the copy kernels' neighbours (`one_step`, `one_round`). Per MTP leg and timed
+kernels in launch order, with the copy kernels' neighbours (`one_step`, `one_round`), then the host's time by part
+(`host_split`) and its costliest Python calls (`host_top`), each over as many passes again. Per MTP leg and timed
 repetition, `mtp_rounds` holds the tokens per round (a fixed depth K at p keeps 1 + p + .. + p^K on average) and,
 with --oracle recorded, how many rows left plain's recorded continuation. After each B's timings, `timeline`: one more
 generation of `ours` and `ours-mtp` pass by pass, its time by phase (prefills, the pass after a join, steady passes,
@@ -277,12 +278,32 @@ def timeline(engine, prompts: list[list[int]], n: int) -> dict:
     return out
 
 
+def host_top(engine, passes: int, top: int = 12) -> list:
+    """The Python functions that take the host's time over `passes` more steady passes of `engine`, under cProfile
+    (its own overhead in them; a window apart from host_split's): [function, calls per pass, ms per pass of its own
+    time], costliest first. Batch run 9's 16-sequence round spent 2.02 ms a pass outside building, dispatching and
+    waiting (`rest`), where the same round on the CPU spends 0.2 ms: which calls hold it on a GPU."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(passes):
+        engine.step()
+    prof.disable()
+    rows = []
+    for (file, line, name), (_, calls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        where = f"{file.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+        rows.append([where, round(calls / passes, 2), round(tottime * 1e3 / passes, 3)])
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
                    dequant_rows: int | None = None) -> dict:
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
     with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows)):
         engine = rounds_engine(args.mtp_target, len(prompts), refs, args.mtp_k, args.oracle_p)
-        seqs = [engine.add(p, max_tokens=(2 * rounds + 12) * (args.mtp_k + 1)) for p in prompts]
+        seqs = [engine.add(p, max_tokens=(3 * rounds + 12) * (args.mtp_k + 1)) for p in prompts]
         joined(engine)
         before = sum(len(s.tokens) for s in seqs)
         with kernel_profile(steps=rounds) as prof:
@@ -293,8 +314,9 @@ def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[
             for _ in range(3):
                 engine.step()
         host = host_split(engine, rounds)
+        top = host_top(engine, rounds)
     return {**summary(prof), "tokens_per_round": round(made / rounds, 2),  # (every row's)
-            "one_round": kernel_order(one), "host_ms_per_round": host}
+            "one_round": kernel_order(one), "host_ms_per_round": host, "host_top": top}
 
 
 def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None,
@@ -302,7 +324,7 @@ def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, 
     with settings.override(trace_steps=traced, dequant_rows=None if dequant_rows is None else str(dequant_rows)):
         engine = BatchDecoder(target.model, max_batch=len(prompts))
         for p in prompts:
-            engine.add(p, max_tokens=2 * steps + 24)
+            engine.add(p, max_tokens=3 * steps + 24)
         joined(engine)
         with kernel_profile(steps=steps) as prof:
             for _ in range(steps):
@@ -311,7 +333,8 @@ def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, 
             for _ in range(3):
                 engine.step()
         host = host_split(engine, steps)
-    return {**summary(prof), "one_step": kernel_order(one), "host_ms_per_step": host}
+        top = host_top(engine, steps)
+    return {**summary(prof), "one_step": kernel_order(one), "host_ms_per_step": host, "host_top": top}
 
 
 def main() -> int:

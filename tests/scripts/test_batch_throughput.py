@@ -132,3 +132,21 @@ def test_the_timeline_puts_every_pass_of_a_generation_in_one_phase():
     rounds = ForcedBatchRounds(target.model, k=3, p_correct=0.5, max_batch=3, seed=1)
     got = mod.timeline(rounds, prompts, 12)
     assert sum(got[p][2] for p in ("prefill", "after_join", "steady", "tail")) == 3 * 12
+
+
+def test_host_top_lists_the_engines_own_calls_costliest_first():
+    from lattice_mlx.batch import BatchDecoder
+    from lattice_mlx.bench.run import load_target
+
+    mod = _module()
+    target = load_target("tiny", bits=4, group_size=32, dtype="float32", seed=0, stock=False)
+    engine = BatchDecoder(target.model, max_batch=2)
+    for ids in ([3, 5, 7], [11, 13]):
+        engine.add(ids, max_tokens=40)
+    mod.joined(engine)
+    before = [len(s.tokens) for s in engine.active]
+    top = mod.host_top(engine, 4, top=5)
+    assert [len(s.tokens) for s in engine.active] == [b + 4 for b in before]  # (four passes ran)
+    assert len(top) == 5 and all(isinstance(w, str) and calls > 0 and ms >= 0 for w, calls, ms in top)
+    assert [ms for _, _, ms in top] == sorted((ms for _, _, ms in top), reverse=True)
+    assert any("step" in w for w, _, _ in top) or any("_dispatch" in w for w, _, _ in top), top
