@@ -388,3 +388,73 @@ def test_split_k_projections_keep_every_sequence_exact(monkeypatch):
     model.update(model.parameters())
     assert not any(isinstance(m, Q4Linear) and m.split_k is not None for _, m in model.named_modules())
     assert not model.runtime.traces
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_prompts_of_one_length_prefilled_together_keep_every_sequence_exact(model32, monkeypatch, k):
+    """LATTICE_BATCH_PREFILL: waiting prompts of one length at the front of the queue run in one forward over their
+    rows (batch.BatchDecoder._prefill_group), each row then sampled and joined as its own prefill's would be. Plain
+    steps (k = 0) and MTP rounds of depth k: every sequence keeps its single generation's greedy tokens, seeded
+    sampled sequences the tokens they get with a forward each; prompts of other lengths, a kept prefix and prompts
+    longer than a chunk take their own forwards; fewer forwards run."""
+    from lattice_mlx import settings
+    from lattice_mlx.speculative.batched import BatchRounds
+
+    inner = type(model32.model)
+    real = inner.__call__
+    rows = []
+
+    def counted(self, x, *a, **kw):
+        rows.append(tuple(x.shape[:2]))
+        return real(self, x, *a, **kw)
+
+    monkeypatch.setattr(inner, "__call__", counted)
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(6)] for i in range(5)] + [[3, 4, 5], [9, 9, 9], [1, 2, 3, 4]]
+    budgets = [7, 3, 9, 5, 6, 8, 4, 6]
+
+    def run(on: bool, sampler=None) -> tuple[list[list[int]], list[tuple]]:
+        rows.clear()
+        with settings.override(batch_prefill=on):
+            engine = BatchDecoder(model32, max_batch=6) if not k else BatchRounds(model32, k=k, max_batch=6)
+            pending, seqs = list(zip(prompts, budgets)), []
+            while pending or engine.busy:
+                while pending and not engine.full:
+                    p, n = pending.pop(0)
+                    seqs.append(engine.add(p, max_tokens=n, sampler=sampler, seed=len(seqs)))
+                engine.step()
+        return [s.tokens for s in seqs], list(rows)
+
+    got, forwards = run(True)
+    for p, n, tokens in zip(prompts, budgets, got):
+        assert tokens == solo(model32, p, n), p
+    plain, alone = run(False)
+    assert plain == got
+    prefills = [r for r in forwards if r[1] > 1 + k]  # (prompt forwards: more rows than a step's or a round's)
+    # the first six prompts wait together: five of length 6 in one forward, then [3, 4, 5] alone (the next prompt of
+    # its length arrives after a row frees); a forward per prompt without the setting
+    assert (5, 6) in prefills and len(prefills) < len([r for r in alone if r[1] > 1 + k])
+    sampler = Sampler(temp=1.0)
+    assert run(True, sampler)[0] == run(False, sampler)[0]
+
+
+def test_a_prompt_group_leaves_out_what_needs_its_own_prefill(model32):
+    """_group takes only prompts of one chunk from scratch and of the first one's length, in queue order, within the
+    step's token budget; without the setting, the first prompt alone."""
+    from lattice_mlx import settings
+
+    with settings.override(batch_prefill=True):
+        engine = BatchDecoder(model32, max_batch=8, prefill_step=12)
+        a = engine.add([1, 2, 3, 4], max_tokens=2)
+        b = engine.add([5, 6, 7, 8], max_tokens=2)
+        engine.add([9, 10, 11], max_tokens=2)  # another length: ends the group
+        assert [e[0] for e in engine._group(12)] == [a, b]
+        assert [e[0] for e in engine._group(7)] == [a]  # (two prompts of 4 tokens are over 7)
+        long = BatchDecoder(model32, max_batch=8, prefill_step=4)
+        first = long.add(list(range(1, 7)), max_tokens=2)  # two chunks
+        long.add([1, 2, 3, 4], max_tokens=2)
+        assert [e[0] for e in long._group(4)] == [first]
+        kept = BatchDecoder(model32, max_batch=8)
+        c = kept.add([1, 2, 3, 4], max_tokens=2, keep_prefix=True)
+        kept.add([5, 6, 7, 8], max_tokens=2)
+        assert [e[0] for e in kept._group(512)] == [c]  # (a prompt that keeps its prefix is prefilled alone)
+    assert [e[0] for e in engine._group(12)] == [a]

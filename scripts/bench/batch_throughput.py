@@ -12,8 +12,9 @@ built op by op, LATTICE_TRACE_STEPS=0, against `ours`' traced batch steps; `ours
 op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` and `ours-mtp-dequant`
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
 and multiplied instead of MLX's quantized matmul), `ours-nosplit` and `ours-mtp-nosplit` (--split-k-ab 1: with
-LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `solo` (B = 1 only: plain generate_step, the single-stream
-reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
+LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `ours-bprefill` and
+`ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, prompts of one length prefilled in one
+forward), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
 draft is kept with probability --oracle-p whatever the target says (ForcedBatchRounds), so the MTP legs run on the
 bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
 continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
@@ -59,10 +60,11 @@ NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 
 def dequant(args, leg: str):
-    """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg) and LATTICE_SPLIT_K (off for a
-    -nosplit leg)."""
+    """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg), LATTICE_SPLIT_K (off for a
+    -nosplit leg) and LATTICE_BATCH_PREFILL (on for a -bprefill leg)."""
     return settings.override(dequant_rows=str(args.dequant_ab) if leg.endswith("-dequant") else None,
-                             split_k=False if leg.endswith("-nosplit") else None)
+                             split_k=False if leg.endswith("-nosplit") else None,
+                             batch_prefill=True if leg.endswith("-bprefill") else None)
 
 
 # per MTP leg, what each of its generations got: (tokens per round, rows whose tokens left plain's recorded
@@ -124,11 +126,12 @@ def warm_kinds(target, B: int, p: float, k_max: int = 4) -> int:
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
-    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base", "ours-nosplit"):
+    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base", "ours-nosplit", "ours-bprefill"):
         model = (args.mtp_target if leg == "ours-mtp-base" else target).model
         with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
             batch_generate(model, None, prompts, max_tokens=n, max_batch=len(prompts))
-    elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced", "ours-mtp-nosplit"):
+    elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced", "ours-mtp-nosplit",
+                 "ours-mtp-bprefill"):
         with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
             got = run_rounds(args.mtp_target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k,
                              args.oracle_p, adaptive=leg == "ours-mtp-auto")
@@ -362,6 +365,8 @@ def main() -> int:
                    help="add the -dequant legs: LATTICE_DEQUANT_ROWS=N (0: none)")
     p.add_argument("--split-k-ab", type=int, default=0,
                    help="1: also `ours` and `ours-mtp` with LATTICE_SPLIT_K=0 (`-nosplit` legs), paired")
+    p.add_argument("--batch-prefill-ab", type=int, default=0,
+                   help="1: also `ours` and `ours-mtp` with LATTICE_BATCH_PREFILL=1 (`-bprefill` legs), paired")
     p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--machine-warmup", type=int, default=1,
@@ -405,7 +410,8 @@ def main() -> int:
              if args.mtp_k else []) + \
             (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else []) + \
-            (["ours-nosplit"] + (["ours-mtp-nosplit"] if args.mtp_k else []) if args.split_k_ab else [])
+            (["ours-nosplit"] + (["ours-mtp-nosplit"] if args.mtp_k else []) if args.split_k_ab else []) + \
+            (["ours-bprefill"] + (["ours-mtp-bprefill"] if args.mtp_k else []) if args.batch_prefill_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
@@ -437,7 +443,7 @@ def main() -> int:
         for a, b in (("ours", "ours-untraced"), ("ours-mtp", base), ("ours-mtp-auto", base),
                      ("ours-mtp", "ours-mtp-untraced"), ("ours-mtp-base", "ours"),
                      ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp"), ("ours", "ours-nosplit"),
-                     ("ours-mtp", "ours-mtp-nosplit")):
+                     ("ours-mtp", "ours-mtp-nosplit"), ("ours-bprefill", "ours"), ("ours-mtp-bprefill", "ours-mtp")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from . import cache as caches
-from . import traces
+from . import settings, traces
 from .decode import PREFILL_STEP, prefill_chunks, tracing_enabled
 from .metal import cuda_gpu, kernel_policy
 from .metal.q4_matmul import MAX_ROWS
@@ -142,7 +142,8 @@ class BatchDecoder:
         keep = keep_prefix and not self.PROMPT_HIDDEN and len(prompt) - n >= 2
         chunks = self._kept(seq, cache, n) if keep else prefill_chunks(
             self.model, mx.array(prompt[n:]), cache, step=self.prefill_step, return_hidden=self.PROMPT_HIDDEN)
-        self.waiting.append([seq, cache, chunks, n])
+        # (the last: whether the prompt is one chunk from scratch, which a forward over several prompts may take)
+        self.waiting.append([seq, cache, chunks, n, not n and not keep and len(prompt) <= self.prefill_step])
         return seq
 
     def _kept(self, seq: Sequence, cache: list, n: int):
@@ -160,11 +161,17 @@ class BatchDecoder:
 
     def _prefill(self) -> list[tuple[Sequence, int]]:
         """Prefill chunks of the waiting prompts, in order, up to `prefill_step` tokens in all (at least one chunk):
-        a prompt whose last chunk ran samples its first token and joins."""
+        a prompt whose last chunk ran samples its first token and joins. With LATTICE_BATCH_PREFILL, prompts of one
+        length at the front of the queue run in one forward (`_group`, `_prefill_group`)."""
         out, budget, ran = [], self.prefill_step, False
         while self.waiting:
+            group = self._group(budget)
+            if len(group) > 1:
+                budget, ran = budget - len(group) * len(group[0][0].prompt), True
+                out += self._prefill_group(group)
+                continue
             entry = self.waiting[0]
-            seq, cache, chunks, done = entry
+            seq, cache, chunks, done, _ = entry
             cost = min(self.prefill_step, len(seq.prompt) - done)
             if ran and cost > budget:
                 break
@@ -177,6 +184,44 @@ class BatchDecoder:
             seq._take(int(seq.sampler(got[0], key=use).item()))
             if not seq.done:
                 self._join(seq, cache, got[1])
+            out.append((seq, seq.tokens[-1]))
+        return out
+
+    def _group(self, budget: int) -> list[list]:
+        """With LATTICE_BATCH_PREFILL: the waiting prompts at the front of the queue that one forward may prefill
+        together (each one chunk from scratch, all of one length, `budget` tokens in all; a single-process model);
+        else, or where fewer than two qualify, the first alone."""
+        if not settings.on("batch_prefill") or getattr(self.model, "sharding_group", None) is not None:
+            return self.waiting[:1]
+        group = []
+        for entry in self.waiting:
+            seq, _, _, done, whole = entry
+            n = len(seq.prompt)
+            if not whole or done or group and n != len(group[0][0].prompt) or (len(group) + 1) * n > budget:
+                break
+            group.append(entry)
+        return group or self.waiting[:1]
+
+    def _prefill_group(self, group: list[list]) -> list[tuple[Sequence, int]]:
+        """One forward over the prompts of `group` [G, T] on caches of G rows (fresh, as each prompt's own would
+        be), then each row as its own prefill's: its first token sampled from its logits, its caches' row joined.
+        Each row is computed as a one-row forward computes it where the ops are per row (on the CPU in float32 the
+        same bits: tests/test_batch.py); a GPU's 4-bit matmul over G x T rows may tile them otherwise."""
+        model = self.model
+        cache = model.make_cache(trimmable=False)
+        h = model.model(mx.array([entry[0].prompt for entry in group]), cache)
+        mx.eval(h, [c.state for c in cache])
+        logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[:, -1]  # (as a decode step computes them)
+        hidden = model.head_input(h) if self.PROMPT_HIDDEN else None
+        out = []
+        for b, entry in enumerate(group):
+            seq = entry[0]
+            self.waiting.remove(entry)
+            entry[2].close()  # (its own prefill never ran)
+            seq.key, use = mx.random.split(seq.key)
+            seq._take(int(seq.sampler(logits[b], key=use).item()))
+            if not seq.done:
+                self._join(seq, row_of(cache, b), None if hidden is None else hidden[b])
             out.append((seq, seq.tokens[-1]))
         return out
 
@@ -330,6 +375,22 @@ def join_rows(batch: list | None, cache: list) -> list:
     for mine, new in zip(batch, rows):
         extend(mine, new)
     return batch
+
+
+def row_of(cache: list, b: int) -> list:
+    """Row b of caches that a forward over several sequences filled, as that sequence's own caches."""
+    rows = []
+    for c in cache:
+        if isinstance(c, caches.GDNCache):
+            row = caches.GDNCache()
+            row.conv, row.ssm, row.offset = c.conv[b : b + 1], c.ssm[b : b + 1], c.offset
+        elif type(c) is caches.KVCache:
+            row = caches.KVCache()
+            row.keys, row.values, row.offset = c.keys[b : b + 1], c.values[b : b + 1], c.offset
+        else:
+            raise ValueError(f"batched decoding takes plain KV and GDN caches, not {type(c).__name__}")
+        rows.append(row)
+    return rows
 
 
 def batch_layer(c):
