@@ -216,7 +216,7 @@ class BatchDecoder:
         out = []
         for b, entry in enumerate(group):
             seq = entry[0]
-            self.waiting.remove(entry)
+            self.waiting = [w for w in self.waiting if w is not entry]
             entry[2].close()  # (its own prefill never ran)
             seq.key, use = mx.random.split(seq.key)
             seq._take(int(seq.sampler(logits[b], key=use).item()))
