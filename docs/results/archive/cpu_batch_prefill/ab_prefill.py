@@ -1,9 +1,11 @@
 """One leg of the CPU A/B of LATTICE_BATCH_PREFILL, in a fresh process: the demo through lattice_mlx.batch_generate,
-greedy, B prompts of one length, N tokens each, one untimed run, then one timed run; prints one JSON line.
+greedy, B prompts of one length, N tokens each, one untimed run, then one timed run; prints one JSON line (the
+tokens: a digest of every sequence's first 8).
 
     LATTICE_BATCH_PREFILL=0|1 python ab_prefill.py LEG REP [B] [PROMPT] [N]
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -26,4 +28,5 @@ got = batch_generate(model, None, prompts, max_tokens=N, max_batch=B)
 mx.synchronize()
 secs = time.perf_counter() - tic
 print(json.dumps({"leg": leg, "rep": rep, "batch_prefill": os.environ.get("LATTICE_BATCH_PREFILL", ""),
-                  "seconds": secs, "tokens": [r.tokens[:8] for r in got], "B": B, "T": T, "N": N}))
+                  "seconds": secs,
+                  "tokens": hashlib.sha256(json.dumps([r.tokens[:8] for r in got]).encode()).hexdigest()[:16], "B": B, "T": T, "N": N}))
