@@ -180,12 +180,17 @@ class BatchDecoder:
             if got is None:
                 continue
             self.waiting.pop(0)
-            seq.key, use = mx.random.split(seq.key)
-            seq._take(int(seq.sampler(got[0], key=use).item()))
-            if not seq.done:
-                self._join(seq, cache, got[1])
-            out.append((seq, seq.tokens[-1]))
+            out.append(self._start(seq, got[0], cache, got[1]))
         return out
+
+    def _start(self, seq: Sequence, logits: mx.array, cache: list, hidden: mx.array | None) -> tuple[Sequence, int]:
+        """A prefilled sequence's first token, sampled from its prompt's last logits [V], and its join (unless that
+        token ended it)."""
+        seq.key, use = mx.random.split(seq.key)
+        seq._take(int(seq.sampler(logits, key=use).item()))
+        if not seq.done:
+            self._join(seq, cache, hidden)
+        return seq, seq.tokens[-1]
 
     def _group(self, budget: int) -> list[list]:
         """With LATTICE_BATCH_PREFILL: the waiting prompts at the front of the queue that one forward may prefill
@@ -213,16 +218,11 @@ class BatchDecoder:
         mx.eval(h, [c.state for c in cache])
         logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[:, -1]  # (as a decode step computes them)
         hidden = model.head_input(h) if self.PROMPT_HIDDEN else None
+        del self.waiting[: len(group)]  # (the group is the front of the queue, in its order: _group)
         out = []
         for b, entry in enumerate(group):
-            seq = entry[0]
-            self.waiting = [w for w in self.waiting if w is not entry]
             entry[2].close()  # (its own prefill never ran)
-            seq.key, use = mx.random.split(seq.key)
-            seq._take(int(seq.sampler(logits[b], key=use).item()))
-            if not seq.done:
-                self._join(seq, row_of(cache, b), None if hidden is None else hidden[b])
-            out.append((seq, seq.tokens[-1]))
+            out.append(self._start(entry[0], logits[b], row_of(cache, b), None if hidden is None else hidden[b]))
         return out
 
     def _join(self, seq: Sequence, cache: list, hidden: mx.array | None) -> None:
