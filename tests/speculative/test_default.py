@@ -385,6 +385,33 @@ def test_a_depth_read_long_ago_in_a_slow_spell_is_read_again():
     assert tuner.next_k([0.0], lambda: [0.0]) == 0
 
 
+def test_a_depth_read_in_the_processs_first_generation_is_read_again_in_the_second(monkeypatch):
+    """Run Z's 0.8B shape at oracle 0.5: K=2 read 3.25 ms a pass in the process's first generation (its fixed leg:
+    2.29 ms a round), and the tuner sat at K=3 for seven generations. From the second generation a reading the first
+    one took is priced as one REREAD_PASSES old (at most the line through plain's and the current depth's cost):
+    the tuner goes to K=2 to read it again. Off, or the reading taken in the second generation, K=2 keeps its cost."""
+    from lattice_mlx.speculative import tuning
+
+    rates = [0.5, 0.25, 0.125, 0.0625]
+
+    def second(rule: int, taken_at: int = 150) -> int:
+        monkeypatch.setattr(tuning, "FIRST_GEN_REREAD", rule)
+        memory = tuning.fresh_memory()
+        PipelinedTuner(4, memory, lag=2)  # the first generation's tuner marks its memory
+        assert memory["first_gen"]
+        memory.update(cost={0: 1.62e-3, 2: 3.25e-3, 3: 2.61e-3, 4: 3.46e-3}, k=3, clock=300,
+                      at={0: 290, 2: 150, 3: 299, 4: 200})  # what it measured
+        tuner = PipelinedTuner(4, memory, lag=2)  # the second generation's
+        assert "first_gen" not in memory and memory.get("first_end") == (300 if rule else None)
+        memory["at"][2] = taken_at
+        tuner.k, tuner.left, tuner.prev, tuner.since = 3, 0, 3, 50
+        return tuner.next_k(rates, lambda: rates)
+
+    assert second(1) == 2
+    assert second(0) == 3
+    assert second(1, taken_at=301) == 3  # (read again since: its reading rules)
+
+
 def test_a_neighbour_read_in_a_slower_spell_is_read_again_when_the_host_speeds_up(monkeypatch):
     """Run V's 0.8B shape at oracle 0.8: K=3 read at 3.74 ms and K=4 at 4.10 in a slow spell, the tuner sat at K=4
     as its cost fell to 3.47 (a sixth) and never read K=3 again, where K=3 ran 2.6 ms per round. With REVISIT_DRIFT

@@ -81,6 +81,14 @@ STALE_PASSES = 32
 # and kept the demo at 0.7 over 1,024 tokens with a poor start as fast as 256 did, where no rule lost a tenth
 # (docs/adr/0008, 'Run S', with the GPU's figures)
 REREAD_PASSES = 1024
+# ... and a depth's cost read in the process's first generation counts as that old from the second generation on:
+# the first generation reads dear past the passes the tuner leaves untimed. Run Z's 0.8B shape at oracle 0.5 read
+# K=2 at 3.25 ms a pass in its first generation (the fixed K=2 leg: 2.29 ms a round), and sat at K=3 and K=4 for
+# seven generations, until the re-read age; run Q's oracle 0.8 read K=3 at 3.10 ms at its first generation's start
+# (its leg: 2.54), run N's demo at 0.7 K=3 at 2.84 (later 1.6-1.9) (docs/adr/0008, 'Run Z', 'Runs P, Q and R',
+# 'Runs N and O'). Unlike a first generation whose costs are dropped (run P: that lost), the readings stay: the
+# line caps them only until the tuner reads them again. 0: off
+FIRST_GEN_REREAD = 1
 CHECK_PASSES = 6
 # A neighbour of the current depth read before the tuner arrived at it is read again when the current depth's cost
 # has fallen by this share since its first COST_WINDOW timed passes there (the host sped up: the neighbour's reading
@@ -287,6 +295,10 @@ class PipelinedTuner:
         self.arrival = self.memory.setdefault("arrival", {})
         self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
         self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
+        if "cost" not in self.memory or not self.memory["cost"]:  # the process's first generation on this model
+            self.memory["first_gen"] = True
+        elif self.memory.pop("first_gen", False) and FIRST_GEN_REREAD:  # the second: what the first read is old
+            self.memory["first_end"] = self.memory.get("clock", 0)
         if 0 in self.cost and len(self.cost) > 1:  # measured before: no baseline
             self.probe_k = min(k_max, max(1, self.memory.get("k") or PIPELINED_START_K))
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + lag
@@ -365,12 +377,12 @@ class PipelinedTuner:
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
         shallower depth's measured cost. A depth other than the current one measured REREAD_PASSES passes ago or
-        more costs at most the line through cost(0) and the current depth's (fresh) cost, that too never below a
+        more (or last in the process's first generation, FIRST_GEN_REREAD) costs at most the line through cost(0) and the current depth's (fresh) cost, that too never below a
         shallower depth's: a reading from another spell of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
             if 0 < k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
-                    and self.stale(k, REREAD_PASSES):
+                    and (self.stale(k, REREAD_PASSES) or self.at[k] <= self.memory.get("first_end", -1)):
                 line = self.cost[0] + (self.cost[self.k] - self.cost[0]) * k / self.k
                 c = min(c, max(line, *(v for d, v in self.cost.items() if d < k)))
             return c
