@@ -83,9 +83,9 @@ STALE_PASSES = 32
 REREAD_PASSES = 1024
 # ... and a depth's cost read in the process's first generation counts as that old from the second generation on:
 # the first generation reads dear past the passes the tuner leaves untimed. Run Z's 0.8B shape at oracle 0.5 read
-# K=2 at 3.25 ms a pass in its first generation (the fixed K=2 leg: 2.29 ms a round), and sat at K=3 and K=4 for
-# seven generations, until the re-read age; run Q's oracle 0.8 read K=3 at 3.10 ms at its first generation's start
-# (its leg: 2.54), run N's demo at 0.7 K=3 at 2.84 (later 1.6-1.9) (docs/adr/0008, 'Run Z', 'Runs P, Q and R',
+# K=2 at 1.4 times its fixed leg's cost per round in its first generation, and sat at K=3 and K=4 for seven
+# generations, until the re-read age; run Q's oracle 0.8 read K=3 at 1.2 times its leg's at its first generation's
+# start, run N's demo at 0.7 K=3 at 1.5-1.8 times its later readings (docs/adr/0008, 'Run Z', 'Runs P, Q and R',
 # 'Runs N and O'). Unlike a first generation whose costs are dropped (run P: that lost), the readings stay: the
 # line caps them only until the tuner reads them again. 0: off
 FIRST_GEN_REREAD = 1
