@@ -295,7 +295,8 @@ class PipelinedTuner:
         self.arrival = self.memory.setdefault("arrival", {})
         self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
         self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
-        if "cost" not in self.memory or not self.memory["cost"]:  # the process's first generation on this model
+        # the process's first generation on this model (a batch engine's: the first tuner of its batch-size bucket)
+        if "cost" not in self.memory or not self.memory["cost"]:
             self.memory["first_gen"] = True
         elif self.memory.pop("first_gen", False) and FIRST_GEN_REREAD:  # the second: what the first read is old
             self.memory["first_end"] = self.memory.get("clock", 0)
@@ -377,8 +378,9 @@ class PipelinedTuner:
     def estimate(self, k: int) -> float | None:
         """cost(k): measured, or on the line through cost(0) and the deepest measured depth, and never below a
         shallower depth's measured cost. A depth other than the current one measured REREAD_PASSES passes ago or
-        more (or last in the process's first generation, FIRST_GEN_REREAD) costs at most the line through cost(0) and the current depth's (fresh) cost, that too never below a
-        shallower depth's: a reading from another spell of the host is not held against it for good."""
+        more (or last in the process's first generation: FIRST_GEN_REREAD) costs at most the line through cost(0)
+        and the current depth's (fresh) cost, that too never below a shallower depth's: a reading from another spell
+        of the host is not held against it for good."""
         if k in self.cost:
             c = self.cost[k]
             if 0 < k != self.k and self.k and self.k in self.cost and 0 in self.cost and k in self.at \
