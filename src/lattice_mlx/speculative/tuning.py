@@ -296,7 +296,7 @@ class PipelinedTuner:
         self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
         self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
         # the process's first generation on this model (a batch engine's: the first tuner of its batch-size bucket)
-        if "cost" not in self.memory or not self.memory["cost"]:
+        if not self.cost:
             self.memory["first_gen"] = True
         elif self.memory.pop("first_gen", False) and FIRST_GEN_REREAD:  # the second: what the first read is old
             self.memory["first_end"] = self.memory.get("clock", 0)
