@@ -259,7 +259,8 @@ def timeline(engine, prompts: list[list[int]], n: int) -> dict:
     whole generation's time goes besides steady passes (batch run 9: 128 steady plain steps were 0.49 s of a
     0.69-0.95 s generation at 16 streams, 43 steady rounds 0.31 s of 0.73-1.14 s). Each pass is one phase:
     `prefill` (prompts waiting before it: it prefilled chunks, and may have joined sequences), `after_join` (the
-    first pass after sequences joined: a round there is built op by op), `tail` (a sequence has left) and `steady`
+    first pass after sequences joined: a fresh batch's first round is built op by op, a later join's pads to the
+    rounds' form and replays), `tail` (a sequence has left) and `steady`
     (every other). Returns per phase [passes, ms, tokens], and the whole generation's ms."""
     seqs = [engine.add(ids, max_tokens=n) for ids in prompts]
     phases = {p: [0, 0.0, 0] for p in ("prefill", "after_join", "steady", "tail")}
