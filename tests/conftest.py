@@ -11,6 +11,9 @@ os.environ.setdefault("LATTICE_TRACE_STEPS", "1")
 os.environ.setdefault("LATTICE_TRACE_ROUNDS", "1")
 
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -26,6 +29,24 @@ CONFIGS = {
                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
                                  "linear_attention"]),
 }
+
+
+# Loaded by each Python process a test starts: the child runs as on a machine without torch, as a Mac with mlx and
+# mlx-lm alone would. This package never imports torch; transformers (which mlx-lm's tokenizer module imports) imports
+# it wherever it is installed, 1-2 s of every CLI process the suite starts on this repository's CPU.
+_CHILD_SITE = 'import sys\n\nsys.modules.setdefault("torch", None)  # (import torch fails; find_spec says None)\n'
+
+
+def pytest_configure(config):
+    """Puts a folder holding _CHILD_SITE's sitecustomize.py first on PYTHONPATH for the processes the tests start.
+    The suite's own processes keep torch (the HF reference tests): an xdist controller sets nothing, since its
+    workers inherit its environment; a worker, or a run without workers, sets it for its tests' children."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        return
+    site = tempfile.mkdtemp(prefix="lattice-child-site-")
+    Path(site, "sitecustomize.py").write_text(_CHILD_SITE)
+    config.add_cleanup(lambda: shutil.rmtree(site, ignore_errors=True))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(params=["compiled", "layers"])

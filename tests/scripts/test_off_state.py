@@ -14,7 +14,7 @@ SCRIPT = ROOT / "scripts" / "bench" / "off_state.py"
 
 def test_every_leg_decodes_plain_greedy(tmp_path):
     out = tmp_path / "off.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", "float32", "--tokens", "12",
                         "--prompt-tokens", "8", "--reps", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)

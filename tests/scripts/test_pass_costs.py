@@ -18,7 +18,7 @@ from test_bench import FAKE_PROFILER  # noqa: E402
 def test_schedules_are_recorded_and_profiled(tmp_path):
     (tmp_path / "gpu_kernels.py").write_text(FAKE_PROFILER)
     out = tmp_path / "pc.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tokens", "40", "--reps", "1",
                         "--profile", str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=600,
                        env=env)
