@@ -82,6 +82,16 @@ def no_mtp_checkpoint(tmp_path_factory):
     return random_checkpoint(tmp_path_factory.mktemp("ckpt") / "nomtp", seed=3, mtp=False)
 
 
+def load_script(relpath: str):
+    """A script of this repository (scripts/<relpath>) imported as a module, for tests of its functions."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
     """The first n tokens of plain greedy decoding (decode.generate_step) after `prompt`."""
     import mlx.core as mx

@@ -1,18 +1,13 @@
 """scripts/bench/batch_throughput.py's record of one step's kernels in launch order: runs of one kernel collapsed,
 and each copy kernel's neighbours counted (where batch run 7's copies sit)."""
 
-import importlib.util
 import types
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "batch_throughput.py"
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("batch_throughput", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/batch_throughput.py")
 
 
 def test_kernel_order_collapses_runs_and_counts_each_copys_neighbours():

@@ -1,12 +1,10 @@
 """scripts/demo/build_corpus.py (the [demo-head] corpus): split by package, deduplicated, prompts from held-out code."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("build_corpus", Path(__file__).parents[2] / "scripts/demo/build_corpus.py")
-bc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bc)
+from conftest import load_script
+
+bc = load_script("demo/build_corpus.py")
 
 CODE = '''import os
 

@@ -1,19 +1,14 @@
 """scripts/demo/distill_demo_head.py's training loss against the draft loop it trains for: at depth 1 every slot's loss is
 the one the draft loop's own MTP step (drafters.mtp_step) gives for that position, for both targets."""
 
-import importlib.util
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
+from conftest import load_script
 
 from lattice_mlx import load
 from lattice_mlx.speculative.drafters import mtp_step
 
-spec = importlib.util.spec_from_file_location("distill_demo_head",
-                                              Path(__file__).parents[2] / "scripts/demo/distill_demo_head.py")
-dh = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(dh)
+dh = load_script("demo/distill_demo_head.py")
 
 
 @pytest.fixture(scope="module")

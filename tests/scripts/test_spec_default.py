@@ -2,7 +2,6 @@
 changed and a tuner memory of its own, restores them after each generation, refuses a name the tuner does not
 have, and decodes plain greedy's tokens beside the other legs (CPU, tiny shape)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from lattice_mlx.speculative import pipelined, tuning
 
@@ -19,10 +19,7 @@ SCRIPT = ROOT / "scripts" / "bench" / "spec_default.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("spec_default_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/spec_default.py")
 
 
 def test_a_variant_leg_changes_the_tuner_for_its_generations_only():

@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+from conftest import load_script
 
 from lattice_mlx import SpecStats, generate, load, settings
 from lattice_mlx.speculative import auto_applies
@@ -446,14 +447,7 @@ def test_a_neighbour_read_in_a_slower_spell_is_read_again_when_the_host_speeds_u
 
 
 def _replay_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[2] / "scripts/bench/replay_tuner.py"
-    spec = importlib.util.spec_from_file_location("replay_tuner", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/replay_tuner.py")
 
 
 @pytest.mark.parametrize("case, floor, probe, drift", [
