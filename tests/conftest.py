@@ -33,7 +33,7 @@ CONFIGS = {
 
 # Loaded by each Python process a test starts: the child runs as on a machine without torch, as a Mac with mlx and
 # mlx-lm alone would. This package never imports torch; transformers (which mlx-lm's tokenizer module imports) imports
-# it wherever it is installed, 1-2 s of every CLI process the suite starts on this repository's CPU.
+# it wherever it is installed: about 2 s of every CLI process the suite starts on this repository's CPU.
 _CHILD_SITE = 'import sys\n\nsys.modules.setdefault("torch", None)  # (import torch fails; find_spec says None)\n'
 
 
@@ -91,6 +91,7 @@ def load_script(relpath: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
 
 def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
     """The first n tokens of plain greedy decoding (decode.generate_step) after `prompt`."""
