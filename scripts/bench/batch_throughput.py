@@ -49,7 +49,7 @@ from lattice_mlx import batch_generate, settings
 from lattice_mlx.batch import BatchDecoder
 from lattice_mlx.bench import stats as bs
 from lattice_mlx.bench.oracles import ForcedBatchRounds, OracleBatchRounds
-from lattice_mlx.bench.report import device_name, provenance
+from lattice_mlx.bench.report import device_name, kernel_name, provenance
 from lattice_mlx.bench.run import SHAPES, load_profiler, load_target
 from lattice_mlx.decode import generate_step
 from lattice_mlx.sample import Sampler
@@ -173,7 +173,7 @@ def kernel_order(prof, width: int = 90) -> dict:
         else:
             runs.append([n, 1, e["dur"]])
     sites: dict[str, int] = {}
-    short = [n.replace("void ", "", 1).replace("mlx::core::cu::", "") for n in names]  # (CUDA names: void mlx::..)
+    short = [kernel_name(e["name"]) for e in ker]  # (CUDA names: void mlx::core::cu::..(args))
     for i, n in enumerate(short):
         if n.startswith("copy"):
             before = short[i - 1] if i else "-"

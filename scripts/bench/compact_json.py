@@ -9,12 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def short(name: str) -> str:
-    """A CUPTI kernel name without `void `, MLX's namespace and the argument list (the template arguments stay)."""
-    if "mlx::core::cu::" not in name and not name.startswith("void "):
-        return name
-    return name.removeprefix("void ").replace("mlx::core::cu::", "").split("(")[0]
+from lattice_mlx.bench.report import kernel_name as short
 
 
 def rounded(o):

@@ -64,6 +64,13 @@ def peer_status() -> dict:
     return peers
 
 
+def kernel_name(name: str) -> str:
+    """A CUPTI kernel name without `void `, MLX's namespace and the argument list (the template arguments stay)."""
+    if "mlx::core::cu::" not in name and not name.startswith("void "):
+        return name
+    return name.removeprefix("void ").replace("mlx::core::cu::", "").split("(")[0]
+
+
 def fmt(x, spec: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
