@@ -93,6 +93,13 @@ def load_script(relpath: str):
     return module
 
 
+def script_env() -> dict:
+    """The environment of a script a test runs as a child: this checkout's src/ first on PYTHONPATH, the rest of it
+    (pytest_configure's folder among it) kept."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+
+
 def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
     """The first n tokens of plain greedy decoding (decode.generate_step) after `prompt`."""
     import mlx.core as mx

@@ -3,10 +3,11 @@ included, decodes plain greedy's tokens (the script exits 1 where one does not),
 figures."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench" / "off_state.py"
@@ -14,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "bench" / "off_state.py"
 
 def test_every_leg_decodes_plain_greedy(tmp_path):
     out = tmp_path / "off.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = script_env()
     r = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", "float32", "--tokens", "12",
                         "--prompt-tokens", "8", "--reps", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)

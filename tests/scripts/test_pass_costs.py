@@ -4,10 +4,11 @@
 schedule (a stand-in gpu_kernels.py: CUPTI runs only on the GPU machine)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench" / "pass_costs.py"
@@ -18,7 +19,7 @@ from test_bench import FAKE_PROFILER  # noqa: E402
 def test_schedules_are_recorded_and_profiled(tmp_path):
     (tmp_path / "gpu_kernels.py").write_text(FAKE_PROFILER)
     out = tmp_path / "pc.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = script_env()
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tokens", "40", "--reps", "1",
                         "--profile", str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=600,
                        env=env)

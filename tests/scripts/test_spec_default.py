@@ -3,14 +3,13 @@ changed and a tuner memory of its own, restores them after each generation, refu
 have, and decodes plain greedy's tokens beside the other legs (CPU, tiny shape)."""
 
 import json
-import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import load_script, script_env
 
 from lattice_mlx.speculative import pipelined, tuning
 
@@ -43,7 +42,7 @@ def test_a_variant_leg_changes_the_tuner_for_its_generations_only():
 
 def test_variant_legs_decode_plain_greedy_beside_the_others(tmp_path):
     out = tmp_path / "sd.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = script_env()
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--drafts", "oracle:0.5", "--lengths", "12",
                         "--legs", "plain,default,default@SKIP=3;DWELL=4", "--reps", "2", "--prompt-tokens", "8",
                         "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
