@@ -439,7 +439,7 @@ def test_prompts_of_one_length_prefilled_together_keep_every_sequence_exact(mode
 
 def test_a_prompt_group_leaves_out_what_needs_its_own_prefill(model32):
     """_group takes only prompts of one chunk from scratch and of the first one's length, in queue order, within the
-    step's token budget; without the setting, the first prompt alone."""
+    step's token budget; with the setting off, the first prompt alone."""
     from lattice_mlx import settings
 
     with settings.override(batch_prefill=True):
@@ -457,4 +457,6 @@ def test_a_prompt_group_leaves_out_what_needs_its_own_prefill(model32):
         c = kept.add([1, 2, 3, 4], max_tokens=2, keep_prefix=True)
         kept.add([5, 6, 7, 8], max_tokens=2)
         assert [e[0] for e in kept._group(512)] == [c]  # (a prompt that keeps its prefix is prefilled alone)
-    assert [e[0] for e in engine._group(12)] == [a]
+    assert [e[0] for e in engine._group(12)] == [a, b]  # (on by default)
+    with settings.override(batch_prefill=False):
+        assert [e[0] for e in engine._group(12)] == [a]

@@ -14,7 +14,7 @@ op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` a
 and multiplied instead of MLX's quantized matmul), `ours-nosplit` and `ours-mtp-nosplit` (--split-k-ab 1: with
 LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `ours-bprefill` and
 `ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, prompts of one length prefilled in one
-forward), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
+forward, the default; the other legs then run with it off), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
 draft is kept with probability --oracle-p whatever the target says (ForcedBatchRounds), so the MTP legs run on the
 bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
 continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
@@ -61,10 +61,11 @@ NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 def dequant(args, leg: str):
     """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg), LATTICE_SPLIT_K (off for a
-    -nosplit leg) and LATTICE_BATCH_PREFILL (on for a -bprefill leg)."""
+    -nosplit leg) and LATTICE_BATCH_PREFILL (with --batch-prefill-ab: on for a -bprefill leg, off for the others; else
+    the environment's)."""
+    prefill = leg.endswith("-bprefill") if args.batch_prefill_ab else None
     return settings.override(dequant_rows=str(args.dequant_ab) if leg.endswith("-dequant") else None,
-                             split_k=False if leg.endswith("-nosplit") else None,
-                             batch_prefill=True if leg.endswith("-bprefill") else None)
+                             split_k=False if leg.endswith("-nosplit") else None, batch_prefill=prefill)
 
 
 # per MTP leg, what each of its generations got: (tokens per round, rows whose tokens left plain's recorded
@@ -367,7 +368,8 @@ def main() -> int:
     p.add_argument("--split-k-ab", type=int, default=0,
                    help="1: also `ours` and `ours-mtp` with LATTICE_SPLIT_K=0 (`-nosplit` legs), paired")
     p.add_argument("--batch-prefill-ab", type=int, default=0,
-                   help="1: also `ours` and `ours-mtp` with LATTICE_BATCH_PREFILL=1 (`-bprefill` legs), paired")
+                   help="1: `ours` and `ours-mtp` with LATTICE_BATCH_PREFILL=0, and as `-bprefill` legs with it on "
+                        "(the default), paired")
     p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--machine-warmup", type=int, default=1,

@@ -44,7 +44,7 @@ SETTINGS = {
     "split_k": Setting("LATTICE_SPLIT_K", "1", SWITCH, "use 1 (split where it applies) or 0 (never)"),
     # a batch engine's waiting prompts of one length (one chunk each, from scratch) prefilled in one forward over
     # their rows instead of a forward each (batch.BatchDecoder._prefill_group); off until measured on a GPU
-    "batch_prefill": Setting("LATTICE_BATCH_PREFILL", "0", SWITCH,
+    "batch_prefill": Setting("LATTICE_BATCH_PREFILL", "1", SWITCH,
                              "use 1 (prompts of one length prefilled together) or 0 (a forward each)"),
     "cudnn_sdpa": Setting("LATTICE_CUDNN_SDPA", "0", SWITCH,
                           "use 1 (MLX's fused attention for prompt rows on CUDA) or 0 (written out in ops)"),
