@@ -212,6 +212,14 @@ def run_group(args) -> dict:
     else:
         run_leg(model, "plain", prompts[0], n, temp, drafts, None, 0)
     warm_s = time.perf_counter() - t0
+    rounds_s = None
+    if args.warm_rounds and not args.warm_only:  # the process's own first uses of the rounds too, before any timing
+        tic = time.perf_counter()
+        override = (DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K)
+                    if drafts.startswith("oracle:") else None)
+        warm_rounds(model, ADAPTIVE_MAX_K, override=override)
+        rounds_s = time.perf_counter() - tic
+        log(f"{args.group}: every kind of pass warmed in {rounds_s:.2f} s (--warm-rounds)")
     if args.warm_only:  # the machine's warm-up (the driver's): every prompt's prefill, every leg once, nothing timed
         for ids in prompts:
             run_leg(model, "plain", ids, 2, temp, drafts, None, 0)
@@ -265,7 +273,7 @@ def run_group(args) -> dict:
     out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
            "capacity": args.capacity, "gpu_profile": profiles or None, "kernel_builds_warming": builds0,
            "kernel_cache": {"on": cuda_cache.enabled(), **cuda_cache.built()},
-           "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "greedy_identical": identical if temp == 0
+           "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "warm_rounds_s": rounds_s, "greedy_identical": identical if temp == 0
            else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
     out["ratios"] = {}  # tok/s of the leg / plain's = plain's seconds / the leg's, paired by repetition
     for leg in legs:
@@ -303,6 +311,10 @@ def main() -> int:
                    help="1 (on a GPU): before the groups, an untimed process per kind of group prefills every prompt "
                    "and runs each leg once, so kernels MLX builds once per machine (kept on disk) are built before "
                    "the timed processes")
+    p.add_argument("--warm-rounds", type=int, default=0,
+                   help="1: also run every kind of pass of the rounds (pipelined.warm_rounds) before the first timed "
+                        "repetition, timed apart (warm_rounds_s): which of the default's losses are the process's "
+                        "first uses")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # (the machine warm-up's child)
     p.add_argument("--group", help=argparse.SUPPRESS)  # one group, in this process (the driver's child)
     p.add_argument("--out", default="spec_default.json")

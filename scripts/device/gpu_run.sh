@@ -31,6 +31,7 @@
 #                  SD_LENGTHS [256], SD_LEGS [plain,plain-aa,default,k1..k4; default@SKIP=3;DWELL=4: the tuner's
 #                  constants changed for that leg], REPS [10], NAME, LIMIT s [520],
 #                  CAPACITY [shared; pow2, exact: the rows a matmul variant holds], PROFILE=1 for CUPTI per leg,
+#                  SD_EXTRA: more of its flags (--warm-rounds 1, --machine-warmup 0),
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
 #                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI),
 #                  DEPTHS=1: each depth's first round (first_use.py --cases depths); SD_SKIP=1: those alone
@@ -203,7 +204,7 @@ for mode in "$@"; do
     step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
       --drafts "${SD_DRAFTS:-oracle:0,oracle:0.3,oracle:0.5,oracle:0.8,oracle:1,head}" --temps "${SD_TEMPS:-0}" \
       --lengths "${SD_LENGTHS:-256}" --reps "${REPS:-10}" --legs "${SD_LEGS:-plain,plain-aa,default,k1,k2,k3,k4}" \
-      ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) \
+      ${CAPACITY:+--capacity "$CAPACITY"} $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools) ${SD_EXTRA:-} \
       --out "$RES/${NAME:-spec_default}.json"
     cat "$RES/${NAME:-spec_default}.out" ;;
   batch)  # continuous batching against mlx-lm's batch_generate, aggregate tok/s by streams (batch_throughput.py):
