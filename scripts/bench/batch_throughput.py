@@ -14,7 +14,8 @@ op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` a
 and multiplied instead of MLX's quantized matmul), `ours-nosplit` and `ours-mtp-nosplit` (--split-k-ab 1: with
 LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `ours-bprefill` and
 `ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, prompts of one length prefilled in one
-forward, the default; the other legs then run with it off), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
+forward, the default; the other legs then run with it off), `ours-f16` and `ours-mtp-f16` (--fused-rows-ab 16: with
+LATTICE_FUSED_ROWS=16, a batch's steps and rounds of up to 16 rows in the fused 4-bit kernel), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
 draft is kept with probability --oracle-p whatever the target says (ForcedBatchRounds), so the MTP legs run on the
 bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
 continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
@@ -61,11 +62,12 @@ NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 def dequant(args, leg: str):
     """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg), LATTICE_SPLIT_K (off for a
-    -nosplit leg) and LATTICE_BATCH_PREFILL (with --batch-prefill-ab: on for a -bprefill leg, off for the others; else
-    the environment's)."""
+    -nosplit leg), LATTICE_BATCH_PREFILL (with --batch-prefill-ab: on for a -bprefill leg, off for the others; else
+    the environment's) and LATTICE_FUSED_ROWS (16 for a -f16 leg)."""
     prefill = leg.endswith("-bprefill") if args.batch_prefill_ab else None
     return settings.override(dequant_rows=str(args.dequant_ab) if leg.endswith("-dequant") else None,
-                             split_k=False if leg.endswith("-nosplit") else None, batch_prefill=prefill)
+                             split_k=False if leg.endswith("-nosplit") else None, batch_prefill=prefill,
+                             fused_rows="16" if leg.endswith("-f16") else None)
 
 
 # per MTP leg, what each of its generations got: (tokens per round, rows whose tokens left plain's recorded
@@ -127,12 +129,13 @@ def warm_kinds(target, B: int, p: float, k_max: int = 4) -> int:
 def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=None) -> float:
     """Seconds for every prompt's n tokens."""
     tic = time.perf_counter()
-    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base", "ours-nosplit", "ours-bprefill"):
+    if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base", "ours-nosplit", "ours-bprefill",
+               "ours-f16"):
         model = (args.mtp_target if leg == "ours-mtp-base" else target).model
         with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
             batch_generate(model, None, prompts, max_tokens=n, max_batch=len(prompts))
     elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced", "ours-mtp-nosplit",
-                 "ours-mtp-bprefill"):
+                 "ours-mtp-bprefill", "ours-mtp-f16"):
         with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
             got = run_rounds(args.mtp_target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k,
                              args.oracle_p, adaptive=leg == "ours-mtp-auto")
@@ -370,6 +373,9 @@ def main() -> int:
     p.add_argument("--batch-prefill-ab", type=int, default=0,
                    help="1: `ours` and `ours-mtp` with LATTICE_BATCH_PREFILL=0, and as `-bprefill` legs with it on "
                         "(the default), paired")
+    p.add_argument("--fused-rows-ab", type=int, default=0, choices=(0, 16),
+                   help="16: also `ours` and `ours-mtp` with LATTICE_FUSED_ROWS=16 (`-f16` legs: a batch's steps of up "
+                        "to 16 rows in the fused 4-bit kernel), paired")
     p.add_argument("--skip", default="", help="legs left out, comma-separated (e.g. ours-untraced,ours-aa)")
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--machine-warmup", type=int, default=1,
@@ -414,7 +420,8 @@ def main() -> int:
             (["solo"] if B == 1 else []) + \
             (["ours-dequant"] + (["ours-mtp-dequant"] if args.mtp_k else []) if args.dequant_ab else []) + \
             (["ours-nosplit"] + (["ours-mtp-nosplit"] if args.mtp_k else []) if args.split_k_ab else []) + \
-            (["ours-bprefill"] + (["ours-mtp-bprefill"] if args.mtp_k else []) if args.batch_prefill_ab else [])
+            (["ours-bprefill"] + (["ours-mtp-bprefill"] if args.mtp_k else []) if args.batch_prefill_ab else []) + \
+            (["ours-f16"] + (["ours-mtp-f16"] if args.mtp_k else []) if args.fused_rows_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
         reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
@@ -446,7 +453,8 @@ def main() -> int:
         for a, b in (("ours", "ours-untraced"), ("ours-mtp", base), ("ours-mtp-auto", base),
                      ("ours-mtp", "ours-mtp-untraced"), ("ours-mtp-base", "ours"),
                      ("ours-dequant", "ours"), ("ours-mtp-dequant", "ours-mtp"), ("ours", "ours-nosplit"),
-                     ("ours-mtp", "ours-mtp-nosplit"), ("ours-bprefill", "ours"), ("ours-mtp-bprefill", "ours-mtp")):
+                     ("ours-mtp", "ours-mtp-nosplit"), ("ours-bprefill", "ours"), ("ours-mtp-bprefill", "ours-mtp"),
+                     ("ours-f16", "ours"), ("ours-mtp-f16", "ours-mtp")):
             if a in tps and b in tps:
                 out["ratios"][f"{a}/{b}"] = bs.summarize([x / y for x, y in zip(tps[a], tps[b])])
         print(f"B={B}: ours {out['tok_s']['ours']['median']:.0f} tok/s, mlx-lm {out['tok_s']['mlx-lm']['median']:.0f} "

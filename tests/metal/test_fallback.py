@@ -84,3 +84,31 @@ def test_a_planted_state_index_off_by_one_fails_the_kernel_test(monkeypatch, fre
     with pytest.raises((AssertionError, cpu_render.RenderError, _dialect.KernelFailed)):
         y, s = gated_delta.gated_delta_kernel(*inputs, step_states=True, form="serial", init_value=float("nan"))
         assert_close(s, s_ref, "fp32", "planted")
+
+
+
+def test_a_batch_of_up_to_16_in_the_fused_kernel_keeps_every_sequence_exact(monkeypatch, eager):
+    """LATTICE_FUSED_ROWS=16: a batch's steps of 9 rows take the fused 4-bit kernels (their variant of 16 rows), with
+    every prologue the model fuses, and each sequence keeps its single generation's greedy tokens (the plain-ops
+    reference's here: the render is slow; the kernel's rows are each its one-row call, tests/metal/test_q4_matmul.py)."""
+    from lattice_mlx import settings
+    from lattice_mlx.batch import BatchDecoder
+    from lattice_mlx.metal import q4_matmul
+
+    mx.random.seed(4)
+    model = random_model(**SMALL, mtp=False, bits=4, group_size=32, dtype=mx.float32)
+    prompts = [[(11 * i + 3 * j) % 500 + 1 for j in range(2 + i % 3)] for i in range(9)]
+    kernels = _dialect.mode()
+    monkeypatch.setenv("LATTICE_KERNELS", "ref")
+    solo = [_greedy(model, p, 3) for p in prompts]
+    monkeypatch.setenv("LATTICE_KERNELS", kernels)
+    seen = []
+    real = q4_matmul.capacity
+    monkeypatch.setattr(q4_matmul, "capacity", lambda M: seen.append(M) or real(M))
+    with settings.override(fused_rows="16"):
+        engine = BatchDecoder(model, max_batch=9)
+        seqs = [engine.add(p, max_tokens=3) for p in prompts]
+        while engine.busy:
+            engine.step()
+    assert [s.tokens for s in seqs] == solo
+    assert 9 in seen, sorted(set(seen))  # (the steps of all nine rows, in the fused kernel)

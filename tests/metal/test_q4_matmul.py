@@ -320,6 +320,69 @@ def test_gate_prologue_over_a_batch(T):
         assert mx.array_equal(y[i : i + 1], one), i
 
 
+# --- 16 rows (LATTICE_FUSED_ROWS=16: a batch's steps of up to 16 sequences in the fused kernel) ---
+
+
+def test_sixteen_rows_only_with_the_setting(monkeypatch):
+    """At the default the kernel takes up to 8 rows and split-K starts at 9; with LATTICE_FUSED_ROWS=16 it takes up
+    to 16 in one variant of 16 rows, and split-K starts at 17."""
+    from lattice_mlx import settings
+    from lattice_mlx.metal.q4_matmul import supported
+
+    _, w, _, _ = make(1, 64, 256, 64, mx.bfloat16)
+    split = object()  # (split_k_applies only asks whether a layout was given)
+    monkeypatch.setattr(q4_module, "_cuda_gpu", lambda: True)
+    rows = lambda M: mx.zeros((M, 1, 256), dtype=mx.bfloat16)  # noqa: E731 (a batch's step: [B, 1, K])
+    assert supported(rows(8), w, 64, 4) and not supported(rows(9), w, 64, 4)
+    assert q4_module.split_k_applies(rows(9), split) and not q4_module.split_k_applies(rows(8), split)
+    with settings.override(fused_rows="16"):
+        assert supported(rows(16), w, 64, 4) and supported(rows(9), w, 64, 4) and not supported(rows(17), w, 64, 4)
+        assert not q4_module.split_k_applies(rows(16), split) and q4_module.split_k_applies(rows(17), split)
+        for policy in q4_module.CAPACITIES:
+            monkeypatch.setattr(q4_module, "CAPACITY", policy)
+            assert [q4_module.capacity(M) for M in (9, 12, 16)] == ([9, 12, 16] if policy == "exact" else [16] * 3)
+    monkeypatch.setenv("LATTICE_FUSED_ROWS", "12")
+    with pytest.raises(ValueError, match="LATTICE_FUSED_ROWS"):
+        q4_module.max_rows()
+
+
+@needs_gpu
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
+@pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
+def test_sixteen_rows_match_the_ref_and_each_row_its_one_row_call(kind, glu):
+    """With LATTICE_FUSED_ROWS=16: calls of 16 and 11 rows (one variant holding 16) against the spec, and each row
+    bitwise the one-row call on it, as at 8 rows: a batch of 16 sequences' step is each sequence's own step."""
+    from lattice_mlx import settings
+
+    if glu and kind not in (None, "rms"):
+        pytest.skip("the SwiGLU epilogue follows a plain or rms prologue")
+    K = 1024
+    x, pre = make_pre(kind, 16, K, mx.float32, seed=51)
+    _, w, s, b = make(1, 2 * 67 if glu else 131, K, 64, mx.float32, seed=52)
+    with settings.override(fused_rows="16"):
+        for M in (16, 11):
+            if kind == "gate":
+                xm, pm = x[:, :, :M], Pre("gate", src=pre.src[:, :M])
+            elif kind == "gated_rms":
+                xm, pm = x[:, :M], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, :M], offset=24)
+            else:
+                xm, pm = x[:, :M], pre
+            y = q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm, glu=glu, init_value=float("nan"))
+            with mx.stream(mx.cpu):
+                ref = q4_matmul_ref(xm, w, s, b, group_size=64, pre=pm, glu=glu)
+            assert y.shape == ref.shape == (1, M, w.shape[0] // (2 if glu else 1))
+            assert_close(y, ref, out_key(mx.float32), f"{kind} M={M}")
+            for m in (0, 7, 8, M - 1):
+                if kind == "gate":
+                    x1, p1 = xm[:, :, m : m + 1], Pre("gate", src=pm.src[:, m : m + 1])
+                elif kind == "gated_rms":
+                    x1, p1 = xm[:, m : m + 1], Pre("gated_rms", pm.weight, pm.eps, src=pm.src[:, m : m + 1], offset=24)
+                else:
+                    x1, p1 = xm[:, m : m + 1], pm
+                one = q4_matmul_kernel(x1, w, s, b, group_size=64, pre=p1, glu=glu)
+                assert mx.array_equal(y[:, m : m + 1], one), (kind, M, m)
+
+
 def test_supported_refuses_layouts_the_body_would_misread():
     """Side inputs too narrow for what the body reads fall back to the plain ops (which raise or compute right)."""
     from lattice_mlx.metal.q4_matmul import supported

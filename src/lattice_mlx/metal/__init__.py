@@ -56,15 +56,15 @@ def cuda_gpu() -> bool:
 def dequant_rows() -> int:
     """LATTICE_DEQUANT_ROWS: from how many rows a 4-bit matmul on a CUDA device dequantizes its weight and runs
     cuBLAS instead of MLX's quantized matmul (0: never; q4_matmul.quantized_matmul). Rows up to the fused kernel's
-    MAX_ROWS take that kernel where it applies, so it matters for a batch's steps and verifies."""
+    max_rows() take that kernel where it applies, so it matters for a batch's steps and verifies."""
     value = settings.raw("dequant_rows") or "0"
     if not value.isdigit():
         raise ValueError(f"LATTICE_DEQUANT_ROWS={value!r}: {settings.SETTINGS['dequant_rows'].hint}")
     return int(value)
 
 
-def kernel_policy() -> tuple[bool, int, bool]:
-    """What decides the ops a forward is built from, besides shapes: use_kernels(), dequant_rows() and whether split-K
-    may apply (LATTICE_SPLIT_K). Traces are keyed on it, so a changed setting picks (or makes) the matching trace
-    instead of replaying another."""
-    return use_kernels(), dequant_rows(), settings.on("split_k")
+def kernel_policy() -> tuple[bool, int, bool, str]:
+    """What decides the ops a forward is built from, besides shapes: use_kernels(), dequant_rows(), whether split-K
+    may apply (LATTICE_SPLIT_K) and the fused kernel's rows (LATTICE_FUSED_ROWS). Traces are keyed on it, so a changed
+    setting picks (or makes) the matching trace instead of replaying another."""
+    return use_kernels(), dequant_rows(), settings.on("split_k"), settings.raw("fused_rows")

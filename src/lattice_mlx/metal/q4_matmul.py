@@ -22,7 +22,13 @@ from lattice_mlx import settings
 from lattice_mlx.metal import _dialect, dequant_rows, use_kernels
 from lattice_mlx.metal import cuda_gpu as _cuda_gpu  # (a name of this module: tests stub it)
 
-MAX_ROWS = 8
+MAX_ROWS = 8  # the rows the kernel takes at most by default; LATTICE_FUSED_ROWS=16: 16 (`max_rows`)
+
+
+def max_rows() -> int:
+    """The rows the fused kernel takes at most: LATTICE_FUSED_ROWS (8, or 16: a batch's steps of up to 16 sequences
+    too, in a variant holding 16 rows)."""
+    return int(settings.raw("fused_rows") or MAX_ROWS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -343,6 +349,8 @@ def body(kind: str, residual: bool, glu: bool = False, fmt: str = "q4") -> str:
 # Rows of w per block by M: the fastest in a sweep on the 248,320 x 1,024 lm_head (docs/results/code_measurements.md,
 # 'rows per block').
 ROWS = {1: 8, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
+# ... and past 8 rows (LATTICE_FUSED_ROWS=16) 2: a thread's accumulators are rows per block x the rows held (not swept)
+ROWS.update({m: 2 for m in range(9, 17)})
 # Fewer rows per block (and K split over up to 4 warps where N is small) until this many warps are in flight: fewer
 # warps cannot hide the loads' latency (the same page).
 MIN_WARPS = 1024
@@ -362,9 +370,11 @@ CAPACITY = "quad"
 
 
 def capacity(M: int) -> int:
-    """MM for a call of M rows under CAPACITY."""
+    """MM for a call of M rows under CAPACITY (past MAX_ROWS, with LATTICE_FUSED_ROWS=16: one variant of 16 rows)."""
     if M == 1 or CAPACITY == "exact":
         return M
+    if M > MAX_ROWS:
+        return max_rows()
     return 4 if CAPACITY == "quad" and M <= 4 else MAX_ROWS
 
 
@@ -395,7 +405,7 @@ def _layout_ok(x: mx.array, K: int, N: int, pre: Pre | None, residual: mx.array 
     if x.ndim < (4 if pre is not None and pre.kind in ("gate", "gated_rms") else 1):
         return False
     Kx, M, _ = _sizes(pre, x)
-    if not (Kx == K and K % 32 == 0 and 1 <= M <= MAX_ROWS and x.dtype in DTYPES):
+    if not (Kx == K and K % 32 == 0 and 1 <= M <= max_rows() and x.dtype in DTYPES):
         return False
     if residual is not None and (residual.dtype != x.dtype or residual.size != M * N):  # (no glu here)
         return False
@@ -419,7 +429,7 @@ def _layout_ok(x: mx.array, K: int, N: int, pre: Pre | None, residual: mx.array 
 
 def supported(x: mx.array, w: mx.array, group_size: int, bits: int, pre: Pre | None = None,
               residual: mx.array | None = None, glu: bool = False) -> bool:
-    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..8 rows, group 32/64/128, the
+    """Shapes and types the kernel handles: 4-bit, K a multiple of 32, M = 1..max_rows() rows, group 32/64/128, the
     residual and the prologue's side inputs in x's dtype and laid out as the body indexes them; the SwiGLU
     epilogue on an even number of rows and without a residual."""
     return (bits == 4 and group_size in (32, 64, 128) and w.dtype == mx.uint32 and w.ndim == 2
@@ -551,10 +561,10 @@ def split_k_layout(w: mx.array, scales: mx.array, biases: mx.array | None, *, gr
 
 
 def split_k_applies(x: mx.array, split: SplitK | None) -> bool:
-    """Whether `quantized_matmul` takes the split-K path for x: a layout given, MAX_ROWS < rows <= SPLIT_K_MAX_ROWS,
+    """Whether `quantized_matmul` takes the split-K path for x: a layout given, max_rows() < rows <= SPLIT_K_MAX_ROWS,
     on a CUDA device (where it was measured), not dequantizing, LATTICE_SPLIT_K on."""
     rows = x.size // x.shape[-1]
-    return (split is not None and MAX_ROWS < rows <= SPLIT_K_MAX_ROWS and _cuda_gpu() and not dequant_applies(x)
+    return (split is not None and max_rows() < rows <= SPLIT_K_MAX_ROWS and _cuda_gpu() and not dequant_applies(x)
             and settings.on("split_k"))
 
 
@@ -591,7 +601,8 @@ def q4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, g
               pre: Pre | None = None, residual: mx.array | None = None, glu: bool = False,
               split: SplitK | None = None) -> mx.array:
     """The entry point of the model's 4-bit linears: the fused kernel on a GPU wherever it applies (up to 8 rows:
-    decode steps, verifies of up to 7 drafts, trees of up to 7 nodes), else the prologue's plain ops,
+    decode steps, verifies of up to 7 drafts, trees of up to 7 nodes; 16 with LATTICE_FUSED_ROWS=16, a batch's
+    steps of up to 16 sequences), else the prologue's plain ops,
     `quantized_matmul` (split over K with `split`, the weight's SplitK layout, where that applies), the SwiGLU ops
     (`glu`) and an add."""
     if use_kernels() and supported(x, w, group_size, bits, pre, residual, glu):
