@@ -63,6 +63,25 @@ def test_every_metal_variant_compiles(config, record_property):
     assert len({call.kernel.name for _, call in items}) >= 20  # every kernel of the package is reached
 
 
+@pytest.mark.parametrize("bits", [4, None], ids=["q4", "dense"])
+def test_the_16_row_variants_compile(bits):
+    """LATTICE_FUSED_ROWS=16: the fused matmul's variants holding 16 rows (a batch's steps of 9-16 sequences), from
+    the 0.8B shape's own forwards, compile under Apple's limits (their threadgroup memory and registers grow with
+    the rows held)."""
+    from lattice_mlx import settings
+
+    with settings.override(fused_rows="16"):
+        calls = variants.distinct(variants.model_calls(FAMILY["0.8b"], dtype=mx.bfloat16, bits=bits, group_size=64,
+                                                       widths=(12,)))
+    wide = [c for c in calls.values() if dict(c.template).get("MM") == 16]
+    assert wide, "no variant holding 16 rows was reached"
+    found = sources_of(wide)
+    reports = msl_check.check([src for src, _ in found.values()])
+    failures = [f"{call.kernel.name} {call.template}: {e}" for (_, call), r in zip(found.values(), reports)
+                for e in r.errors]
+    assert not failures, "\n".join(failures[:20])
+
+
 # --- the check's teeth: each planted error must fail it -----------------------------------------------------------
 
 ANCHOR = "  const int lane = thread_position_in_threadgroup.x;\n"
