@@ -279,6 +279,7 @@ CPU_RENDER = [
     ("test_dense_matmul.py", "test_kernel_matches_spec[M2-fp16]"),
     ("test_dense_matmul.py", "test_fused_kernel_matches_ref[residual-gated_rms-M1-bf16]"),
     ("test_dense_matmul.py", "test_glu_kernel_matches_ref[rms-M4-fp16]"),
+    ("test_dense_matmul.py", "test_sixteen_rows_match_the_spec_and_each_row_its_one_row_call[*]"),
     ("test_attention.py", "test_kernel_matches_ref[T1-L7-D64-8q2kv-bf16-full]"),
     ("test_attention.py", "test_kernel_matches_ref[T5-L100-D128-4q4kv-fp16-causal]"),
     ("test_attention.py", "test_kernel_any_split_count[T5-3]"),

@@ -183,3 +183,25 @@ def test_dispatch_leaves_large_weights_to_the_plain_ops(monkeypatch):
     monkeypatch.setattr(q4_module, "DENSE_MAX_WEIGHTS", w.size)
     q4_module.dense_matmul(x, w, pre=pre)
     assert launched
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", [None, "rms", "gated_rms"], ids=str)
+def test_sixteen_rows_match_the_spec_and_each_row_its_one_row_call(kind):
+    """LATTICE_FUSED_ROWS=16 on unquantized weights (the MTP head's draft step over a batch of up to 16 sequences):
+    a call of 13 rows in the variant holding 16 against the spec, each row bitwise its one-row call."""
+    from lattice_mlx import settings
+
+    x, pre = make_pre(kind, 13, 1024, mx.float32, seed=61)
+    w = weight(96, 1024, mx.float32, 62)
+    with settings.override(fused_rows="16"):
+        y = dense_matmul_kernel(x, w, pre=pre, init_value=float("nan"))
+        with mx.stream(mx.cpu):
+            ref = dense_matmul_ref(x, w, pre=pre)
+        assert_close(y, ref, out_key(mx.float32), str(kind))
+        for m in (0, 8, 12):
+            if kind == "gated_rms":
+                x1, p1 = x[:, m : m + 1], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, m : m + 1], offset=24)
+            else:
+                x1, p1 = x[:, m : m + 1], pre
+            assert mx.array_equal(y[:, m : m + 1], dense_matmul_kernel(x1, w, pre=p1)), (kind, m)
