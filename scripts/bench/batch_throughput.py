@@ -15,9 +15,10 @@ and multiplied instead of MLX's quantized matmul), `ours-nosplit` and `ours-mtp-
 LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `ours-bprefill` and
 `ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, prompts of one length prefilled in one
 forward, the default; the other legs then run with it off), `ours-f16` and `ours-mtp-f16` (--fused-rows-ab 16: with
-LATTICE_FUSED_ROWS=16, a batch's steps and rounds of up to 16 rows in the fused 4-bit kernel), `solo` (B = 1 only: plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target verifies for real, and each position's
-draft is kept with probability --oracle-p whatever the target says (ForcedBatchRounds), so the MTP legs run on the
-bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
+LATTICE_FUSED_ROWS=16, a batch's steps and rounds of up to 16 rows in the fused 4-bit kernel), `solo` (B = 1 only:
+plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target
+verifies for real, and each position's draft is kept with probability --oracle-p whatever the target says
+(ForcedBatchRounds), so the MTP legs run on the bench's model in its dtype and are paired against `ours`. --oracle recorded: the drafts are plain's recorded greedy
 continuation with probability p (OracleBatchRounds); a row whose verify disagrees with plain's argmax leaves that
 continuation and its drafts are never right again (batch runs 2-4, even in float32 on a GPU), so these legs run on the
 model in --mtp-dtype (float32 by default on a random shape) against `ours-mtp-base`, batched plain steps on that model,

@@ -273,8 +273,9 @@ def run_group(args) -> dict:
     out = {"group": args.group, "drafts": drafts, "temp": temp, "max_tokens": n, "reps": args.reps,
            "capacity": args.capacity, "gpu_profile": profiles or None, "kernel_builds_warming": builds0,
            "kernel_cache": {"on": cuda_cache.enabled(), **cuda_cache.built()},
-           "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "warm_rounds_s": rounds_s, "greedy_identical": identical if temp == 0
-           else None, "legs": records, "auto_applies": auto_applies(model), "model": target.label}
+           "prompt_tokens": [len(p) for p in prompts], "warm_s": warm_s, "warm_rounds_s": rounds_s,
+           "greedy_identical": identical if temp == 0 else None, "legs": records, "auto_applies": auto_applies(model),
+           "model": target.label}
     out["ratios"] = {}  # tok/s of the leg / plain's = plain's seconds / the leg's, paired by repetition
     for leg in legs:
         for what in ("wall_s", "decode_s"):

@@ -86,11 +86,10 @@ def test_a_planted_state_index_off_by_one_fails_the_kernel_test(monkeypatch, fre
         assert_close(s, s_ref, "fp32", "planted")
 
 
-
 def test_a_batch_of_up_to_16_in_the_fused_kernel_keeps_every_sequence_exact(monkeypatch, eager):
-    """LATTICE_FUSED_ROWS=16: a batch's steps of 9 rows take the fused 4-bit kernels (their variant of 16 rows), with
-    every prologue the model fuses, and each sequence keeps its single generation's greedy tokens (the plain-ops
-    reference's here: the render is slow; the kernel's rows are each its one-row call, tests/metal/test_q4_matmul.py)."""
+    """LATTICE_FUSED_ROWS=16: a batch's steps of 9 rows take the fused 4-bit kernels (their variant of 16 rows) and
+    each sequence keeps its single generation's greedy tokens (the plain-ops reference's here: the render is slow;
+    that each of the kernel's rows is its one-row call is tests/metal/test_q4_matmul.py's)."""
     from lattice_mlx import settings
     from lattice_mlx.batch import BatchDecoder
     from lattice_mlx.metal import q4_matmul
