@@ -215,9 +215,11 @@ def run_group(args) -> dict:
     rounds_s = None
     if args.warm_rounds and not args.warm_only:  # the process's own first uses of the rounds too, before any timing
         tic = time.perf_counter()
-        override = (DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K)
-                    if drafts.startswith("oracle:") else None)
-        warm_rounds(model, ADAPTIVE_MAX_K, override=override)
+        if drafts.startswith("oracle:"):  # (greedy only, as the oracle is)
+            warm_rounds(model, ADAPTIVE_MAX_K, (Sampler(),),
+                        DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
+        else:
+            warm_rounds(model, ADAPTIVE_MAX_K)
         rounds_s = time.perf_counter() - tic
         log(f"{args.group}: every kind of pass warmed in {rounds_s:.2f} s (--warm-rounds)")
     if args.warm_only:  # the machine's warm-up (the driver's): every prompt's prefill, every leg once, nothing timed

@@ -41,14 +41,16 @@ def test_a_variant_leg_changes_the_tuner_for_its_generations_only():
 
 
 def test_variant_legs_decode_plain_greedy_beside_the_others(tmp_path):
+    """... with --warm-rounds: every kind of pass run before the first timed repetition, its time recorded apart."""
     out = tmp_path / "sd.json"
     env = script_env()
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--drafts", "oracle:0.5", "--lengths", "12",
                         "--legs", "plain,default,default@SKIP=3;DWELL=4", "--reps", "2", "--prompt-tokens", "8",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+                        "--warm-rounds", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     group = json.loads(out.read_text())["groups"][0]
     assert list(group["legs"]) == ["plain", "default", "default@SKIP=3;DWELL=4"] and group["greedy_identical"]
+    assert group["warm_rounds_s"] > 0 and "every kind of pass warmed in" in r.stderr
     # what the default's tuner read per depth, each repetition (plain decoding has no tuner)
     assert group["legs"]["plain"]["tuner_passes"] == [None, None]
     for passes in group["legs"]["default"]["tuner_passes"]:
