@@ -212,12 +212,16 @@ def run_group(args) -> dict:
     else:
         run_leg(model, "plain", prompts[0], n, temp, drafts, None, 0)
     warm_s = time.perf_counter() - t0
+
+    def warm_oracle_rounds():  # every kind of pass with the oracle's drafts in it (greedy only, as the oracle is)
+        warm_rounds(model, ADAPTIVE_MAX_K, (Sampler(),),
+                    DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
+
     rounds_s = None
     if args.warm_rounds and not args.warm_only:  # the process's own first uses of the rounds too, before any timing
         tic = time.perf_counter()
-        if drafts.startswith("oracle:"):  # (greedy only, as the oracle is)
-            warm_rounds(model, ADAPTIVE_MAX_K, (Sampler(),),
-                        DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
+        if drafts.startswith("oracle:"):
+            warm_oracle_rounds()
         else:
             warm_rounds(model, ADAPTIVE_MAX_K)
         rounds_s = time.perf_counter() - tic
@@ -230,8 +234,7 @@ def run_group(args) -> dict:
         if drafts.startswith("oracle:"):  # every kind of pass again with the oracle's own work in it (the loads'
             # once-per-machine builds ran them with the head's drafts): in run Q a generation's first round at K=1 with
             # oracle drafts built kernels for 1.9 s inside a timed repetition (docs/adr/0008, 'Runs P, Q and R')
-            warm_rounds(model, ADAPTIVE_MAX_K, (Sampler(),),
-                        DeviceOracle(refs[0], float(drafts.split(":")[1]), model.args.vocab_size, ADAPTIVE_MAX_K))
+            warm_oracle_rounds()
         return {"group": args.group, "warm_only": True}
     records = {leg: {"wall_s": [], "decode_s": [], "acceptance": [], "decisions": [], "rounds": [],
                      "kernel_builds": [], "kernel_build_s": [], "stalls_ms": [], "tuner_passes": []} for leg in legs}

@@ -5,10 +5,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from _tol import assert_close, out_key
-from test_q4_matmul import PRE_KINDS, make_pre, needs_gpu
+from test_q4_matmul import PRE_KINDS, make_pre, needs_gpu, rows_of
 
 from lattice_mlx.metal.q4_matmul import (
-    Pre,
     dense_matmul,
     dense_matmul_kernel,
     dense_matmul_ref,
@@ -151,12 +150,7 @@ def test_fused_kernel_rows_are_batch_invariant(kind, glu):
     w = weight(2 * 1003 if glu else 1003, K, mx.bfloat16, 14)
     y = dense_matmul_kernel(x, w, pre=pre, glu=glu)
     for m in range(8):
-        if kind == "gate":
-            xm, pm = x[:, :, m : m + 1], Pre("gate", src=pre.src[:, m : m + 1])
-        elif kind == "gated_rms":
-            xm, pm = x[:, m : m + 1], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, m : m + 1], offset=24)
-        else:
-            xm, pm = x[:, m : m + 1], pre
+        xm, pm = rows_of(kind, x, pre, m, m + 1)
         assert mx.array_equal(y[:, m : m + 1], dense_matmul_kernel(xm, w, pre=pm, glu=glu)), (kind, m)
 
 
@@ -200,8 +194,5 @@ def test_sixteen_rows_match_the_spec_and_each_row_its_one_row_call(kind):
             ref = dense_matmul_ref(x, w, pre=pre)
         assert_close(y, ref, out_key(mx.float32), str(kind))
         for m in (0, 8, 12):
-            if kind == "gated_rms":
-                x1, p1 = x[:, m : m + 1], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, m : m + 1], offset=24)
-            else:
-                x1, p1 = x[:, m : m + 1], pre
+            x1, p1 = rows_of(kind, x, pre, m, m + 1)
             assert mx.array_equal(y[:, m : m + 1], dense_matmul_kernel(x1, w, pre=p1)), (kind, m)

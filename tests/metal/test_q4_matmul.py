@@ -228,6 +228,16 @@ def make_pre(kind, M, K, dtype, *, seed=0, heads_dim=64):
 PRE_KINDS = [None, "rms", "swiglu", "gate", "gated_rms"]
 
 
+def rows_of(kind, x, pre, lo, hi):
+    """Rows lo..hi of make_pre's input and the Pre that reads them (the gate's x holds its rows on axis 2, the
+    others on axis 1; the gate and gated_rms sources hold them on axis 1)."""
+    if kind == "gate":
+        return x[:, :, lo:hi], Pre("gate", src=pre.src[:, lo:hi])
+    if kind == "gated_rms":
+        return x[:, lo:hi], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, lo:hi], offset=pre.offset)
+    return x[:, lo:hi], pre
+
+
 @pytest.mark.parametrize("kind", PRE_KINDS, ids=str)
 @pytest.mark.parametrize("res", [False, True], ids=["plain", "residual"])
 def test_dispatch_plain_ops_equal_the_ref(kind, res):
@@ -289,12 +299,7 @@ def test_fused_kernel_rows_are_batch_invariant(kind):
     _, w, s, b = make(1, 1003, K, 64, mx.bfloat16, seed=14)
     y = q4_matmul_kernel(x, w, s, b, group_size=64, pre=pre)
     for m in range(8):
-        if kind == "gate":
-            xm, pm = x[:, :, m : m + 1], Pre("gate", src=pre.src[:, m : m + 1])
-        elif kind == "gated_rms":
-            xm, pm = x[:, m : m + 1], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, m : m + 1], offset=24)
-        else:
-            xm, pm = x[:, m : m + 1], pre
+        xm, pm = rows_of(kind, x, pre, m, m + 1)
         assert mx.array_equal(y[:, m : m + 1], q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm)), (kind, m)
 
 
@@ -361,24 +366,14 @@ def test_sixteen_rows_match_the_ref_and_each_row_its_one_row_call(kind, glu):
     _, w, s, b = make(1, 2 * 67 if glu else 131, K, 64, mx.float32, seed=52)
     with settings.override(fused_rows="16"):
         for M in (16, 11):
-            if kind == "gate":
-                xm, pm = x[:, :, :M], Pre("gate", src=pre.src[:, :M])
-            elif kind == "gated_rms":
-                xm, pm = x[:, :M], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, :M], offset=24)
-            else:
-                xm, pm = x[:, :M], pre
+            xm, pm = rows_of(kind, x, pre, 0, M)
             y = q4_matmul_kernel(xm, w, s, b, group_size=64, pre=pm, glu=glu, init_value=float("nan"))
             with mx.stream(mx.cpu):
                 ref = q4_matmul_ref(xm, w, s, b, group_size=64, pre=pm, glu=glu)
             assert y.shape == ref.shape == (1, M, w.shape[0] // (2 if glu else 1))
             assert_close(y, ref, out_key(mx.float32), f"{kind} M={M}")
             for m in (0, 7, 8, M - 1):
-                if kind == "gate":
-                    x1, p1 = xm[:, :, m : m + 1], Pre("gate", src=pm.src[:, m : m + 1])
-                elif kind == "gated_rms":
-                    x1, p1 = xm[:, m : m + 1], Pre("gated_rms", pm.weight, pm.eps, src=pm.src[:, m : m + 1], offset=24)
-                else:
-                    x1, p1 = xm[:, m : m + 1], pm
+                x1, p1 = rows_of(kind, xm, pm, m, m + 1)
                 one = q4_matmul_kernel(x1, w, s, b, group_size=64, pre=p1, glu=glu)
                 assert mx.array_equal(y[:, m : m + 1], one), (kind, M, m)
 
@@ -493,12 +488,7 @@ def test_row_capacity_changes_no_result(kind, glu, monkeypatch):
     x, pre = make_pre(kind, 5, 1024, mx.bfloat16, seed=41)
     _, w, s, b = make(1, 2 * 501 if glu else 1003, 1024, 64, mx.bfloat16, seed=42)
     for M in (2, 3, 5):
-        if kind == "gate":
-            xm, pm = x[:, :, :M], Pre("gate", src=pre.src[:, :M])
-        elif kind == "gated_rms":
-            xm, pm = x[:, :M], Pre("gated_rms", pre.weight, pre.eps, src=pre.src[:, :M], offset=24)
-        else:
-            xm, pm = x[:, :M], pre
+        xm, pm = rows_of(kind, x, pre, 0, M)
         out = {}
         for policy in q4_module.CAPACITIES:
             monkeypatch.setattr(q4_module, "CAPACITY", policy)
@@ -506,7 +496,5 @@ def test_row_capacity_changes_no_result(kind, glu, monkeypatch):
         monkeypatch.setattr(q4_module, "CAPACITY", "quad")
         for policy, y in out.items():
             assert mx.array_equal(y, out["exact"]), (kind, M, policy)
-        one = xm[:, :, :1] if kind == "gate" else xm[:, :1]
-        p1 = Pre("gate", src=pm.src[:, :1]) if kind == "gate" else (
-            Pre("gated_rms", pm.weight, pm.eps, src=pm.src[:, :1], offset=24) if kind == "gated_rms" else pm)
+        one, p1 = rows_of(kind, xm, pm, 0, 1)
         assert mx.array_equal(out["quad"][:, :1], q4_matmul_kernel(one, w, s, b, group_size=64, pre=p1, glu=glu))
