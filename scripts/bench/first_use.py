@@ -17,6 +17,7 @@
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -82,7 +83,36 @@ def switch_case(model_name: str, k: int = 3, cycles: int = 3) -> dict:
     return {"k": k, "passes": passes}
 
 
-def depths_case(model_name: str, depths: tuple[int, ...] = (1, 2, 3, 4)) -> dict:
+@contextlib.contextmanager
+def api_calls(into: dict):
+    """CUPTI through torch's profiler around a block: the CUDA runtime and driver calls made in it (MLX's included)
+    by total time, and its kernels. Kineto's start and stop are outside what the block times."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()  # (as gpu_kernels.py: CUPTI through a CUDA context torch has set up)
+    torch.zeros(1, device="cuda")
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+        mx.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    by: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            c = by.setdefault(e["name"], [0, 0.0])
+            c[0], c[1] = c[0] + 1, c[1] + e["dur"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:12]
+    into.update(api_ms=round(sum(d for _, d in by.values()) / 1e3, 3),
+                api_top={n: [c, round(d / 1e3, 3)] for n, (c, d) in top},
+                kernels=len(kernels), kernel_ms=round(sum(e["dur"] for e in kernels) / 1e3, 3))
+
+
+def depths_case(model_name: str, depths: tuple[int, ...] = (1, 2, 3, 4), profile: bool = False) -> dict:
     from lattice_mlx.bench.run import load_target
     from lattice_mlx.decode import resume
     from lattice_mlx.metal import _dialect
@@ -103,22 +133,30 @@ def depths_case(model_name: str, depths: tuple[int, ...] = (1, 2, 3, 4)) -> dict
             for d in [0] * 8 + [k] * 4:  # plain steps, then rounds at K: a probe's shape
                 rounds.bounds(r, verified)
                 b0, files0 = _dialect.first_uses(), ptx_files()
-                tic = time.perf_counter()
-                out = rounds.round(r, d)
-                mid = time.perf_counter()
-                mx.eval(out[0], out[1]) if d else mx.eval(out[0])
-                n = out[1].item() if d else 0
-                wait = time.perf_counter() - mid
+                # profiled: a depth's first two rounds after plain steps, and the plain step before them
+                calls: dict = {}
+                watched = profile and (d or r % 12 == 7) and r % 12 <= 9
+                with api_calls(calls) if watched else contextlib.nullcontext():
+                    tic = time.perf_counter()
+                    out = rounds.round(r, d)
+                    mid = time.perf_counter()
+                    mx.eval(out[0], out[1]) if d else mx.eval(out[0])
+                    n = out[1].item() if d else 0
+                    wait = time.perf_counter() - mid
                 b1 = _dialect.first_uses()
                 verified, r = verified + n + 1, r + 1
                 passes.append({"sweep": sweep, "k": d, "build_ms": 1e3 * (mid - tic), "wait_ms": 1e3 * wait,
                                "kernel_builds": b1["variants"] - b0["variants"],
                                "kernel_build_s": b1["seconds"] - b0["seconds"],
-                               "new_ptx_files": len(ptx_files() - files0)})
+                               "new_ptx_files": len(ptx_files() - files0), **calls})
     firsts = [p for i, p in enumerate(passes) if p["k"] and (i == 0 or passes[i - 1]["k"] != p["k"])]
     for p in firsts:
         print(f"sweep {p['sweep']} K={p['k']} first round: build {p['build_ms']:.1f} ms, wait {p['wait_ms']:.1f} ms, "
               f"{p['kernel_builds']} kernel variants ({p['kernel_build_s']:.2f} s), {p['new_ptx_files']} new PTX files")
+    for p in (p for p in passes if "api_top" in p):
+        print(f"sweep {p['sweep']} K={p['k']} profiled: wait {p['wait_ms']:.1f} ms, CUDA calls {p['api_ms']:.1f} ms, "
+              f"{p['kernels']} kernels {p['kernel_ms']:.2f} ms; top: "
+              + ", ".join(f"{n} x{c} {ms:.1f}" for n, (c, ms) in list(p["api_top"].items())[:6]))
     return {"load_s": load_s, "passes": passes}
 
 
@@ -133,6 +171,8 @@ def main() -> None:
     ap.add_argument("--case", choices=["prefill", "switch", "depths"], help="(one case, in this process)")
     ap.add_argument("--process", default="0", help="(depths: which of its processes this is)")
     ap.add_argument("--cudnn", default="0")
+    ap.add_argument("--depth-processes", default="0,1", help="depths: its processes, each NAME or NAME:ENV=VALUE "
+                    "(an MLX setting for that process alone; NAME api: CUPTI's CUDA calls around first rounds)")
     args = ap.parse_args()
     out = Path(args.out)
     if args.case == "prefill":
@@ -143,7 +183,7 @@ def main() -> None:
         (out / "switch.json").write_text(json.dumps(switch_case(args.switch_model), indent=1))
         return
     if args.case == "depths":
-        res = depths_case(args.switch_model)
+        res = depths_case(args.switch_model, profile=args.process.startswith("api"))
         (out / f"depths_{args.process}.json").write_text(json.dumps(res, indent=1))
         return
     cases = args.cases.split(",")
@@ -158,9 +198,11 @@ def main() -> None:
     if "switch" in cases:
         print("== switch", flush=True)
         subprocess.run([*script, "--case", "switch"], check=False, timeout=300)
-    for process in ("0", "1") if "depths" in cases else ():
-        print(f"== depths, process {process}", flush=True)
-        subprocess.run([*script, "--case", "depths", "--process", process], check=False, timeout=300)
+    for spec in args.depth_processes.split(",") if "depths" in cases else ():
+        process, _, setting = spec.partition(":")
+        env = dict(os.environ, **dict([setting.split("=", 1)])) if setting else os.environ
+        print(f"== depths, process {process}{' ' + setting if setting else ''}", flush=True)
+        subprocess.run([*script, "--case", "depths", "--process", process], check=False, timeout=300, env=env)
 
 
 if __name__ == "__main__":

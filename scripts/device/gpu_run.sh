@@ -196,8 +196,9 @@ for mode in "$@"; do
     fi
     if [[ ${DEPTHS:-0} == 1 ]]; then  # first: each depth's first traced round after plain steps, host build, wait and
       # builds, in two processes (first_use.py --cases depths), DEPTHS_LIMIT s [150]
-      step first_depths "${DEPTHS_LIMIT:-150}" python3 scripts/bench/first_use.py --cases depths --switch-model "$BIG" \
-        --out "$RES/first_depths"
+      # DEPTH_PROCS: its processes, NAME[:MLX_SETTING=VALUE] each, api* with CUPTI's CUDA calls [0,1]
+      step first_depths "${DEPTHS_LIMIT:-150}" python3 scripts/bench/first_use.py --cases depths \
+        --switch-model "${DEPTHS_MODEL:-$BIG}" --depth-processes "${DEPTH_PROCS:-0,1}" --out "$RES/first_depths"
       cat "$RES/first_depths.out"
     fi
     [[ ${SD_SKIP:-0} == 1 ]] && continue  # SD_SKIP=1: only the steps above

@@ -1,0 +1,134 @@
+"""A user's first generation, each in a fresh process: plain decoding, an A/A plain leg, and the default speculation
+(`speculation="auto"` with LATTICE_MTP=1, what turning MTP on by default would give), through the public API only
+(`lattice_mlx.load`, `lattice_mlx.generate`). Every process pays its own first uses (its traces, its kernels' loads,
+the speculative kernels' one-line build check): nothing is warmed for it. A repetition is one process per leg, the
+legs' order alternating (ABBA); each process loads the model and runs one generation of the repetition's prompt,
+then a second generation of the next prompt (what a process that stays, a chat or a server, gets from then on).
+
+Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--max-tokens 256] [--reps 10]
+         [--out first_gen.json]
+Reported per leg: the generation's wall seconds (prefill included), the second generation's, the load's and the
+whole process's (Python's start to exit, as the driver times it); ratios are plain's over the leg's, per
+repetition, then the median.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LEGS = ("plain", "plain-aa", "default")
+
+
+def child(args) -> None:
+    import mlx.core as mx
+
+    import lattice_mlx
+    from lattice_mlx.bench.run import text_prompts
+
+    tic = time.perf_counter()
+    model, tokenizer = lattice_mlx.load(args.model if args.model != "demo" else None, dtype=args.dtype or None)
+    load_s = time.perf_counter() - tic
+    prompts = text_prompts("code")
+    out = {"leg": args.leg, "rep": args.rep, "load_s": load_s, "generations": []}
+    for i in range(2):
+        prompt = prompts[(args.rep + i) % len(prompts)]
+        speculation = None if args.leg.startswith("plain") else "auto"
+        tic = time.perf_counter()
+        r = lattice_mlx.generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
+                                 seed=1000 + args.rep, speculation=speculation)
+        wall = time.perf_counter() - tic
+        spec = r.speculation or {}
+        out["generations"].append({"wall_s": wall, "tokens": r.generation_tokens, "token_ids": r.tokens,
+                                   "speculated": r.speculation is not None,
+                                   "acceptance": spec.get("acceptance_rate"), "decisions": spec.get("decisions"),
+                                   "tuner_log": (spec.get("tuner_log") or [])[:8]})
+    out["peak_gb"] = mx.get_peak_memory() / 1e9
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_process(args, leg: str, rep: int, temp: float) -> dict:
+    env = dict(os.environ, LATTICE_MTP="1" if leg == "default" else "0")
+    cmd = [sys.executable, __file__, "--child", "--leg", leg, "--rep", str(rep), "--temp", str(temp),
+           "--model", args.model, "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+    tic = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    process_s = time.perf_counter() - tic
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise SystemExit(f"{leg} rep {rep} failed (exit {p.returncode}): {p.stderr.strip()[-400:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["process_s"] = process_s
+    res["stderr"] = [ln for ln in p.stderr.splitlines() if ln.strip()][-3:]
+    return res
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def summarize(runs: list[dict]) -> dict:
+    by = {(r["leg"], r["rep"]): r for r in runs}
+    reps = sorted({r["rep"] for r in runs})
+    out = {}
+    for leg in LEGS:
+        if leg == "plain":
+            continue
+        pairs = [(by[("plain", i)], by[(leg, i)]) for i in reps if ("plain", i) in by and (leg, i) in by]
+        ratio = {
+            "first_gen": [a["generations"][0]["wall_s"] / b["generations"][0]["wall_s"] for a, b in pairs],
+            "second_gen": [a["generations"][1]["wall_s"] / b["generations"][1]["wall_s"] for a, b in pairs],
+            "process": [a["process_s"] / b["process_s"] for a, b in pairs],
+        }
+        out[leg] = {k: {"median": median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in ratio.items() if v}
+        out[leg]["identical_tokens"] = sum(a["generations"][0]["token_ids"] == b["generations"][0]["token_ids"]
+                                           for a, b in pairs)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--dtype", default="bfloat16", help="'': the checkpoint's own")
+    p.add_argument("--temps", default="0")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="first_gen.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--leg", help=argparse.SUPPRESS)
+    p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--temp", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from lattice_mlx.bench.report import device_name, provenance
+
+    groups = []
+    for temp in (float(t) for t in args.temps.split(",")):
+        run_process(args, "default", -1, temp)  # untimed: the machine's once-only builds (a user's second run on)
+        runs = []
+        for rep in range(args.reps):
+            order = list(LEGS) if rep % 2 == 0 else list(reversed(LEGS))
+            for leg in order:
+                runs.append(run_process(args, leg, rep, temp))
+        s = summarize(runs)
+        groups.append({"temp": temp, "runs": runs, "summary": s})
+        line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
+                         f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} process "
+                         f"{v['process']['median']:.2f}" for leg, v in s.items())
+        print(f"temp {temp}: {line}; greedy identical {s['default']['identical_tokens']}/{args.reps}"
+              if temp == 0 else f"temp {temp}: {line}", flush=True)
+    meta = {"device": device_name(), **provenance(), "command": " ".join(sys.argv), "model": args.model,
+            "max_tokens": args.max_tokens, "reps": args.reps}
+    Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
