@@ -110,23 +110,28 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from lattice_mlx.bench.report import device_name, provenance
 
+    meta = {"device": device_name(), **provenance(), "command": " ".join(sys.argv), "model": args.model,
+            "max_tokens": args.max_tokens, "reps": args.reps}
     groups = []
     for temp in (float(t) for t in args.temps.split(",")):
+        tic = time.perf_counter()
         run_process(args, "default", -1, temp)  # untimed: the machine's once-only builds (a user's second run on)
+        print(f"temp {temp}: the untimed first process took {time.perf_counter() - tic:.1f} s", flush=True)
         runs = []
+        groups.append({"temp": temp, "runs": runs})
         for rep in range(args.reps):
             order = list(LEGS) if rep % 2 == 0 else list(reversed(LEGS))
             for leg in order:
                 runs.append(run_process(args, leg, rep, temp))
-        s = summarize(runs)
-        groups.append({"temp": temp, "runs": runs, "summary": s})
+            print(f"rep {rep}: " + "  ".join(f"{r['leg']} {r['generations'][0]['wall_s']:.3f}/"
+                                             f"{r['generations'][1]['wall_s']:.3f} s" for r in runs[-3:]), flush=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}))  # (kept if a limit stops it)
+        s = groups[-1]["summary"] = summarize(runs)
         line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
                          f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} process "
                          f"{v['process']['median']:.2f}" for leg, v in s.items())
         print(f"temp {temp}: {line}; greedy identical {s['default']['identical_tokens']}/{args.reps}"
               if temp == 0 else f"temp {temp}: {line}", flush=True)
-    meta = {"device": device_name(), **provenance(), "command": " ".join(sys.argv), "model": args.model,
-            "max_tokens": args.max_tokens, "reps": args.reps}
     Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}, indent=1))
 
 
