@@ -308,9 +308,10 @@ def host_top(engine, passes: int, top: int = 12) -> list:
 
 
 def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[list[int]], rounds: int, args,
-                   dequant_rows: int | None = None) -> dict:
+                   dequant_rows: int | None = None, fused_rows: int | None = None) -> dict:
     """The same per round of `ours-mtp` (fixed depth): its steps are rounds; tokens per round beside."""
-    with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows)):
+    with settings.override(dequant_rows=None if dequant_rows is None else str(dequant_rows),
+                           fused_rows=None if fused_rows is None else str(fused_rows)):
         engine = rounds_engine(args.mtp_target, len(prompts), refs, args.mtp_k, args.oracle_p)
         seqs = [engine.add(p, max_tokens=(3 * rounds + 12) * (args.mtp_k + 1)) for p in prompts]
         joined(engine)
@@ -329,8 +330,9 @@ def profile_rounds(kernel_profile, target, prompts: list[list[int]], refs: list[
 
 
 def profile_steps(kernel_profile, target, prompts: list[list[int]], steps: int, *, traced: bool | None = None,
-                  dequant_rows: int | None = None) -> dict:
-    with settings.override(trace_steps=traced, dequant_rows=None if dequant_rows is None else str(dequant_rows)):
+                  dequant_rows: int | None = None, fused_rows: int | None = None) -> dict:
+    with settings.override(trace_steps=traced, dequant_rows=None if dequant_rows is None else str(dequant_rows),
+                           fused_rows=None if fused_rows is None else str(fused_rows)):
         engine = BatchDecoder(target.model, max_batch=len(prompts))
         for p in prompts:
             engine.add(p, max_tokens=3 * steps + 24)
@@ -493,6 +495,10 @@ def main() -> int:
         if "ours-mtp-dequant" in legs:
             out["profile_ours_mtp_dequant"] = profile_rounds(kernel_profile, target, prompts, ref, 12, args,
                                                              dequant_rows=args.dequant_ab)
+        if "ours-f16" in legs:
+            out["profile_ours_f16"] = profile_steps(kernel_profile, target, prompts, 32, fused_rows=16)
+        if "ours-mtp-f16" in legs:
+            out["profile_ours_mtp_f16"] = profile_rounds(kernel_profile, target, prompts, ref, 12, args, fused_rows=16)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
