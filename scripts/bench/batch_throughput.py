@@ -61,7 +61,7 @@ WARMUP: dict = {}  # the machine warm-up's seconds and exit status, for the JSON
 NO_EOS = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 
-def dequant(args, leg: str):
+def leg_settings(args, leg: str):
     """The leg's LATTICE_DEQUANT_ROWS (the environment's unless it is a -dequant leg), LATTICE_SPLIT_K (off for a
     -nosplit leg), LATTICE_BATCH_PREFILL (with --batch-prefill-ab: on for a -bprefill leg, off for the others; else
     the environment's) and LATTICE_FUSED_ROWS (16 for a -f16 leg)."""
@@ -133,11 +133,11 @@ def run_leg(target, leg: str, prompts: list[list[int]], n: int, refs=None, args=
     if leg in ("ours", "ours-aa", "ours-untraced", "ours-dequant", "ours-mtp-base", "ours-nosplit", "ours-bprefill",
                "ours-f16"):
         model = (args.mtp_target if leg == "ours-mtp-base" else target).model
-        with settings.override(trace_steps=False if leg == "ours-untraced" else None), dequant(args, leg):
+        with settings.override(trace_steps=False if leg == "ours-untraced" else None), leg_settings(args, leg):
             batch_generate(model, None, prompts, max_tokens=n, max_batch=len(prompts))
     elif leg in ("ours-mtp", "ours-mtp-dequant", "ours-mtp-auto", "ours-mtp-untraced", "ours-mtp-nosplit",
                  "ours-mtp-bprefill", "ours-mtp-f16"):
-        with dequant(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
+        with leg_settings(args, leg), settings.override(trace_rounds=False if leg == "ours-mtp-untraced" else None):
             got = run_rounds(args.mtp_target, prompts, n, refs, 4 if leg == "ours-mtp-auto" else args.mtp_k,
                              args.oracle_p, adaptive=leg == "ours-mtp-auto")
         left = None if refs is None else sum(g != r[:n] for g, r in zip(got, refs))
