@@ -34,7 +34,8 @@
 #                  SD_EXTRA: more of its flags (--warm-rounds 1, --machine-warmup 0),
 #                  FIRST_USE=1: first_use.py before the groups (a prompt length's first prefill, the plain-to-rounds switch);
 #                  OFF_STATE=1: off_state.py before them (the loop's off state vs plain decoding, variants, CUPTI),
-#                  DEPTHS=1: each depth's first round (first_use.py --cases depths); SD_SKIP=1: those alone
+#                  DEPTHS=1: each depth's first round (first_use.py --cases depths); FIRST_GEN=1: a user's first
+#                  generation, a fresh process per leg (first_gen.py); SD_SKIP=1: those alone
 #   batch          continuous batching vs mlx-lm's batch_generate, aggregate tok/s at STREAMS (batch_throughput.py,
 #                  after its machine warm-up of the adaptive MTP leg's kinds of pass in a process of its own;
 #                  BATCH_ARGS: more of its flags, e.g. --dequant-ab 9 --skip ours-untraced); KERNELS=1 first: the
@@ -200,6 +201,13 @@ for mode in "$@"; do
       step first_depths "${DEPTHS_LIMIT:-150}" python3 scripts/bench/first_use.py --cases depths \
         --switch-model "${DEPTHS_MODEL:-$BIG}" --depth-processes "${DEPTH_PROCS:-0,1}" --out "$RES/first_depths"
       cat "$RES/first_depths.out"
+    fi
+    if [[ ${FIRST_GEN:-0} == 1 ]]; then  # first: a user's first generation, a fresh process per leg and repetition
+      # (plain, A/A, speculation="auto" with LATTICE_MTP=1; first_gen.py), FG_MODEL [demo: text prompts need a
+      # tokenizer], SD_TEMPS, FG_TOKENS [256], REPS, FIRST_GEN_LIMIT s [300]
+      step first_gen "${FIRST_GEN_LIMIT:-300}" python3 scripts/bench/first_gen.py --model "${FG_MODEL:-demo}" \
+        --temps "${SD_TEMPS:-0}" --max-tokens "${FG_TOKENS:-256}" --reps "${REPS:-10}" --out "$RES/first_gen.json"
+      cat "$RES/first_gen.out"
     fi
     [[ ${SD_SKIP:-0} == 1 ]] && continue  # SD_SKIP=1: only the steps above
     step "${NAME:-spec_default}" "${LIMIT:-520}" python3 scripts/bench/spec_default.py --model "${SD_MODEL:-$BIG}" \
