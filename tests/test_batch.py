@@ -391,12 +391,12 @@ def test_split_k_projections_keep_every_sequence_exact(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_prompts_of_one_length_prefilled_together_keep_every_sequence_exact(model32, monkeypatch, k):
-    """LATTICE_BATCH_PREFILL: waiting prompts of one length at the front of the queue run in one forward over their
-    rows (batch.BatchDecoder._prefill_group), each row then sampled and joined as its own prefill's would be. Plain
-    steps (k = 0) and MTP rounds of depth k: every sequence keeps its single generation's greedy tokens, seeded
-    sampled sequences the tokens they get with a forward each; prompts of other lengths, a kept prefix and prompts
-    longer than a chunk take their own forwards; fewer forwards run."""
+def test_prompts_prefilled_together_keep_every_sequence_exact(model32, monkeypatch, k):
+    """LATTICE_BATCH_PREFILL: waiting prompts at the front of the queue run in one forward over their rows
+    (batch.BatchDecoder._prefill_group; prompts of other lengths left-padded to the longest), each row then sampled
+    and joined as its own prefill's would be. Plain steps (k = 0) and MTP rounds of depth k: every sequence keeps
+    its single generation's greedy tokens, seeded sampled sequences the tokens they get with a forward each; fewer
+    forwards run."""
     from lattice_mlx import settings
     from lattice_mlx.speculative.batched import BatchRounds
 
@@ -430,33 +430,91 @@ def test_prompts_of_one_length_prefilled_together_keep_every_sequence_exact(mode
     plain, alone = run(False)
     assert plain == got
     prefills = [r for r in forwards if r[1] > 1 + k]  # (prompt forwards: more rows than a step's or a round's)
-    # the first six prompts wait together: five of length 6 in one forward, then [3, 4, 5] alone (the next prompt of
-    # its length arrives after a row frees); a forward per prompt without the setting
-    assert (5, 6) in prefills and len(prefills) < len([r for r in alone if r[1] > 1 + k])
+    # the first six prompts wait together: five of length 6 and [3, 4, 5] (left-padded) in one forward; the last two
+    # arrive one at a time as rows free; a forward per prompt without the setting
+    assert prefills[0] == (6, 6) and len(prefills) < len([r for r in alone if r[1] > 1 + k])
     sampler = Sampler(temp=1.0)
     assert run(True, sampler)[0] == run(False, sampler)[0]
 
 
 def test_a_prompt_group_leaves_out_what_needs_its_own_prefill(model32):
-    """_group takes only prompts of one chunk from scratch and of the first one's length, in queue order, within the
-    step's token budget; with the setting off, the first prompt alone."""
+    """_group takes only prompts of one chunk from scratch, in queue order, within the step's budget of prompt
+    tokens, padding at most a quarter of the forward; with the setting off, the first prompt alone."""
     from lattice_mlx import settings
 
     with settings.override(batch_prefill=True):
         engine = BatchDecoder(model32, max_batch=8, prefill_step=12)
         a = engine.add([1, 2, 3, 4], max_tokens=2)
         b = engine.add([5, 6, 7, 8], max_tokens=2)
-        engine.add([9, 10, 11], max_tokens=2)  # another length: ends the group
-        assert [e[0] for e in engine._group(12)] == [a, b]
+        c = engine.add([9, 10, 11], max_tokens=2)  # another length: left-padded (1 pad of 12)
+        engine.add([12, 13], max_tokens=2)  # over the budget of 12 prompt tokens
+        assert [e[0] for e in engine._group(12)] == [a, b, c]
         assert [e[0] for e in engine._group(7)] == [a]  # (two prompts of 4 tokens are over 7)
+        wide = BatchDecoder(model32, max_batch=8)
+        d = wide.add(list(range(1, 9)), max_tokens=2)
+        wide.add([1, 2], max_tokens=2)  # 6 pads of a 16-row forward: over a quarter
+        assert [e[0] for e in wide._group(512)] == [d]
         long = BatchDecoder(model32, max_batch=8, prefill_step=4)
         first = long.add(list(range(1, 7)), max_tokens=2)  # two chunks
         long.add([1, 2, 3, 4], max_tokens=2)
         assert [e[0] for e in long._group(4)] == [first]
         kept = BatchDecoder(model32, max_batch=8)
-        c = kept.add([1, 2, 3, 4], max_tokens=2, keep_prefix=True)
+        held = kept.add([1, 2, 3, 4], max_tokens=2, keep_prefix=True)
         kept.add([5, 6, 7, 8], max_tokens=2)
-        assert [e[0] for e in kept._group(512)] == [c]  # (a prompt that keeps its prefix is prefilled alone)
-    assert [e[0] for e in engine._group(12)] == [a, b]  # (on by default)
+        assert [e[0] for e in kept._group(512)] == [held]  # (a prompt that keeps its prefix is prefilled alone)
+    assert [e[0] for e in engine._group(12)] == [a, b, c]  # (on by default)
     with settings.override(batch_prefill=False):
         assert [e[0] for e in engine._group(12)] == [a]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompts_of_unequal_lengths_left_padded_into_one_forward_keep_their_own_tokens(model32, monkeypatch, k):
+    """Prompts of 7 to 10 tokens waiting together run in one left-padded forward [4, 10]; each sequence's greedy
+    tokens are its single generation's (plain steps and MTP rounds), its first token's logits its own prefill's (to
+    float32 rounding: the padding lengthens the attention's sums), and a pad position's input reaches no GDN state."""
+    from lattice_mlx import settings
+    from lattice_mlx.decode import prefill
+    from lattice_mlx.speculative.batched import BatchRounds
+
+    inner = type(model32.model)
+    real = inner.__call__
+    rows = []
+
+    def counted(self, x, *a, **kw):
+        rows.append(tuple(x.shape[:2]))
+        return real(self, x, *a, **kw)
+
+    monkeypatch.setattr(inner, "__call__", counted)
+    prompts = [[(5 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate([9, 7, 10, 8])]
+    with settings.override(batch_prefill=True):
+        engine = BatchDecoder(model32, max_batch=4) if not k else BatchRounds(model32, k=k, max_batch=4)
+        seqs = [engine.add(p, max_tokens=6) for p in prompts]
+        engine.step()
+        assert rows[0] == (4, 10) and len(engine.active) == 4
+        while engine.busy:
+            engine.step()
+    for s, p in zip(seqs, prompts):
+        assert s.tokens == solo(model32, p, 6), p
+    # the group's first logits against each prompt's own prefill, and the rows it joined
+    monkeypatch.setattr(inner, "__call__", real)
+    from lattice_mlx.batch import _padded, row_of
+
+    T, pads = 10, [10 - len(p) for p in prompts]
+    cache = model32.make_cache(trimmable=False)
+    mask = _padded(cache, pads, T)
+    ids = mx.array([[0] * q + p for q, p in zip(pads, prompts)])
+    h = model32.model(ids, cache, mask=mask)
+    logits = model32.lm_logits(h[:, -1:], norm=model32.model.norm)[:, -1]
+    for b, (p, q) in enumerate(zip(prompts, pads)):
+        own = model32.make_cache(trimmable=False)
+        want, _ = prefill(model32, mx.array(p), own)
+        assert mx.allclose(logits[b], want.reshape(-1), atol=1e-4, rtol=1e-4), b
+        for mine, theirs in zip(row_of(cache, b, q), own):
+            assert mine.offset == theirs.offset == len(p)
+            if hasattr(theirs, "keys"):  # attention: the row's keys and values from its first real token
+                n = theirs.offset
+                pairs = [(mine.keys[..., :n, :], theirs.keys[..., :n, :]), (mine.values[..., :n, :], theirs.values[..., :n, :])]
+            else:  # GDN: the conv window and the state, no pad position in them
+                pairs = [(mine.conv, theirs.conv), (mine.ssm, theirs.ssm)]
+            for x, y in pairs:
+                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4, rtol=1e-4), b

@@ -75,6 +75,9 @@ class BatchDecoder:
     sequence. Rows (running plus waiting) are at most `max_batch`. Not thread-safe: one caller drives it."""
 
     PROMPT_HIDDEN = False  # whether _join needs the prompt's hiddens (the MTP head's rows: speculative/batched.py)
+    # A prompt group's padding (prompts of other lengths left-padded to the longest) is at most this share of the
+    # group's forward: padded rows cost the forward's compute where a long prompt makes it the GPU's work
+    MAX_PAD_SHARE = 0.25
 
     def __init__(self, model, *, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = PREFILL_STEP):
         if max_batch < 1:
@@ -167,7 +170,7 @@ class BatchDecoder:
         while self.waiting:
             group = self._group(budget)
             if len(group) > 1:
-                budget, ran = budget - len(group) * len(group[0][0].prompt), True
+                budget, ran = budget - sum(len(entry[0].prompt) for entry in group), True
                 out += self._prefill_group(group)
                 continue
             entry = self.waiting[0]
@@ -194,35 +197,49 @@ class BatchDecoder:
 
     def _group(self, budget: int) -> list[list]:
         """With LATTICE_BATCH_PREFILL: the waiting prompts at the front of the queue that one forward may prefill
-        together (each one chunk from scratch, all of one length, `budget` tokens in all; a single-process model);
-        else, or where fewer than two qualify, the first alone."""
+        together (each one chunk from scratch, `budget` prompt tokens in all; left-padded to the longest, the
+        padding at most MAX_PAD_SHARE of the forward; a single-process model); else, or where fewer than two
+        qualify, the first alone."""
         if not settings.on("batch_prefill") or getattr(self.model, "sharding_group", None) is not None:
             return self.waiting[:1]
-        group = []
+        group, longest, real = [], 0, 0
         for entry in self.waiting:
             seq, _, _, done, whole = entry
             n = len(seq.prompt)
-            if not whole or done or group and n != len(group[0][0].prompt) or (len(group) + 1) * n > budget:
+            padded = (len(group) + 1) * max(longest, n)
+            if not whole or done or real + n > budget or padded - real - n > self.MAX_PAD_SHARE * padded:
                 break
             group.append(entry)
+            longest, real = max(longest, n), real + n
         return group or self.waiting[:1]
 
     def _prefill_group(self, group: list[list]) -> list[tuple[Sequence, int]]:
         """One forward over the prompts of `group` [G, T] on caches of G rows (fresh, as each prompt's own would
         be), then each row as its own prefill's: its first token sampled from its logits, its caches' row joined.
         Each row is computed as a one-row forward computes it where the ops are per row (on the CPU in float32 the
-        same bits: tests/test_batch.py); a GPU's 4-bit matmul over G x T rows may tile them otherwise."""
+        same bits: tests/test_batch.py); a GPU's 4-bit matmul over G x T rows may tile them otherwise.
+
+        Prompts of other lengths are left-padded to the longest (`_padded`): a row's attention never reads its pad
+        keys and starts its positions at its first real token, and its GDN layers zero the pad positions' inputs
+        (nothing enters their state); its rows of the caches then start at its first real token. The same tokens as
+        a forward each (in float32 on the CPU; its sums may differ in their last bits where the padding lengthens
+        them)."""
         model = self.model
+        lengths = [len(entry[0].prompt) for entry in group]
+        T = max(lengths)
+        pads = [T - n for n in lengths]
         cache = model.make_cache(trimmable=False)
-        h = model.model(mx.array([entry[0].prompt for entry in group]), cache)
+        ids = mx.array([[0] * p + entry[0].prompt for p, entry in zip(pads, group)])
+        mask = _padded(cache, pads, T) if any(pads) else None
+        h = model.model(ids, cache, mask=mask)
         mx.eval(h, [c.state for c in cache])
         logits = model.lm_logits(h[:, -1:], norm=model.model.norm)[:, -1]  # (as a decode step computes them)
         hidden = model.head_input(h) if self.PROMPT_HIDDEN else None
         del self.waiting[: len(group)]  # (the group is the front of the queue, in its order: _group)
         out = []
-        for b, entry in enumerate(group):
+        for b, (entry, p) in enumerate(zip(group, pads)):
             entry[2].close()  # (its own prefill never ran)
-            out.append(self._start(entry[0], logits[b], row_of(cache, b), None if hidden is None else hidden[b]))
+            out.append(self._start(entry[0], logits[b], row_of(cache, b, p), None if hidden is None else hidden[b, p:]))
         return out
 
     def _join(self, seq: Sequence, cache: list, hidden: mx.array | None) -> None:
@@ -377,16 +394,37 @@ def join_rows(batch: list | None, cache: list) -> list:
     return batch
 
 
-def row_of(cache: list, b: int) -> list:
-    """Row b of caches that a forward over several sequences filled, as that sequence's own caches."""
+def _padded(cache: list, pads: list[int], T: int) -> mx.array:
+    """Fresh caches `cache` (one per layer) made ready for a forward of T positions over prompts left-padded by
+    `pads`: attention layers get mlx-lm's BatchKVCache (each row's positions start at its first real token), GDN
+    layers the valid positions. Returns the attention mask [G, 1, T, T]: causal, no real position reading a pad key;
+    a pad position reads itself alone, so that no row of scores is wholly masked (its softmax stays finite, and the
+    pad keys and values that real rows weigh by zero are numbers)."""
+    t = mx.arange(T)
+    valid = t[None] >= mx.array(pads)[:, None]  # [G, T]
+    for i, c in enumerate(cache):
+        if type(c) is caches.KVCache:
+            cache[i] = BatchKVCache(pads)
+        elif isinstance(c, caches.GDNCache):
+            c.valid = valid
+    return (t[:, None] >= t[None]) & (valid[:, None, None, :] | (t[:, None] == t[None]))
+
+
+def row_of(cache: list, b: int, pad: int = 0) -> list:
+    """Row b of caches that a forward over several sequences filled, as that sequence's own caches (`pad`: its left
+    padding, left out)."""
     rows = []
     for c in cache:
         if isinstance(c, caches.GDNCache):
             row = caches.GDNCache()
-            row.conv, row.ssm, row.offset = c.conv[b : b + 1], c.ssm[b : b + 1], c.offset
+            row.conv, row.ssm, row.offset = c.conv[b : b + 1], c.ssm[b : b + 1], c.offset - pad
         elif type(c) is caches.KVCache:
             row = caches.KVCache()
             row.keys, row.values, row.offset = c.keys[b : b + 1], c.values[b : b + 1], c.offset
+        elif type(c) is BatchKVCache:  # (a padded group's: its keys from the row's first real token)
+            row = caches.KVCache()
+            row.keys, row.values = c.keys[b : b + 1, :, pad : c._idx], c.values[b : b + 1, :, pad : c._idx]
+            row.offset = c._idx - pad
         else:
             raise ValueError(f"batched decoding takes plain KV and GDN caches, not {type(c).__name__}")
         rows.append(row)

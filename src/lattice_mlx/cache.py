@@ -416,6 +416,7 @@ class GDNCache:
         self._conv_in: list[mx.array] = []  # each recorded call's conv input [B, W + T, C] (its window first)
         self._states: list[mx.array] = []
         self.window_pick: mx.array | None = None  # pick(): conv/ssm hold a whole verify's arrays, read at this index
+        self.valid: mx.array | None = None  # a left-padded group's prefill: [B, T], False at pad positions (batch.py)
 
     @property
     def state(self) -> list:

@@ -160,8 +160,13 @@ class GatedDeltaNet(nn.Module):
         """residual + the mixer's output on norm(x) (norm and residual fused into the projections)."""
         B, T, _ = x.shape
         packed = None
+        # a left-padded group's prefill (batch.py): its pad positions' projections zeroed, so that they enter no
+        # conv window or state (k = v = 0 on a zero state leaves it zero)
+        valid = getattr(cache, "valid", None) if T > 1 else None
         if "in_proj" in self:  # fused (models/fuse.py): [qkv | z | b | a]
             proj = project(self.in_proj, x, pre=rms_pre(norm))
+            if valid is not None:
+                proj = mx.where(valid[..., None], proj, mx.zeros((), proj.dtype))
             # the GDN kernel reads qkv, b and a in place (no slice copies); the slices exist only where needed
             packed = (proj, self.in_proj_points[1], self.in_proj_points[2])
             qkv = a = b = None
@@ -170,6 +175,8 @@ class GatedDeltaNet(nn.Module):
         else:
             x = prologue_ref(rms_pre(norm), x)
             qkv, z_src, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            if valid is not None:
+                qkv = mx.where(valid[..., None], qkv, mx.zeros((), qkv.dtype))
             z_offset = 0
             dtype = qkv.dtype
 
