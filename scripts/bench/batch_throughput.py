@@ -13,8 +13,8 @@ op, LATTICE_TRACE_ROUNDS=0, against `ours-mtp`' traced rounds), `ours-dequant` a
 (--dequant-ab N: `ours` and `ours-mtp` with LATTICE_DEQUANT_ROWS=N, the 4-bit matmuls of N rows or more dequantized
 and multiplied instead of MLX's quantized matmul), `ours-nosplit` and `ours-mtp-nosplit` (--split-k-ab 1: with
 LATTICE_SPLIT_K=0, no projection split over K past 8 rows: q4_matmul.SplitK), `ours-bprefill` and
-`ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, prompts of one length prefilled in one
-forward, the default; the other legs then run with it off), `ours-f16` and `ours-mtp-f16` (--fused-rows-ab 16: with
+`ours-mtp-bprefill` (--batch-prefill-ab 1: with LATTICE_BATCH_PREFILL=1, waiting prompts prefilled in one forward,
+left-padded where --prompt-spread makes their lengths unequal, the default; the other legs then run with it off), `ours-f16` and `ours-mtp-f16` (--fused-rows-ab 16: with
 LATTICE_FUSED_ROWS=16, a batch's steps and rounds of up to 16 rows in the fused 4-bit kernel), `solo` (B = 1 only:
 plain generate_step, the single-stream reference). --oracle forced (the default): the head drafts and the target
 verifies for real, and each position's draft is kept with probability --oracle-p whatever the target says
@@ -357,6 +357,8 @@ def main() -> int:
     p.add_argument("--streams", default="1,4,16,64")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompt-spread", type=int, default=0, help="prompt lengths spread evenly over +- this many "
+                   "tokens around --prompt-tokens (0: all of one length)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp-k", type=int, default=3, help="the ours-mtp leg's depth (0: no MTP leg)")
@@ -426,7 +428,10 @@ def main() -> int:
             (["ours-bprefill"] + (["ours-mtp-bprefill"] if args.mtp_k else []) if args.batch_prefill_ab else []) + \
             (["ours-f16"] + (["ours-mtp-f16"] if args.mtp_k else []) if args.fused_rows_ab else [])
         legs = [leg for leg in legs if leg in ("ours", "ours-aa", "mlx-lm") or leg not in args.skip.split(",")]
-        reps = [[rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(B)] for _ in range(args.reps)]
+        # prompt lengths: --prompt-tokens, or spread evenly over +- --prompt-spread around it (unequal lengths: the
+        # batched prefill left-pads them into one forward)
+        spread = [args.prompt_tokens + round(args.prompt_spread * (2 * i / max(B - 1, 1) - 1)) for i in range(B)]
+        reps = [[rng.integers(0, vocab, n).tolist() for n in rng.permutation(spread)] for _ in range(args.reps)]
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
         refs = [[r.tokens for r in batch_generate(args.mtp_target.model, None, prompts, max_tokens=args.tokens + 8,
                                                   max_batch=B)]

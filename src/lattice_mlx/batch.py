@@ -4,7 +4,9 @@ A sequence's prompt is prefilled on caches of its own, one chunk per step (decod
 generation's prefill runs), between the running batch's steps; after its last chunk its first token is sampled from
 those logits and its caches are merged into the batch's: attention rows into left-padded batch caches (mlx-lm's
 BatchKVCache: per-sequence RoPE offsets and a padding mask), GDN conv windows and recurrent states stacked on the
-batch axis (the recurrence is per row: no padding ever enters a state). A plain step feeds every running sequence's
+batch axis (the recurrence is per row: no padding ever enters a state). With LATTICE_BATCH_PREFILL, prompts waiting
+together are prefilled in one forward instead, left-padded to the longest (`_padded`: the pad positions enter no
+attention row and no GDN state), each row then joined as its own prefill's. A plain step feeds every running sequence's
 last token, [B, 1], through the model once and samples each row with its own sampler (speculative/batched.py runs
 MTP rounds instead). A sequence leaves between steps (its token budget, a stop token, a cancel) and its rows are
 dropped from the caches; the others' are untouched.

@@ -42,11 +42,11 @@ SETTINGS = {
     # not apply (head dimensions over 128: every Qwen3.5 checkpoint's attention)
     # a batch's 4-bit projections of few outputs split over K past the fused kernel's rows on CUDA (q4_matmul.SplitK)
     "split_k": Setting("LATTICE_SPLIT_K", "1", SWITCH, "use 1 (split where it applies) or 0 (never)"),
-    # a batch engine's waiting prompts of one length (one chunk each, from scratch) prefilled in one forward over
-    # their rows instead of a forward each (batch.BatchDecoder._prefill_group); on since measured on a GPU
-    # (docs/adr/0009)
+    # a batch engine's waiting prompts (one chunk each, from scratch; of unequal lengths left-padded to the longest)
+    # prefilled in one forward over their rows instead of a forward each (batch.BatchDecoder._prefill_group); on
+    # since measured on a GPU (docs/adr/0009)
     "batch_prefill": Setting("LATTICE_BATCH_PREFILL", "1", SWITCH,
-                             "use 1 (prompts of one length prefilled together) or 0 (a forward each)"),
+                             "use 1 (waiting prompts prefilled together) or 0 (a forward each)"),
     # the rows the fused 4-bit kernel takes at most (q4_matmul.max_rows): 8, or 16 for a batch's steps of up to 16
     # sequences as well (fewer launches than MLX's quantized matmul with its norm, activation and copies apart); 8
     # until an A/B on a GPU says otherwise (batch_throughput.py --fused-rows-ab 16)
