@@ -431,7 +431,8 @@ def main() -> int:
         # prompt lengths: --prompt-tokens, or spread evenly over +- --prompt-spread around it (unequal lengths: the
         # batched prefill left-pads them into one forward)
         spread = [args.prompt_tokens + round(args.prompt_spread * (2 * i / max(B - 1, 1) - 1)) for i in range(B)]
-        reps = [[rng.integers(0, vocab, n).tolist() for n in rng.permutation(spread)] for _ in range(args.reps)]
+        reps = [[rng.integers(0, vocab, n).tolist() for n in (rng.permutation(spread) if args.prompt_spread else spread)]
+                for _ in range(args.reps)]  # (without a spread, the random draws of the runs before it)
         # plain greedy's continuations: what the SYNTHETIC drafts propose (untimed)
         refs = [[r.tokens for r in batch_generate(args.mtp_target.model, None, prompts, max_tokens=args.tokens + 8,
                                                   max_batch=B)]
