@@ -390,6 +390,20 @@ def test_split_k_projections_keep_every_sequence_exact(monkeypatch):
     assert not model.runtime.traces
 
 
+def forward_rows(monkeypatch, model) -> list[tuple[int, int]]:
+    """The [rows, tokens] of every forward of `model`'s decoder from now on (to the test's end, or monkeypatch.undo)."""
+    inner = type(model.model)
+    real = inner.__call__
+    rows = []
+
+    def counted(self, x, *a, **kw):
+        rows.append(tuple(x.shape[:2]))
+        return real(self, x, *a, **kw)
+
+    monkeypatch.setattr(inner, "__call__", counted)
+    return rows
+
+
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_prompts_prefilled_together_keep_every_sequence_exact(model32, monkeypatch, k):
     """LATTICE_BATCH_PREFILL: waiting prompts at the front of the queue run in one forward over their rows
@@ -400,15 +414,7 @@ def test_prompts_prefilled_together_keep_every_sequence_exact(model32, monkeypat
     from lattice_mlx import settings
     from lattice_mlx.speculative.batched import BatchRounds
 
-    inner = type(model32.model)
-    real = inner.__call__
-    rows = []
-
-    def counted(self, x, *a, **kw):
-        rows.append(tuple(x.shape[:2]))
-        return real(self, x, *a, **kw)
-
-    monkeypatch.setattr(inner, "__call__", counted)
+    rows = forward_rows(monkeypatch, model32)
     prompts = [[(7 * i + j) % 300 + 1 for j in range(6)] for i in range(5)] + [[3, 4, 5], [9, 9, 9], [1, 2, 3, 4]]
     budgets = [7, 3, 9, 5, 6, 8, 4, 6]
 
@@ -476,15 +482,7 @@ def test_prompts_of_unequal_lengths_left_padded_into_one_forward_keep_their_own_
     from lattice_mlx.decode import prefill
     from lattice_mlx.speculative.batched import BatchRounds
 
-    inner = type(model32.model)
-    real = inner.__call__
-    rows = []
-
-    def counted(self, x, *a, **kw):
-        rows.append(tuple(x.shape[:2]))
-        return real(self, x, *a, **kw)
-
-    monkeypatch.setattr(inner, "__call__", counted)
+    rows = forward_rows(monkeypatch, model32)
     prompts = [[(5 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate([9, 7, 10, 8])]
     with settings.override(batch_prefill=True):
         engine = BatchDecoder(model32, max_batch=4) if not k else BatchRounds(model32, k=k, max_batch=4)
@@ -496,7 +494,7 @@ def test_prompts_of_unequal_lengths_left_padded_into_one_forward_keep_their_own_
     for s, p in zip(seqs, prompts):
         assert s.tokens == solo(model32, p, 6), p
     # the group's first logits against each prompt's own prefill, and the rows it joined
-    monkeypatch.setattr(inner, "__call__", real)
+    monkeypatch.undo()
     from lattice_mlx.batch import _padded, row_of
 
     T, pads = 10, [10 - len(p) for p in prompts]
