@@ -1,12 +1,13 @@
 """A user's first generation, each in a fresh process: plain decoding, an A/A plain leg, and the default speculation
 (`speculation="auto"` with LATTICE_MTP=1, what turning MTP on by default would give), through the public API only
-(`lattice_mlx.load`, `lattice_mlx.generate`). Every process pays its own first uses (its traces, its kernels' loads,
+(`lattice_mlx.load`, `lattice_mlx.generate`). `default@NAME=VALUE;NAME=VALUE` is the default with constants of
+speculative/tuning.py changed in its process (an A/B of the tuner; e.g. `default@FIRST_ROUNDS_S=0`). Every process pays its own first uses (its traces, its kernels' loads,
 the speculative kernels' one-line build check): nothing is warmed for it. A repetition is one process per leg, the
 legs' order alternating (ABBA); each process loads the model and runs one generation of the repetition's prompt,
 then a second generation of the next prompt (what a process that stays, a chat or a server, gets from then on).
 
 Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--max-tokens 256] [--reps 10]
-         [--out first_gen.json]
+         [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--out first_gen.json]
 Reported per leg: the generation's wall seconds (prefill included), the second generation's, the load's and the
 whole process's (Python's start to exit, as the driver times it); ratios are plain's over the leg's, per
 repetition, then the median.
@@ -28,6 +29,13 @@ def child(args) -> None:
 
     import lattice_mlx
     from lattice_mlx.bench.run import text_prompts
+    from lattice_mlx.speculative import tuning
+
+    for item in args.leg.split("@", 1)[1].split(";") if "@" in args.leg else []:
+        name, value = item.split("=")
+        if not hasattr(tuning, name):
+            raise SystemExit(f"first_gen: leg {args.leg}: speculative/tuning.py has no constant {name}")
+        setattr(tuning, name, type(getattr(tuning, name))(float(value)))
 
     tic = time.perf_counter()
     model, tokenizer = lattice_mlx.load(args.model if args.model != "demo" else None, dtype=args.dtype or None)
@@ -51,7 +59,7 @@ def child(args) -> None:
 
 
 def run_process(args, leg: str, rep: int, temp: float) -> dict:
-    env = dict(os.environ, LATTICE_MTP="1" if leg == "default" else "0")
+    env = dict(os.environ, LATTICE_MTP="0" if leg.startswith("plain") else "1")
     cmd = [sys.executable, __file__, "--child", "--leg", leg, "--rep", str(rep), "--temp", str(temp),
            "--model", args.model, "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
     tic = time.perf_counter()
@@ -72,11 +80,11 @@ def median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], legs: list[str]) -> dict:
     by = {(r["leg"], r["rep"]): r for r in runs}
     reps = sorted({r["rep"] for r in runs})
     out = {}
-    for leg in LEGS:
+    for leg in legs:
         if leg == "plain":
             continue
         pairs = [(by[("plain", i)], by[(leg, i)]) for i in reps if ("plain", i) in by and (leg, i) in by]
@@ -98,6 +106,7 @@ def main() -> None:
     p.add_argument("--temps", default="0")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--legs", default=",".join(LEGS), help="plain first; default@NAME=VALUE;..: tuner constants changed")
     p.add_argument("--out", default="first_gen.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--leg", help=argparse.SUPPRESS)
@@ -110,8 +119,12 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from lattice_mlx.bench.report import device_name, provenance
 
+    legs = args.legs.split(",")
+    if legs[0] != "plain" or not all(leg in LEGS or leg.startswith("default@") for leg in legs):
+        raise SystemExit(f"first_gen: --legs {args.legs}: plain first, then any of {', '.join(LEGS[1:])} and "
+                         "default@NAME=VALUE;..")
     meta = {"device": device_name(), **provenance(), "command": " ".join(sys.argv), "model": args.model,
-            "max_tokens": args.max_tokens, "reps": args.reps}
+            "max_tokens": args.max_tokens, "reps": args.reps, "legs": legs}
     groups = []
     for temp in (float(t) for t in args.temps.split(",")):
         tic = time.perf_counter()
@@ -120,18 +133,20 @@ def main() -> None:
         runs = []
         groups.append({"temp": temp, "runs": runs})
         for rep in range(args.reps):
-            order = list(LEGS) if rep % 2 == 0 else list(reversed(LEGS))
+            order = list(legs) if rep % 2 == 0 else list(reversed(legs))
             for leg in order:
                 runs.append(run_process(args, leg, rep, temp))
             print(f"rep {rep}: " + "  ".join(f"{r['leg']} {r['generations'][0]['wall_s']:.3f}/"
-                                             f"{r['generations'][1]['wall_s']:.3f} s" for r in runs[-3:]), flush=True)
+                                             f"{r['generations'][1]['wall_s']:.3f} s" for r in runs[-len(legs):]),
+                  flush=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}))  # (kept if a limit stops it)
-        s = groups[-1]["summary"] = summarize(runs)
+        s = groups[-1]["summary"] = summarize(runs, legs)
         line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
                          f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} process "
                          f"{v['process']['median']:.2f}" for leg, v in s.items())
-        print(f"temp {temp}: {line}; greedy identical {s['default']['identical_tokens']}/{args.reps}"
-              if temp == 0 else f"temp {temp}: {line}", flush=True)
+        same = " ".join(f"{leg} {v['identical_tokens']}/{args.reps}" for leg, v in s.items())
+        print(f"temp {temp}: {line}; greedy identical to plain: {same}" if temp == 0 else f"temp {temp}: {line}",
+              flush=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}, indent=1))
 
 

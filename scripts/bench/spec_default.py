@@ -62,8 +62,9 @@ def leg_options(leg: str) -> SpecOptions | None:
     return SpecOptions(draft_tokens=int(leg[1:]), adaptive=False)
 
 
-def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, reference: list[int] | None, seed: int):
-    """(the leg's token stream, its SpecStats or None)."""
+def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, reference: list[int] | None, seed: int,
+               n: int):
+    """(the leg's token stream of up to n tokens, its SpecStats or None)."""
     sampler = Sampler(temp=temp)
     mx.random.seed(seed)
     options = leg_options(leg)
@@ -74,7 +75,8 @@ def leg_stream(model, leg: str, ids: list[int], temp: float, drafts: str, refere
     if drafts.startswith("oracle:"):
         drafter = DeviceOracle(reference, float(drafts.split(":")[1]), model.args.vocab_size,
                                options.draft_tokens, seed=seed)
-    return speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter), stats
+    return speculate(model, mx.array(ids), sampler=sampler, options=options, stats=stats, drafter=drafter,
+                     max_tokens=n), stats
 
 
 @contextlib.contextmanager
@@ -156,7 +158,7 @@ def run_leg(model, leg: str, ids: list[int], n: int, temp: float, drafts: str, r
     between tokens past STALL_S after the first: run_leg.stalls (seconds each)."""
     with tuned(model, leg), passes_seen() as seen:
         tic = time.perf_counter()
-        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
+        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed, n)
         tokens, first, last, stalls = [], None, None, []
         for t in stream:
             now = time.perf_counter()
@@ -178,7 +180,7 @@ def profile_leg(kernel_profile, model, leg: str, ids: list[int], n: int, temp: f
     """GPU kernels per generated token over n tokens after the first (one untimed generation of its own, CUPTI:
     bench.run.profile_stream), and the acceptance where the leg speculates."""
     with tuned(model, leg):
-        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed)
+        stream, stats = leg_stream(model, leg, ids, temp, drafts, reference, seed, n + 1)
         out = profile_stream(kernel_profile, stream, stats, n)
     if stats is not None:
         out["acceptance"] = stats.to_dict()["acceptance_rate"]

@@ -103,13 +103,15 @@ def encode_prompt(tokenizer, prompt: str | list[int], *, chat_template: bool = T
 
 
 def token_stream(model, ids: mx.array, sampler: Sampler, options: SpecOptions | None,
-                 prompt_cache=None, logits_processors=None, max_kv_size=None) -> tuple[Iterator[int], SpecStats | None]:
+                 prompt_cache=None, logits_processors=None, max_kv_size=None,
+                 max_tokens: int | None = None) -> tuple[Iterator[int], SpecStats | None]:
     """The token iterator for the chosen decoding (plain, chain speculation, or tree) and the stats it fills."""
     if options is None:
         return generate_step(model, ids, sampler=sampler, prompt_cache=prompt_cache,
                              logits_processors=logits_processors, max_kv_size=max_kv_size), None
     stats = SpecStats.of(options)
-    return speculate(model, ids, sampler=sampler, options=options, stats=stats, prompt_cache=prompt_cache), stats
+    return speculate(model, ids, sampler=sampler, options=options, stats=stats, prompt_cache=prompt_cache,
+                     max_tokens=max_tokens), stats
 
 
 def stream_generate(
@@ -171,7 +173,7 @@ def stream_generate(
         prompt_cache = PromptCache.load(prompt_cache, model)
     cached = prompt_cache.covers(ids) if prompt_cache is not None else 0  # what decode.resume will not prefill
     tokens, stats = token_stream(model, mx.array(ids), sampler, speculation, prompt_cache, logits_processors,
-                                 max_kv_size)
+                                 max_kv_size, max_tokens)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()

@@ -18,6 +18,7 @@ class Runtime:
     hidden_tap: Any = None  # lattice_mlx.make_draft_model's tap: the model publishes each forward's hidden to it
     compiled: Any = None  # models/compiled.CompiledLayers of a TextModel or MTP head, built on first use
     round_builds: bool = False  # load.keep_round_builds checked this model's once-per-machine builds in this process
+    rounds_run: bool = False  # this process ran pipelined rounds of the model (or warmed them): their first uses paid
 
 
 def runtime_of(model) -> Runtime:

@@ -16,7 +16,7 @@ def test_ratios_are_plains_time_over_the_legs_per_repetition_then_the_median():
             _run("plain", 1, 3.0, 1.0, 6.0, [3]), _run("default", 1, 1.0, 0.25, 3.0, [4]),
             _run("plain-aa", 1, 2.0, 2.0, 3.0, [3]),
             _run("default", 2, 1.0, 1.0, 1.0, [5])]  # no plain process in repetition 2: not paired
-    s = fg.summarize(runs)
+    s = fg.summarize(runs, list(fg.LEGS))
     d = s["default"]
     assert d["first_gen"] == {"median": 1.75, "min": 0.5, "max": 3.0, "n": 2}
     assert d["second_gen"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 2}

@@ -58,6 +58,30 @@ def test_auto_speculates_where_it_applies_and_decodes_plainly_elsewhere(checkpoi
         generate(model, tok, PROMPT, max_tokens=8, speculation=True)
 
 
+def test_generate_tells_the_loop_its_budget_and_the_process_pays_its_first_rounds_once(checkpoints, monkeypatch):
+    """Through the API: a short first generation of a freshly loaded model stays in plain steps
+    (tuning.FIRST_ROUNDS_S: its rest cannot repay the process's first rounds), its tokens plain decoding's; with the
+    rental off the same generation speculates, and the model's runtime records that its first rounds are paid, after
+    which nothing is held back."""
+    from lattice_mlx import SpecOptions
+    from lattice_mlx.speculative import tuning
+
+    model, tok = load(checkpoints["tied"])
+    plain = generate(model, tok, PROMPT, max_tokens=24, speculation=None)
+    got = generate(model, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
+    assert got.tokens == plain.tokens and got.speculation["rounds"] == 0
+    assert any("would not pay yet" in d for d in got.speculation["decisions"])
+    assert not model.runtime.rounds_run
+    monkeypatch.setattr(tuning, "FIRST_ROUNDS_S", 0.0)
+    got = generate(model, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
+    assert got.tokens == plain.tokens and got.speculation["rounds"] > 0 and model.runtime.rounds_run
+    monkeypatch.undo()
+    fresh, _ = load(checkpoints["tied"])
+    fresh.runtime.rounds_run = True  # (as after a warm-up or an earlier generation's rounds)
+    got = generate(fresh, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
+    assert got.tokens == plain.tokens and got.speculation["rounds"] > 0
+
+
 def test_cli_default_mtp_and_no_mtp(checkpoints):
     """generate's CLI: neither flag is speculation="auto" (on with LATTICE_MTP=1); --mtp speculates; --no-mtp decodes
     plainly whatever LATTICE_MTP says; the two flags together are a one-line usage error."""
@@ -692,6 +716,42 @@ def test_a_process_second_generation_starts_from_the_first_ones_costs():
     second = _Costs(4, memory, lag=2)
     assert second.log[0].startswith(f"start at K={memory['k']} from the costs measured before")
     assert second.run(costs, rates, 64).count(0) == 0
+
+
+def test_a_processs_first_rounds_wait_until_plain_decoding_has_forgone_what_they_cost():
+    """tuning.FIRST_ROUNDS_S (a ski rental): where the process has run no round yet, a generation too short to repay
+    the first rounds' cost (the demo: ~0.2 s of kernel loads and traces against ~1 ms plain steps) stays in plain
+    steps, counted as forgone; the first generation whose rest together with what was forgone covers the cost
+    speculates, and from then on nothing is held back. Told no budget, or with the rounds paid, it speculates at
+    once; a larger model's steps repay it in its first generation."""
+    from lattice_mlx.speculative import tuning
+
+    rates = [0.9, 0.8, 0.7, 0.6]
+    costs = {0: 1e-3, 1: 1.2e-3, 2: 1.35e-3, 3: 1.5e-3, 4: 1.65e-3}  # seconds: every depth pays
+    baseline = tuning.PLAIN_WARMUP_STEPS + tuning.PLAIN_TIMED_STEPS
+    gain = (255 - baseline) * 1e-3 * (1 - 1 / tuning.FIRST_ROUNDS_PRIOR)  # what a generation's rest could gain
+    assert gain < tuning.FIRST_ROUNDS_S < 3 * gain  # (the constants this test's schedule rests on)
+    memory: dict = {}
+    runs = []
+    for _ in range(3):  # three 256-token generations (255 after the prefill's token) in one process
+        tuner = _Costs(4, memory, lag=2, budget=255, first_rounds=True)
+        runs.append(tuner.run(costs, rates, 255))
+    need = int(tuning.FIRST_ROUNDS_S // gain)  # generations held in plain steps before one speculates
+    assert all(ks == [0] * 255 for ks in runs[:need]) and runs[need].count(0) < 40
+    assert memory["forgone"] == pytest.approx(need * gain)
+    held = _Costs(4, {}, lag=2, budget=255, first_rounds=True)
+    held.run(costs, rates, 255)
+    assert len(held.decisions) == 1 and "would not pay yet" in held.decisions[0]
+    # not told the budget, the rounds already paid in this process, or the rental off: rounds from the baseline's end
+    for kw in ({"budget": None, "first_rounds": True}, {"budget": 255, "first_rounds": False}):
+        ks = _Costs(4, {}, lag=2, **kw).run(costs, rates, 255)
+        assert ks[baseline:].count(0) < 30, kw
+    # a model whose plain step costs 3 ms: its first generation repays the rounds
+    dear = {k: 3 * c for k, c in costs.items()}
+    assert _Costs(4, {}, lag=2, budget=255, first_rounds=True).run(dear, rates, 255)[baseline:].count(0) < 30
+    # held to its end, past its budget too: a round dispatched there (the loop runs a pass ahead of the tokens read)
+    # would pay the first uses for nothing
+    assert _Costs(4, {}, lag=2, budget=100, first_rounds=True).run(costs, rates, 200) == [0] * 200
 
 
 def test_a_probe_at_acceptance_zero_ends_soon_where_plain_read_dear():

@@ -493,7 +493,9 @@ def test_the_warm_up_runs_every_kind_of_pass_generations_run(checkpoints, monkey
     with rounds.tracing(True), decode.tracing(True):
         warmed = _pass_kinds(monkeypatch)
         mx.random.seed(11)
+        assert not model.runtime.rounds_run
         assert rounds.warm_rounds(model, 3) == 2 * sum(map(len, rounds.warm_passes(3)))
+        assert model.runtime.rounds_run  # (the process's first rounds paid: tuning.FIRST_ROUNDS_S holds nothing back)
         after = mx.random.uniform(shape=(4,)).tolist()
         mx.random.seed(11)
         assert after == mx.random.uniform(shape=(4,)).tolist()  # (the PRNG's key as before: seeded runs sample alike)

@@ -381,7 +381,7 @@ def token_stream(target: Target, leg: Leg, ids: list[int], temp: float, *, n_max
         drafter = DeviceOracle(reference, leg.p, target.model.args.vocab_size, leg.k, seed=seed) \
             if leg.verify == "pipelined" else OracleDrafter(target.model, sampler, reference, leg.p, seed=seed)
     stream = speculate(target.model, mx.array(ids), sampler=sampler, options=options, stats=stats,
-                              drafter=drafter)
+                              drafter=drafter, max_tokens=n_max)
     if leg.draft_vocab:
         vocab = target.draft_vocabs.setdefault(leg.draft_vocab, DraftVocab(range(leg.draft_vocab)))
         stream = _draft_vocab_during(target.model, vocab, stream)

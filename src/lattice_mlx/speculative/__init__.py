@@ -47,11 +47,13 @@ def check_split_model(model, options: SpecOptions | None) -> None:
 
 
 def speculate(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats, drafter=None,
-              prompt_cache=None) -> Iterator[int]:
+              prompt_cache=None, max_tokens: int | None = None) -> Iterator[int]:
     """The token iterator of speculative decoding as `options` asks for it: the same distribution as plain decoding
     (identical tokens when greedy), `stats` filled as it goes. `drafter`: a draft source object instead of the one
     `options.draft` names (a benchmark's oracle: a host drafter with `propose`, or a pipelined draft override);
-    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (chains only). What the
+    `prompt_cache` (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (chains only).
+    `max_tokens`: the most tokens the caller will take, if it knows (the adaptive pipelined loop weighs a process's
+    first rounds against it: tuning.FIRST_ROUNDS_S). What the
     options and the model cannot do together is a ValueError here, before any token."""
     if options.needs_mtp and not model.has_mtp:
         flag = f"--tree {options.tree}" if options.tree else ("--mtp" if options.draft == "mtp" else
@@ -72,6 +74,6 @@ def speculate(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, s
     stats.verify = options.verify
     if options.verify == "pipelined":  # every decision on the device; `drafter` is a draft override
         return run_pipelined(model, ids, sampler=sampler, options=options, stats=stats, override=drafter,
-                             prompt_cache=prompt_cache)
+                             prompt_cache=prompt_cache, budget=max_tokens)
     return run_chain(model, ids, sampler=sampler, options=options, stats=stats, drafter=drafter,
                      prompt_cache=prompt_cache)

@@ -198,6 +198,7 @@ def warm_rounds(model, k_max: int, samplers: tuple[Sampler, ...] = (Sampler(), S
                     mx.eval(tokens, n) if k else mx.eval(tokens)
                     verified += (n.item() if k else 0) + 1
                     passes += 1
+        runtime_of(model).rounds_run = True
     finally:
         mx.random.seed((hi << 32) | lo)  # (the key [hi, lo] again: mx.random.key(s) is [s >> 32, s & 0xffffffff])
     return passes
@@ -556,12 +557,14 @@ def _join(arrays: list[mx.array]) -> mx.array:
 
 
 def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOptions, stats: SpecStats,
-                          override: DraftOverride | None = None, prompt_cache=None) -> Iterator[int]:
+                          override: DraftOverride | None = None, prompt_cache=None,
+                          budget: int | None = None) -> Iterator[int]:
     """Yields the tokens of plain decoding (identical when greedy; the same distribution when sampling), MTP rounds
     pipelined one deep: of fixed K, or with options.adaptive of the depth PipelinedTuner picks (up to K; 0 = plain
     steps, pipelined the same way). Fills `stats` (draft_time_s: building the drafts' graph; verify_time_s: building
     the verify's graph and waiting for the previous round; plain steps are not counted as rounds). `prompt_cache`
-    (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head)."""
+    (prompt_cache.PromptCache): its prefix of `ids` is not prefilled again (target and MTP head). `budget`: the most
+    tokens the caller will take (the tuner's FIRST_ROUNDS_S; None: not told)."""
     if not model.has_mtp:
         raise ValueError("pipelined rounds draft with the MTP head, and this checkpoint has none (mtp.*)")
     k = options.draft_tokens
@@ -573,8 +576,11 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
     # (with a prompt cache `hidden` starts at the cached prefix's last position, so the head's work starts there)
     rounds = PipelinedRounds(model, sampler, k, ids.tolist()[max(n - 1, 0):], first, hidden, cache, override,
                              prompt_len=ids.size, head_cache=head_cache if n else None)
-    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace, lag=2) \
-        if options.adaptive else None  # (a round's acceptance is read two passes after its dispatch)
+    runtime = runtime_of(model)
+    tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace, lag=2,
+                           budget=None if budget is None else budget - 1, first_rounds=not runtime.rounds_run) \
+        if options.adaptive else None  # (a round's acceptance is read two passes after its dispatch; the first
+    # token is the prefill's)
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the
     # attention caches' rows would be held twice for the whole generation, and the hiddens are [T, H])
     del cache, head_cache, hidden
@@ -589,6 +595,7 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
             last = (k, tic)
         rounds.bounds(r, verified)
         out = rounds.round(r, k)
+        runtime.rounds_run = runtime.rounds_run or k > 0
         mid = time.perf_counter()
         mx.async_eval(out[0], out[1]) if k else mx.async_eval(out[0])
         if first is not None:

@@ -169,6 +169,19 @@ HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # temperature 0.7 read K=3 from them at three times its fixed leg's cost, went off as hopeless at its first decision
 # and never speculated again in that process (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
+# A process's first rounds on a model cost more than its later ones: on MLX's CUDA backend each kernel a round
+# launches is loaded at its first launch in the process, and each round's trace is built (the demo on an H100: 72-81
+# ms on the first round, 25-28 ms on the next, 9-28 ms on each later depth's first; 0.15-0.4 s a first generation in
+# all, where a steady round costs 1.5-3 ms: docs/adr/0008, 'Runs AC and AD'). A 256-token first generation of the
+# demo lost half its speed to them (0.53-0.70x plain), more than speculation could win back in it. So a process
+# buys its first rounds as one buys skis on a rental's terms: plain decoding goes on, where the process has run no
+# round of the model yet (nor warmed them: pipelined.warm_rounds), until what plain decoding has forgone in the
+# process's generations so far and what the rest of this one could gain (each token a plain step's cost times
+# 1 - 1 / FIRST_ROUNDS_PRIOR) reach FIRST_ROUNDS_S; then speculation starts as ever. A process then never pays
+# more than twice what the best choice made with hindsight would have (the rental's bound), and a generation whose
+# length the loop is not told (`budget` None) speculates at once. 0: off.
+FIRST_ROUNDS_S = 0.2
+FIRST_ROUNDS_PRIOR = 1.5  # the speedup assumed for a text before any of its rounds is read
 
 
 def tuner_rates(stats, hope: float = 0.0) -> list[float]:
@@ -265,11 +278,13 @@ class PipelinedTuner:
     REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
 
     def __init__(self, k_max: int, memory: dict | None = None, traced: Callable[[int], bool] | None = None,
-                 lag: int = 0):
+                 lag: int = 0, budget: int | None = None, first_rounds: bool = False):
         """`traced(k)`: whether a round of depth k has a compiled trace in this process (None: every depth has).
         `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
-        pipelined loop: 2)."""
+        pipelined loop: 2). `budget`: the tokens this generation may still produce, one per pass of plain steps
+        (None: not told). `first_rounds`: this process has run no round of the model yet (FIRST_ROUNDS_S)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
+        self.budget, self.first_rounds, self.passes = budget, first_rounds, 0  # passes: of this generation
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.after = deque(maxlen=lag)  # `dispatched` after each of the last `lag` passes
@@ -296,7 +311,7 @@ class PipelinedTuner:
         self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
         self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
         # the process's first generation on this model (a batch engine's: the first tuner of its batch-size bucket)
-        if not self.cost:
+        if not any(d > 0 for d in self.cost):  # (a generation held in plain steps by FIRST_ROUNDS_S is none)
             self.memory["first_gen"] = True
         elif self.memory.pop("first_gen", False) and FIRST_GEN_REREAD:  # the second: what the first read is old
             self.memory["first_end"] = self.memory.get("clock", 0)
@@ -410,6 +425,7 @@ class PipelinedTuner:
         """The depth of the next round, from the measured acceptance `rates`; speculation goes off only if the
         rates `hopeful()` gives (OFF_HOPE; asked for only then) predict no gain either."""
         k = self._next_k(rates, hopeful)
+        self.passes += 1
         self.dispatched += k > 0
         self.after.append(self.dispatched)
         return k
@@ -428,6 +444,7 @@ class PipelinedTuner:
         if not n:
             return
         self.left -= n
+        self.passes += n
         if self.memory.get("off") and not self.resume:  # (as _next_k: the carried rest, not a check's steps)
             self.memory["off"] = self.left
         self.after.extend([self.dispatched] * min(n, self.lag))
@@ -469,6 +486,29 @@ class PipelinedTuner:
                             f"arrival, after K={n}'s; {self._costs()}")
         return n
 
+    def _first_rounds_pay(self) -> bool:
+        """Whether to probe now where this process has run no round yet (FIRST_ROUNDS_S): what plain decoding has
+        forgone in the process (memory["forgone"]) and what the rest of this generation could gain cover the first
+        rounds' cost. If not, plain steps for the rest of the generation, its rest counted as forgone. Else, or where
+        the first rounds were paid, nothing is held back."""
+        plain = self.cost.get(0)
+        if not self.first_rounds or self.budget is None or FIRST_ROUNDS_S <= 0 or plain is None:
+            return True
+        rest = max(0, self.budget - self.passes)
+        gain = rest * plain * (1 - 1 / FIRST_ROUNDS_PRIOR)
+        forgone = float(self.memory.get("forgone", 0.0))
+        if forgone + gain >= FIRST_ROUNDS_S:
+            return True
+        self.memory["forgone"] = forgone + gain
+        self.first_rounds = False  # (decided for this generation)
+        self.decisions.append(f"plain decoding for this generation's last {rest} tokens: the process's first rounds "
+                              f"(~{1e3 * FIRST_ROUNDS_S:.0f} ms) would not pay yet ({1e3 * (forgone + gain):.0f} ms "
+                              f"to gain so far)")
+        self.log.append(f"{self.decisions[-1]}; {self._costs()}")
+        self.left = 1 << 30  # the rest of the generation, however long (a round dispatched at its end, one pass ahead
+        # of the tokens read, would pay the first uses for nothing)
+        return False
+
     def _pays(self, k: int) -> int:
         """Speculation pays at depth k: the tuner goes there, and the off schedule restarts (its next stretch the
         first one, the process's record of stretches, poor texts and hopeless verdicts cleared)."""
@@ -491,6 +531,8 @@ class PipelinedTuner:
             # to a quarter of its generation's passes (docs/adr/0008, 'Runs N and O')
             self.checking, self.k, self.below = False, self.probe_k, OFF_CONFIRM - 1
         elif self.k == 0:  # a plain stretch (or the baseline) is over: probe speculation
+            if not self._first_rounds_pay():
+                return 0
             self.k, self.left = self.probe_k, ADAPTIVE_WARMUP_ROUNDS - 1 + self.lag  # (its rounds all read)
             return self.k
         elif self.prev == self.k and self.since < self.skip + DWELL - 1:
