@@ -170,16 +170,15 @@ HOPELESS_MAX_OFF = 16 * MAX_OFF_TOKENS
 # and never speculated again in that process (docs/adr/0008, 'Run H').
 FIRST_TRACE_SKIP = 6
 # A process's first rounds on a model cost more than its later ones: on MLX's CUDA backend each kernel a round
-# launches is loaded at its first launch in the process, and each round's trace is built (the demo on an H100: 72-81
-# ms on the first round, 25-28 ms on the next, 9-28 ms on each later depth's first; 0.15-0.4 s a first generation in
-# all, where a steady round costs 1.5-3 ms: docs/adr/0008, 'Runs AC and AD'). A 256-token first generation of the
-# demo lost half its speed to them (0.53-0.70x plain), more than speculation could win back in it. So a process
-# buys its first rounds as one buys skis on a rental's terms: plain decoding goes on, where the process has run no
-# round of the model yet (nor warmed them: pipelined.warm_rounds), until what plain decoding has forgone in the
-# process's generations so far and what the rest of this one could gain (each token a plain step's cost times
-# 1 - 1 / FIRST_ROUNDS_PRIOR) reach FIRST_ROUNDS_S; then speculation starts as ever. A process then never pays
-# more than twice what the best choice made with hindsight would have (the rental's bound), and a generation whose
-# length the loop is not told (`budget` None) speculates at once. 0: off.
+# launches is loaded at its first launch in the process, and each round's trace is built. For the demo that came to
+# tenths of a second in a first generation, a hundred steady rounds' worth, and a 256-token first generation lost a
+# third to a half of plain decoding's speed to it (docs/adr/0008, 'Runs AC and AD'): more than speculation could win
+# back in it. So a process buys its first rounds on a ski rental's terms: plain decoding goes on, where the process
+# has run no round of the model yet (nor warmed them: pipelined.warm_rounds), until what plain decoding has forgone in
+# the process's generations so far and what the rest of this one could gain (each token a plain step's cost times
+# 1 - 1 / FIRST_ROUNDS_PRIOR) reach FIRST_ROUNDS_S; then speculation starts as ever. A process then pays at most
+# about twice what the best choice made with hindsight would have (the rental's bound), and a generation whose length
+# the loop is not told (`budget` None) speculates at once. 0: off.
 FIRST_ROUNDS_S = 0.2
 FIRST_ROUNDS_PRIOR = 1.5  # the speedup assumed for a text before any of its rounds is read
 
