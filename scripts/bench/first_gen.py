@@ -4,12 +4,14 @@
 speculative/tuning.py changed in its process (an A/B of the tuner; e.g. `default@FIRST_ROUNDS_S=0`). Every process pays its own first uses (its traces, its kernels' loads,
 the speculative kernels' one-line build check): nothing is warmed for it. A repetition is one process per leg, the
 legs' order alternating (ABBA); each process loads the model and runs one generation of the repetition's prompt,
-then a second generation of the next prompt (what a process that stays, a chat or a server, gets from then on).
+then a second generation of the next prompt (what a process that stays, a chat or a server, gets from then on;
+--gens N: N generations in all). Each generation also records its first token's wait and its three longest waits
+between tokens (ms, and the token they came before), to place a stall.
 
 Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--max-tokens 256] [--reps 10]
-         [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--out first_gen.json]
-Reported per leg: the generation's wall seconds (prefill included), the second generation's, the load's and the
-whole process's (Python's start to exit, as the driver times it); ratios are plain's over the leg's, per
+         [--gens 2] [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--out first_gen.json]
+Reported per leg: the generation's wall seconds (prefill included), the second generation's, all generations'
+together, the load's and the whole process's (Python's start to exit, as the driver times it); ratios are plain's over the leg's, per
 repetition, then the median.
 """
 
@@ -42,18 +44,25 @@ def child(args) -> None:
     load_s = time.perf_counter() - tic
     prompts = text_prompts("code")
     out = {"leg": args.leg, "rep": args.rep, "load_s": load_s, "generations": []}
-    for i in range(2):
+    for i in range(args.gens):
         prompt = prompts[(args.rep + i) % len(prompts)]
         speculation = None if args.leg.startswith("plain") else "auto"
         tic = time.perf_counter()
-        r = lattice_mlx.generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
-                                 seed=1000 + args.rep, speculation=speculation)
+        times, ids, last = [], [], None
+        for last in lattice_mlx.stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                                temp=args.temp, seed=1000 + args.rep, speculation=speculation):
+            times.append(time.perf_counter())
+            ids.append(last.token)
         wall = time.perf_counter() - tic
-        spec = r.speculation or {}
-        out["generations"].append({"wall_s": wall, "tokens": r.generation_tokens, "token_ids": r.tokens,
-                                   "speculated": r.speculation is not None,
+        spec = last.speculation or {}
+        # where the generation waited longest: before its first token (the prefill), and between tokens
+        gaps = sorted(((b - a, j + 1) for j, (a, b) in enumerate(zip(times, times[1:]))), reverse=True)[:3]
+        out["generations"].append({"wall_s": wall, "tokens": len(ids), "token_ids": ids,
+                                   "prompt_tokens": last.prompt_tokens, "first_token_s": times[0] - tic,
+                                   "longest_gaps": [[round(1e3 * g, 2), j] for g, j in gaps],
+                                   "speculated": last.speculation is not None,
                                    "acceptance": spec.get("acceptance_rate"), "decisions": spec.get("decisions"),
-                                   "tuner_log": (spec.get("tuner_log") or [])[:8]})
+                                   "tuner_log": spec.get("tuner_log") or []})
     out["peak_gb"] = mx.get_peak_memory() / 1e9
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -61,7 +70,7 @@ def child(args) -> None:
 def run_process(args, leg: str, rep: int, temp: float) -> dict:
     env = dict(os.environ, LATTICE_MTP="0" if leg.startswith("plain") else "1")
     cmd = [sys.executable, __file__, "--child", "--leg", leg, "--rep", str(rep), "--temp", str(temp),
-           "--model", args.model, "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+           "--model", args.model, "--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--gens", str(args.gens)]
     tic = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     process_s = time.perf_counter() - tic
@@ -91,6 +100,8 @@ def summarize(runs: list[dict], legs: list[str]) -> dict:
         ratio = {
             "first_gen": [a["generations"][0]["wall_s"] / b["generations"][0]["wall_s"] for a, b in pairs],
             "second_gen": [a["generations"][1]["wall_s"] / b["generations"][1]["wall_s"] for a, b in pairs],
+            "all_gens": [sum(g["wall_s"] for g in a["generations"]) / sum(g["wall_s"] for g in b["generations"])
+                         for a, b in pairs],
             "process": [a["process_s"] / b["process_s"] for a, b in pairs],
         }
         out[leg] = {k: {"median": median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in ratio.items() if v}
@@ -106,6 +117,7 @@ def main() -> None:
     p.add_argument("--temps", default="0")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--gens", type=int, default=2, help="generations per process (>= 2), each of the next prompt")
     p.add_argument("--legs", default=",".join(LEGS), help="plain first; default@NAME=VALUE;..: tuner constants changed")
     p.add_argument("--out", default="first_gen.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -120,6 +132,8 @@ def main() -> None:
     from lattice_mlx.bench.report import device_name, provenance
 
     legs = args.legs.split(",")
+    if args.gens < 2:
+        raise SystemExit(f"first_gen: --gens {args.gens}: at least 2 (the first generation and a later one)")
     if legs[0] != "plain" or not all(leg in LEGS or leg.startswith("default@") for leg in legs):
         raise SystemExit(f"first_gen: --legs {args.legs}: plain first, then any of {', '.join(LEGS[1:])} and "
                          "default@NAME=VALUE;..")
@@ -142,7 +156,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}))  # (kept if a limit stops it)
         s = groups[-1]["summary"] = summarize(runs, legs)
         line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
-                         f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} process "
+                         f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} all {v['all_gens']['median']:.2f} process "
                          f"{v['process']['median']:.2f}" for leg, v in s.items())
         same = " ".join(f"{leg} {v['identical_tokens']}/{args.reps}" for leg, v in s.items())
         print(f"temp {temp}: {line}; greedy identical to plain: {same}" if temp == 0 else f"temp {temp}: {line}",
