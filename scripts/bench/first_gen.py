@@ -1,18 +1,19 @@
 """A user's first generation, each in a fresh process: plain decoding, an A/A plain leg, and the default speculation
 (`speculation="auto"` with LATTICE_MTP=1, what turning MTP on by default would give), through the public API only
-(`lattice_mlx.load`, `lattice_mlx.generate`). `default@NAME=VALUE;NAME=VALUE` is the default with constants of
-speculative/tuning.py changed in its process (an A/B of the tuner; e.g. `default@FIRST_ROUNDS_S=0`). Every process pays its own first uses (its traces, its kernels' loads,
-the speculative kernels' one-line build check): nothing is warmed for it. A repetition is one process per leg, the
-legs' order alternating (ABBA); each process loads the model and runs one generation of the repetition's prompt,
-then a second generation of the next prompt (what a process that stays, a chat or a server, gets from then on;
---gens N: N generations in all). Each generation also records its first token's wait and its three longest waits
-between tokens (ms, and the token they came before), to place a stall.
+(`lattice_mlx.load`, `lattice_mlx.stream_generate`). `default@NAME=VALUE;NAME=VALUE` is the default with constants
+of speculative/tuning.py changed in its process (an A/B of the tuner; e.g. `default@FIRST_ROUNDS_S=0`). Every
+process pays its own first uses (its traces, its kernels' loads, the speculative kernels' one-line build check):
+nothing is warmed for it. A repetition is one process per leg, the legs' order alternating (ABBA); each process
+loads the model and runs one generation of the repetition's prompt, then a second generation of the next prompt
+(what a process that stays, a chat or a server, gets from then on; --gens N: N generations in all). Each generation
+also records its first token's wait and its three longest waits between tokens (ms, and the token they came
+before), to place a stall.
 
 Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--max-tokens 256] [--reps 10]
          [--gens 2] [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--out first_gen.json]
 Reported per leg: the generation's wall seconds (prefill included), the second generation's, all generations'
-together, the load's and the whole process's (Python's start to exit, as the driver times it); ratios are plain's over the leg's, per
-repetition, then the median.
+together, the load's and the whole process's (Python's start to exit, as the driver times it); ratios are plain's
+over the leg's, per repetition, then the median.
 """
 
 import argparse
@@ -31,13 +32,14 @@ def child(args) -> None:
 
     import lattice_mlx
     from lattice_mlx.bench.run import text_prompts
-    from lattice_mlx.speculative import tuning
+    from lattice_mlx.speculative import pipelined, tuning
 
     for item in args.leg.split("@", 1)[1].split(";") if "@" in args.leg else []:
         name, value = item.split("=")
         if not hasattr(tuning, name):
             raise SystemExit(f"first_gen: leg {args.leg}: speculative/tuning.py has no constant {name}")
-        setattr(tuning, name, type(getattr(tuning, name))(float(value)))
+        for owner in (o for o in (tuning, pipelined) if hasattr(o, name)):  # (pipelined.py imports some by name)
+            setattr(owner, name, type(getattr(owner, name))(float(value)))
 
     tic = time.perf_counter()
     model, tokenizer = lattice_mlx.load(args.model if args.model != "demo" else None, dtype=args.dtype or None)
@@ -156,7 +158,8 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}))  # (kept if a limit stops it)
         s = groups[-1]["summary"] = summarize(runs, legs)
         line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
-                         f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} all {v['all_gens']['median']:.2f} process "
+                         f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} "
+                         f"all {v['all_gens']['median']:.2f} process "
                          f"{v['process']['median']:.2f}" for leg, v in s.items())
         same = " ".join(f"{leg} {v['identical_tokens']}/{args.reps}" for leg, v in s.items())
         print(f"temp {temp}: {line}; greedy identical to plain: {same}" if temp == 0 else f"temp {temp}: {line}",

@@ -70,7 +70,8 @@ def test_generate_tells_the_loop_its_budget_and_the_process_pays_its_first_round
     plain = generate(model, tok, PROMPT, max_tokens=24, speculation=None)
     got = generate(model, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
     assert got.tokens == plain.tokens and got.speculation["rounds"] == 0
-    assert any("would not pay yet" in d for d in got.speculation["decisions"])
+    # (the loop is told 23 tokens after the prefill's; the baseline ran 10 of them)
+    assert any("last 13 tokens" in d and "would not pay yet" in d for d in got.speculation["decisions"])
     assert not model.runtime.rounds_run
     monkeypatch.setattr(tuning, "FIRST_ROUNDS_S", 0.0)
     got = generate(model, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
@@ -742,7 +743,7 @@ def test_a_processs_first_rounds_wait_until_plain_decoding_has_forgone_what_they
     held = _Costs(4, {}, lag=2, budget=255, first_rounds=True)
     held.run(costs, rates, 255)
     assert len(held.decisions) == 1 and "would not pay yet" in held.decisions[0]
-    # not told the budget, the rounds already paid in this process, or the rental off: rounds from the baseline's end
+    # not told the budget, or the rounds already paid in this process: rounds from the baseline's end
     for kw in ({"budget": None, "first_rounds": True}, {"budget": 255, "first_rounds": False}):
         ks = _Costs(4, {}, lag=2, **kw).run(costs, rates, 255)
         assert ks[baseline:].count(0) < 30, kw
@@ -752,6 +753,16 @@ def test_a_processs_first_rounds_wait_until_plain_decoding_has_forgone_what_they
     # held to its end, past its budget too: a round dispatched there (the loop runs a pass ahead of the tokens read)
     # would pay the first uses for nothing
     assert _Costs(4, {}, lag=2, budget=100, first_rounds=True).run(costs, rates, 200) == [0] * 200
+    # a held generation that stops early (an end-of-sequence token) forwent only the passes it ran
+    memory = {}
+    _Costs(4, memory, lag=2, budget=255, first_rounds=True).run(costs, rates, baseline + 40)
+    assert memory["forgone"] == pytest.approx(40 * 1e-3 * (1 - 1 / tuning.FIRST_ROUNDS_PRIOR))
+    # decided once per generation: the generation that pays for its first rounds, where drafts then fail and plain
+    # stretches follow, is not held at a stretch's end
+    tuner = _Costs(4, {}, lag=2, budget=1500, first_rounds=True)  # (its whole rest repays them; a later rest not)
+    ks = tuner.run(costs, [0.0], 1500)
+    assert ks.count(0) > 1000 and max(ks) > 0 and not any("would not pay" in d for d in tuner.decisions)
+    assert tuner.decisions and ks[-200:].count(0) < 200  # (off stretches, and a probe after the last one)
 
 
 def test_a_probe_at_acceptance_zero_ends_soon_where_plain_read_dear():

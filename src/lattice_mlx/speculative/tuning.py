@@ -284,6 +284,7 @@ class PipelinedTuner:
         (None: not told). `first_rounds`: this process has run no round of the model yet (FIRST_ROUNDS_S)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
         self.budget, self.first_rounds, self.passes = budget, first_rounds, 0  # passes: of this generation
+        self.held_gain = 0.0  # held by FIRST_ROUNDS_S: what each plain pass forgoes, added to memory["forgone"]
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
         self.after = deque(maxlen=lag)  # `dispatched` after each of the last `lag` passes
@@ -309,8 +310,10 @@ class PipelinedTuner:
         self.arrival = self.memory.setdefault("arrival", {})
         self.judged = None  # the depth whose arrival was marked last (a change of depth marks the next one)
         self.reread = None  # a depth gone back to for a re-read: its next timed pass replaces its cost window
-        # the process's first generation on this model (a batch engine's: the first tuner of its batch-size bucket)
-        if not any(d > 0 for d in self.cost):  # (a generation held in plain steps by FIRST_ROUNDS_S is none)
+        # the process's first generation on this model that timed a round (a batch engine's: the first tuner of its
+        # batch-size bucket that did; a generation that ended in its baseline, or held in plain steps by
+        # FIRST_ROUNDS_S, is none)
+        if not any(d > 0 for d in self.cost):
             self.memory["first_gen"] = True
         elif self.memory.pop("first_gen", False) and FIRST_GEN_REREAD:  # the second: what the first read is old
             self.memory["first_end"] = self.memory.get("clock", 0)
@@ -425,6 +428,8 @@ class PipelinedTuner:
         rates `hopeful()` gives (OFF_HOPE; asked for only then) predict no gain either."""
         k = self._next_k(rates, hopeful)
         self.passes += 1
+        if self.held_gain:
+            self.memory["forgone"] = self.memory.get("forgone", 0.0) + self.held_gain
         self.dispatched += k > 0
         self.after.append(self.dispatched)
         return k
@@ -444,6 +449,8 @@ class PipelinedTuner:
             return
         self.left -= n
         self.passes += n
+        if self.held_gain:  # (the passes that ran: a generation stopped early forwent only those)
+            self.memory["forgone"] = self.memory.get("forgone", 0.0) + n * self.held_gain
         if self.memory.get("off") and not self.resume:  # (as _next_k: the carried rest, not a check's steps)
             self.memory["off"] = self.left
         self.after.extend([self.dispatched] * min(n, self.lag))
@@ -488,18 +495,19 @@ class PipelinedTuner:
     def _first_rounds_pay(self) -> bool:
         """Whether to probe now where this process has run no round yet (FIRST_ROUNDS_S): what plain decoding has
         forgone in the process (memory["forgone"]) and what the rest of this generation could gain cover the first
-        rounds' cost. If not, plain steps for the rest of the generation, its rest counted as forgone. Else, or where
-        the first rounds were paid, nothing is held back."""
+        rounds' cost. If not, plain steps for the rest of the generation, each pass that runs counted as forgone.
+        Else, or where the first rounds were paid, nothing is held back. Decided once per generation: a generation
+        that went on to speculate is not held at a later stretch's end."""
         plain = self.cost.get(0)
         if not self.first_rounds or self.budget is None or FIRST_ROUNDS_S <= 0 or plain is None:
             return True
+        self.first_rounds = False
         rest = max(0, self.budget - self.passes)
         gain = rest * plain * (1 - 1 / FIRST_ROUNDS_PRIOR)
         forgone = float(self.memory.get("forgone", 0.0))
         if forgone + gain >= FIRST_ROUNDS_S:
             return True
-        self.memory["forgone"] = forgone + gain
-        self.first_rounds = False  # (decided for this generation)
+        self.held_gain = plain * (1 - 1 / FIRST_ROUNDS_PRIOR)
         self.decisions.append(f"plain decoding for this generation's last {rest} tokens: the process's first rounds "
                               f"(~{1e3 * FIRST_ROUNDS_S:.0f} ms) would not pay yet ({1e3 * (forgone + gain):.0f} ms "
                               f"to gain so far)")
