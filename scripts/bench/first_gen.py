@@ -7,16 +7,20 @@ nothing is warmed for it. A repetition is one process per leg, the legs' order a
 loads the model and runs one generation of the repetition's prompt, then a second generation of the next prompt
 (what a process that stays, a chat or a server, gets from then on; --gens N: N generations in all). Each generation
 also records its first token's wait and its three longest waits between tokens (ms, and the token they came
-before), to place a stall.
+before), to place a stall. --profile DIR adds, before a temperature's repetitions, one untimed process per leg whose
+generations each run whole under CUPTI (DIR/gpu_kernels.py): the GPU's kernel time, busy time and span against the
+generation's wall time, which tells a first generation's host-side costs (traces, kernel loads) from GPU work.
 
 Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--max-tokens 256] [--reps 10]
-         [--gens 2] [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--out first_gen.json]
+         [--gens 2] [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--profile DIR] [--out first_gen.json]
 Reported per leg: the generation's wall seconds (prefill included), the second generation's, all generations'
-together, the load's and the whole process's (Python's start to exit, as the driver times it); ratios are plain's
+together, the last's, the load's and the whole process's (Python's start to exit, as the driver times it; the child also
+records when its interpreter started, its imports ended and its generations ended, on the driver's clock); ratios are plain's
 over the leg's, per repetition, then the median.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -28,6 +32,8 @@ LEGS = ("plain", "plain-aa", "default")
 
 
 def child(args) -> None:
+    t0 = float(os.environ.get("FIRST_GEN_T0", time.time()))
+    started_s = time.time() - t0  # the interpreter's start, as the driver's clock sees it
     import mlx.core as mx
 
     import lattice_mlx
@@ -41,21 +47,29 @@ def child(args) -> None:
         for owner in (o for o in (tuning, pipelined) if hasattr(o, name)):  # (pipelined.py imports some by name)
             setattr(owner, name, type(getattr(owner, name))(float(value)))
 
+    imported_s = time.time() - t0
     tic = time.perf_counter()
     model, tokenizer = lattice_mlx.load(args.model if args.model != "demo" else None, dtype=args.dtype or None)
     load_s = time.perf_counter() - tic
     prompts = text_prompts("code")
-    out = {"leg": args.leg, "rep": args.rep, "load_s": load_s, "generations": []}
+    out = {"leg": args.leg, "rep": args.rep, "load_s": load_s, "started_s": started_s, "imported_s": imported_s,
+           "generations": []}
+    profiler = None
+    if args.profile:
+        from lattice_mlx.bench.run import load_profiler
+
+        profiler = load_profiler(args.profile)
     for i in range(args.gens):
         prompt = prompts[(args.rep + i) % len(prompts)]
         speculation = None if args.leg.startswith("plain") else "auto"
-        tic = time.perf_counter()
-        times, ids, last = [], [], None
-        for last in lattice_mlx.stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                                temp=args.temp, seed=1000 + args.rep, speculation=speculation):
-            times.append(time.perf_counter())
-            ids.append(last.token)
-        wall = time.perf_counter() - tic
+        with profiler(steps=1) if profiler else contextlib.nullcontext() as prof:
+            tic = time.perf_counter()
+            times, ids, last = [], [], None
+            for last in lattice_mlx.stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                                    temp=args.temp, seed=1000 + args.rep, speculation=speculation):
+                times.append(time.perf_counter())
+                ids.append(last.token)
+            wall = time.perf_counter() - tic
         spec = last.speculation or {}
         # where the generation waited longest: before its first token (the prefill), and between tokens
         gaps = sorted(((b - a, j + 1) for j, (a, b) in enumerate(zip(times, times[1:]))), reverse=True)[:3]
@@ -65,14 +79,23 @@ def child(args) -> None:
                                    "speculated": last.speculation is not None,
                                    "acceptance": spec.get("acceptance_rate"), "decisions": spec.get("decisions"),
                                    "tuner_log": spec.get("tuner_log") or []})
+        if prof is not None:  # the whole generation as one step: totals, in ms, beside its wall time
+            g = prof.summary(top=6)
+            out["generations"][-1]["gpu_profile"] = {
+                "kernels": g["kernels_per_step"], "kernel_ms": g["kernel_us_per_step"] / 1e3,
+                "busy_ms": g["busy_us_per_step"] / 1e3, "span_ms": g["span_us_per_step"] / 1e3,
+                "wall_ms": 1e3 * wall, "top_kernels": [[k["name"][:70], k["per_step"], round(k["us_per_step"] / 1e3, 2)]
+                                                       for k in g["top_kernels"]]}
     out["peak_gb"] = mx.get_peak_memory() / 1e9
+    out["done_s"] = time.time() - t0  # the rest of process_s is the interpreter's exit
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_process(args, leg: str, rep: int, temp: float) -> dict:
-    env = dict(os.environ, LATTICE_MTP="0" if leg.startswith("plain") else "1")
+def run_process(args, leg: str, rep: int, temp: float, profile: str | None = None) -> dict:
+    env = dict(os.environ, LATTICE_MTP="0" if leg.startswith("plain") else "1", FIRST_GEN_T0=repr(time.time()))
     cmd = [sys.executable, __file__, "--child", "--leg", leg, "--rep", str(rep), "--temp", str(temp),
            "--model", args.model, "--max-tokens", str(args.max_tokens), "--dtype", args.dtype, "--gens", str(args.gens)]
+    cmd += ["--profile", profile] if profile else []
     tic = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     process_s = time.perf_counter() - tic
@@ -102,6 +125,7 @@ def summarize(runs: list[dict], legs: list[str]) -> dict:
         ratio = {
             "first_gen": [a["generations"][0]["wall_s"] / b["generations"][0]["wall_s"] for a, b in pairs],
             "second_gen": [a["generations"][1]["wall_s"] / b["generations"][1]["wall_s"] for a, b in pairs],
+            "last_gen": [a["generations"][-1]["wall_s"] / b["generations"][-1]["wall_s"] for a, b in pairs],
             "all_gens": [sum(g["wall_s"] for g in a["generations"]) / sum(g["wall_s"] for g in b["generations"])
                          for a, b in pairs],
             "process": [a["process_s"] / b["process_s"] for a, b in pairs],
@@ -121,6 +145,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--gens", type=int, default=2, help="generations per process (>= 2), each of the next prompt")
     p.add_argument("--legs", default=",".join(LEGS), help="plain first; default@NAME=VALUE;..: tuner constants changed")
+    p.add_argument("--profile", metavar="DIR", help="also one process per leg under CUPTI (DIR/gpu_kernels.py)")
     p.add_argument("--out", default="first_gen.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--leg", help=argparse.SUPPRESS)
@@ -147,7 +172,15 @@ def main() -> None:
         run_process(args, "default", -1, temp)  # untimed: the machine's once-only builds (a user's second run on)
         print(f"temp {temp}: the untimed first process took {time.perf_counter() - tic:.1f} s", flush=True)
         runs = []
-        groups.append({"temp": temp, "runs": runs})
+        if args.profile:  # before the timed repetitions (so a limit keeps them), each in its own process
+            profiled = []
+            for leg in legs:
+                profiled.append(run_process(args, leg, 0, temp, profile=args.profile))
+                print(f"temp {temp}: {leg} under CUPTI: " + "  ".join(
+                    f"gen {i}: wall {g['gpu_profile']['wall_ms']:.0f} ms, kernels {g['gpu_profile']['kernel_ms']:.0f} "
+                    f"busy {g['gpu_profile']['busy_ms']:.0f} span {g['gpu_profile']['span_ms']:.0f} ms"
+                    for i, g in enumerate(profiled[-1]["generations"])), flush=True)
+        groups.append({"temp": temp, "runs": runs, "profiled": profiled if args.profile else None})
         for rep in range(args.reps):
             order = list(legs) if rep % 2 == 0 else list(reversed(legs))
             for leg in order:
@@ -159,6 +192,7 @@ def main() -> None:
         s = groups[-1]["summary"] = summarize(runs, legs)
         line = "  ".join(f"{leg} first {v['first_gen']['median']:.2f} ({v['first_gen']['min']:.2f}-"
                          f"{v['first_gen']['max']:.2f}) second {v['second_gen']['median']:.2f} "
+                         f"last {v['last_gen']['median']:.2f} "
                          f"all {v['all_gens']['median']:.2f} process "
                          f"{v['process']['median']:.2f}" for leg, v in s.items())
         same = " ".join(f"{leg} {v['identical_tokens']}/{args.reps}" for leg, v in s.items())

@@ -205,10 +205,11 @@ for mode in "$@"; do
     if [[ ${FIRST_GEN:-0} == 1 ]]; then  # first: a user's first generation, a fresh process per leg and repetition
       # (plain, A/A, speculation="auto" with LATTICE_MTP=1; first_gen.py), FG_MODEL [demo: text prompts need a
       # tokenizer], SD_TEMPS, FG_TOKENS [256], REPS, FG_LEGS [plain,plain-aa,default; default@NAME=VALUE too],
-      # FG_GENS [2: generations per process], FIRST_GEN_LIMIT s [300]
+      # FG_GENS [2: generations per process], PROFILE=1: one process per leg under CUPTI, FIRST_GEN_LIMIT s [300]
       step first_gen "${FIRST_GEN_LIMIT:-300}" python3 scripts/bench/first_gen.py --model "${FG_MODEL:-demo}" \
         --temps "${SD_TEMPS:-0}" --max-tokens "${FG_TOKENS:-256}" --reps "${REPS:-10}" \
-        --legs "${FG_LEGS:-plain,plain-aa,default}" --gens "${FG_GENS:-2}" --out "$RES/first_gen.json"
+        --legs "${FG_LEGS:-plain,plain-aa,default}" --gens "${FG_GENS:-2}" --out "$RES/first_gen.json" \
+        $([[ ${PROFILE:-0} == 1 ]] && echo --profile .device-tools)
       cat "$RES/first_gen.out"
     fi
     [[ ${SD_SKIP:-0} == 1 ]] && continue  # SD_SKIP=1: only the steps above
