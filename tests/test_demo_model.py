@@ -1,16 +1,47 @@
 """The embedded demo model: it loads with no arguments, generates deterministically, and MTP is exact on it."""
 
+import gzip
+
+import mlx.core as mx
 import pytest
 
 from lattice_mlx import SpecOptions, generate, load
-from lattice_mlx.load import DEMO_MODEL
+from lattice_mlx.load import DEMO_MODEL, LoadError, demo_model
 
-MAX_BYTES = 12_000_000
+MAX_BYTES = 10_000_000
 
 
 def test_asset_fits_the_size_budget():
     size = sum(f.stat().st_size for f in DEMO_MODEL.iterdir())
     assert 1_000_000 < size <= MAX_BYTES, size
+
+
+def test_the_packed_weights_unpack_once_into_a_whole_checkpoint_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTICE_CACHE", str(tmp_path / "cache"))
+    path = demo_model()
+    assert path.parent == tmp_path / "cache" and path.name.startswith("demo-")
+    assert sorted(f.name for f in path.iterdir()) == sorted(
+        ["model.safetensors" if f.name == "model.safetensors.gz" else f.name for f in DEMO_MODEL.iterdir()])
+    with gzip.open(DEMO_MODEL / "model.safetensors.gz", "rb") as f:
+        assert (path / "model.safetensors").read_bytes() == f.read()
+    assert any(k.startswith("mtp.") for k in mx.load(str(path / "model.safetensors")))
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert demo_model() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp  # found, not redone
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no half-written folder left
+
+
+def test_an_unwritable_cache_falls_back_and_then_says_so_in_one_line(tmp_path, monkeypatch):
+    import tempfile
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("LATTICE_CACHE", str(blocked / "cache"))
+    monkeypatch.setenv("HOME", str(blocked))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert demo_model().parent == tmp_path / "tmp" / "lattice_mlx"
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(blocked))
+    with pytest.raises(LoadError, match="set LATTICE_CACHE"):
+        demo_model()
 
 
 @pytest.fixture(scope="module")

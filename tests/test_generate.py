@@ -412,10 +412,10 @@ def _interrupt_at_startup(module: str, *args: str):
 
 @pytest.mark.parametrize("module", ["lattice_mlx.generate", "lattice_mlx.convert"])
 def test_ctrl_c_at_startup_is_one_line_and_exit_130(module, tmp_path):
-    from lattice_mlx.load import DEMO_MODEL
+    from lattice_mlx.load import demo_model
 
     args = ["--max-tokens", "2"] if module == "lattice_mlx.generate" else \
-        ["--hf-path", str(DEMO_MODEL), "--mlx-path", str(tmp_path / "out")]
+        ["--hf-path", str(demo_model()), "--mlx-path", str(tmp_path / "out")]
     rc, err = _interrupt_at_startup(module, *args)
     assert rc == 130 and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and err.strip().startswith("interrupted"), err

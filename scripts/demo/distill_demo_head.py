@@ -19,10 +19,12 @@ names, bf16) and result.json. `--install` writes the head into the embedded demo
 
 import argparse
 import contextlib
+import gzip
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -35,7 +37,7 @@ from mlx.utils import tree_map
 
 from lattice_mlx import load
 from lattice_mlx.bench.run import quantized_head
-from lattice_mlx.load import DEMO_MODEL, resolve_path
+from lattice_mlx.load import DEMO_MODEL, demo_model, resolve_path
 from lattice_mlx.models.fuse import hf_parameters
 from lattice_mlx.sample import Sampler
 from lattice_mlx.speculative import SpecOptions, SpecStats, speculate
@@ -349,7 +351,7 @@ def main() -> None:
 def install(head: dict[str, mx.array], model: str | None = None) -> None:
     """Writes the head's tensors into the embedded demo checkpoint, or `model`'s (the rest of it unchanged),
     atomically."""
-    path = resolve_path(model or DEMO_MODEL) / "model.safetensors"
+    path = resolve_path(model or demo_model()) / "model.safetensors"
     weights, metadata = mx.load(str(path), return_metadata=True)
     own = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     wrong = sorted(set(head) ^ set(own)) + [k for k in head if k in own and
@@ -360,6 +362,13 @@ def install(head: dict[str, mx.array], model: str | None = None) -> None:
     tmp = path.with_suffix(".tmp.safetensors")
     mx.save_safetensors(str(tmp), weights, metadata=metadata)
     tmp.replace(path)
+    packed = DEMO_MODEL / "model.safetensors.gz"
+    if model is None and packed.exists():  # the package's own copy: gzipped, deterministically (no name, no time)
+        tmp = packed.with_suffix(".tmp")
+        with open(path, "rb") as src, open(tmp, "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        tmp.replace(packed)
+        path = packed
     print(f"installed the head into {path}")
 
 

@@ -1,10 +1,13 @@
 """Local directory or hub id -> config -> Model (+ MTP head) -> weights -> tokenizer. Every failure is a LoadError."""
 
 import glob
+import gzip
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,13 +20,52 @@ from .models.layers import route_quantized
 from .models.mtp import DraftVocab, MTPHead
 from .models.qwen3_5 import Model, ModelArgs, sanitize
 
-DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
+DEMO_MODEL = Path(__file__).parent / "assets" / "demo"  # its weights ship gzipped: demo_model() is the checkpoint
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 class LoadError(Exception):
     """A checkpoint problem the user can fix; the message says how."""
+
+
+def demo_model() -> Path:
+    """The embedded demo checkpoint as a directory any loader reads (mlx-lm's, transformers', this one's). The
+    package ships its weights as model.safetensors.gz (a fifth smaller); the first call unpacks them, with the
+    folder's other files, into a cache keyed by the archive's digest ($LATTICE_CACHE, else ~/.cache/lattice_mlx,
+    else the temporary folder), atomically: a second process finds the whole folder or none of it."""
+    packed = DEMO_MODEL / "model.safetensors.gz"
+    if (DEMO_MODEL / "model.safetensors").exists() or not packed.exists():
+        return DEMO_MODEL  # unpacked in place (a build that did so), or absent: load() says so
+    digest = hashlib.sha256(packed.read_bytes()).hexdigest()[:16]
+    roots = [Path(os.environ["LATTICE_CACHE"])] if os.environ.get("LATTICE_CACHE") else []
+    roots += [Path.home() / ".cache" / "lattice_mlx", Path(tempfile.gettempdir()) / "lattice_mlx"]
+    for root in roots:
+        target = root / f"demo-{digest}"
+        if (target / "model.safetensors").exists():
+            return target
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=root))
+        except OSError:
+            continue  # not writable: the next root
+        try:
+            for f in DEMO_MODEL.iterdir():
+                if f.is_file() and f != packed:
+                    shutil.copyfile(f, tmp / f.name)
+            with gzip.open(packed, "rb") as src, open(tmp / "model.safetensors", "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another process got there first: its copy is the same
+                pass
+        except (OSError, EOFError, gzip.BadGzipFile) as e:
+            raise LoadError(f"cannot unpack the embedded demo model into {root} ({type(e).__name__}: {e})") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if (target / "model.safetensors").exists():
+            return target
+    raise LoadError("no writable folder to unpack the embedded demo model into: set LATTICE_CACHE to one")
 
 
 def resolve_path(path_or_repo: str | Path) -> Path:
@@ -319,7 +361,7 @@ def load(path_or_repo: str | Path | None = None, *, dtype: str | None = None, gr
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").exists():
             raise LoadError("no embedded demo model in this build: pass --model PATH")
-        path_or_repo = DEMO_MODEL
+        path_or_repo = demo_model()
     path = resolve_path(path_or_repo)
     model, config = load_model(path, dtype=dtype, group=group, pipeline=pipeline, mtp=mtp)
     return model, load_tokenizer(path, config)

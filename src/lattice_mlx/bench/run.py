@@ -35,7 +35,7 @@ from .. import decode as decode_mod
 from .. import settings
 from ..cli import ArgumentParser
 from ..decode import generate_step
-from ..load import DEMO_MODEL, DTYPES, LoadError, keep_round_builds, load_model, load_tokenizer, quantize, resolve_path
+from ..load import DTYPES, LoadError, demo_model, keep_round_builds, load_model, load_tokenizer, quantize, resolve_path
 from ..models import compiled
 from ..models.fuse import hf_parameters
 from ..models.mtp import DraftVocab
@@ -297,7 +297,7 @@ def load_target(name: str, *, bits: int, group_size: int, dtype: str | None, see
         target = Target(f"random {name} Q{bits or 16} {dtype}", model, config, None, synthetic=True)
         keep_round_builds(model)  # (once per machine, on CUDA: the legs speculate)
     else:
-        path = resolve_path(DEMO_MODEL if name == "demo" else name)
+        path = resolve_path(demo_model() if name == "demo" else name)
         model, config = load_model(path, dtype=dtype)
         target = Target(f"{name} ({path})", model, config, load_tokenizer(path, config), synthetic=False)
         keep_round_builds(model)
