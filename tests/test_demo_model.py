@@ -36,7 +36,7 @@ def test_an_unwritable_cache_falls_back_and_then_says_so_in_one_line(tmp_path, m
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("LATTICE_CACHE", str(blocked / "cache"))
-    monkeypatch.setenv("HOME", str(blocked))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert demo_model().parent == tmp_path / "tmp" / "lattice_mlx"
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(blocked))

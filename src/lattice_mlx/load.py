@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import settings
 from .models.fuse import fuse_projections
 from .models.layers import route_quantized
 from .models.mtp import DraftVocab, MTPHead
@@ -32,14 +33,17 @@ class LoadError(Exception):
 def demo_model() -> Path:
     """The embedded demo checkpoint as a directory any loader reads (mlx-lm's, transformers', this one's). The
     package ships its weights as model.safetensors.gz (a fifth smaller); the first call unpacks them, with the
-    folder's other files, into a cache keyed by the archive's digest ($LATTICE_CACHE, else ~/.cache/lattice_mlx,
-    else the temporary folder), atomically: a second process finds the whole folder or none of it."""
+    folder's other files, into a cache keyed by the archive's digest ($LATTICE_CACHE, else
+    $XDG_CACHE_HOME/lattice_mlx or ~/.cache/lattice_mlx, else the temporary folder's), atomically: a second process
+    finds the whole folder or none of it."""
+
     packed = DEMO_MODEL / "model.safetensors.gz"
     if (DEMO_MODEL / "model.safetensors").exists() or not packed.exists():
         return DEMO_MODEL  # unpacked in place (a build that did so), or absent: load() says so
     digest = hashlib.sha256(packed.read_bytes()).hexdigest()[:16]
-    roots = [Path(os.environ["LATTICE_CACHE"])] if os.environ.get("LATTICE_CACHE") else []
-    roots += [Path.home() / ".cache" / "lattice_mlx", Path(tempfile.gettempdir()) / "lattice_mlx"]
+    roots = [Path(settings.raw("cache"))] if settings.raw("cache") else []
+    roots += [Path(settings.raw("cache_home") or Path.home() / ".cache") / "lattice_mlx",
+              Path(tempfile.gettempdir()) / "lattice_mlx"]
     for root in roots:
         target = root / f"demo-{digest}"
         if (target / "model.safetensors").exists():

@@ -59,6 +59,7 @@ SETTINGS = {
     "git_rev": Setting("LATTICE_GIT_REV", "", None, ""),
     "cxx": Setting("CXX", "", None, ""),  # the CPU render's compiler
     "cache_home": Setting("XDG_CACHE_HOME", "", None, ""),  # where the CPU render keeps its builds
+    "cache": Setting("LATTICE_CACHE", "", None, ""),  # where the embedded demo's weights are unpacked (load.demo_model)
     # CUDA kernel builds kept on disk (metal/cuda_cache.py; bitwise MLX's own builds: docs/kernels.md)
     "kernel_cache": Setting("LATTICE_KERNEL_CACHE", "1", SWITCH,
                             "use 1 (CUDA kernel builds written to MLX's PTX cache, once per machine) or 0 (off)"),
