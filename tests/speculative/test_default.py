@@ -76,6 +76,15 @@ def test_generate_tells_the_loop_its_budget_and_the_process_pays_its_first_round
     monkeypatch.setattr(tuning, "FIRST_ROUNDS_S", 0.0)
     got = generate(model, tok, PROMPT, max_tokens=24, speculation=SpecOptions())
     assert got.tokens == plain.tokens and got.speculation["rounds"] > 0 and model.runtime.rounds_run
+    # a sampled generation weighs them at its own price (FIRST_ROUNDS_SAMPLED_S): the greedy one's off holds nothing
+    # there (a fresh model: the one above has paid)
+    fresh, _ = load(checkpoints["tied"])
+    got = generate(fresh, tok, PROMPT, max_tokens=24, temp=0.7, seed=3, speculation=SpecOptions())
+    assert got.speculation["rounds"] == 0 and not fresh.runtime.rounds_run
+    assert any(f"~{1e3 * tuning.FIRST_ROUNDS_SAMPLED_S:.0f} ms" in d for d in got.speculation["decisions"])
+    monkeypatch.setattr(tuning, "FIRST_ROUNDS_SAMPLED_S", 0.0)
+    got = generate(fresh, tok, PROMPT, max_tokens=24, temp=0.7, seed=3, speculation=SpecOptions())
+    assert got.speculation["rounds"] > 0 and fresh.runtime.rounds_run
     monkeypatch.undo()
     fresh, _ = load(checkpoints["tied"])
     fresh.runtime.rounds_run = True  # (as after a warm-up or an earlier generation's rounds)
@@ -763,6 +772,29 @@ def test_a_processs_first_rounds_wait_until_plain_decoding_has_forgone_what_they
     ks = tuner.run(costs, [0.0], 1500)
     assert ks.count(0) > 1000 and max(ks) > 0 and not any("would not pay" in d for d in tuner.decisions)
     assert tuner.decisions and ks[-200:].count(0) < 200  # (off stretches, and a probe after the last one)
+
+
+def test_a_sampled_generation_weighs_its_first_rounds_at_the_sampled_price_and_prior():
+    """tuning.FIRST_ROUNDS_SAMPLED_S / _PRIOR: a sampled generation's first rounds cost more and its rounds gain less
+    (the demo at 0.7, docs/adr/0008 'Run AF'), so at the same plain cost a process holds its sampled generations in
+    plain steps for more generations than its greedy ones, each by its own price and prior."""
+    from lattice_mlx.speculative import tuning
+
+    rates = [0.9, 0.8, 0.7, 0.6]
+    costs = {0: 1e-3, 1: 1.2e-3, 2: 1.35e-3, 3: 1.5e-3, 4: 1.65e-3}
+    rest = 255 - tuning.PLAIN_WARMUP_STEPS - tuning.PLAIN_TIMED_STEPS
+    need = {greedy: int(price // (rest * 1e-3 * (1 - 1 / prior))) for greedy, price, prior in (
+        (True, tuning.FIRST_ROUNDS_S, tuning.FIRST_ROUNDS_PRIOR),
+        (False, tuning.FIRST_ROUNDS_SAMPLED_S, tuning.FIRST_ROUNDS_SAMPLED_PRIOR))}
+    assert need[False] > need[True] + 1 and need[False] < 12  # (the constants this test rests on)
+    for greedy in (True, False):
+        memory: dict = {}
+        runs = [_Costs(4, memory, lag=2, budget=255, first_rounds=True, greedy=greedy).run(costs, rates, 255)
+                for _ in range(need[greedy] + 1)]
+        assert all(ks == [0] * 255 for ks in runs[:-1]) and runs[-1].count(0) < 40, greedy
+    held = _Costs(4, {}, lag=2, budget=255, first_rounds=True, greedy=False)
+    held.run(costs, rates, 255)
+    assert f"~{1e3 * tuning.FIRST_ROUNDS_SAMPLED_S:.0f} ms" in held.decisions[0]
 
 
 def test_a_probe_at_acceptance_zero_ends_soon_where_plain_read_dear():

@@ -578,7 +578,8 @@ def run_pipelined(model, ids: mx.array, *, sampler: Sampler, options: SpecOption
                              prompt_len=ids.size, head_cache=head_cache if n else None)
     runtime = runtime_of(model)
     tuner = PipelinedTuner(k, tuner_memory(model, sampler.greedy), rounds.has_trace, lag=2,
-                           budget=None if budget is None else budget - 1, first_rounds=not runtime.rounds_run) \
+                           budget=None if budget is None else budget - 1, first_rounds=not runtime.rounds_run,
+                           greedy=sampler.greedy) \
         if options.adaptive else None  # (a round's acceptance is read two passes after its dispatch; the first
     # token is the prefill's)
     # the prefill's caches and hiddens: what the rounds need of them is in their own buffers now (memory: the

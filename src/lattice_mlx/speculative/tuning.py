@@ -181,6 +181,12 @@ FIRST_TRACE_SKIP = 6
 # the loop is not told (`budget` None) speculates at once. 0: off.
 FIRST_ROUNDS_S = 0.2
 FIRST_ROUNDS_PRIOR = 1.5  # the speedup assumed for a text before any of its rounds is read
+# A sampled generation's first rounds cost more (a round that draws launches its own kernels, each loaded at its first
+# use) and its rounds gain less: on the demo at temperature 0.7 the first rounds cost about half as much again as
+# greedy ones and a warm process's rounds gained 1.0-1.4x, below the greedy prior (docs/adr/0008, 'Run AF'). A
+# sampled generation weighs its first rounds with these (0: not held).
+FIRST_ROUNDS_SAMPLED_S = 0.3
+FIRST_ROUNDS_SAMPLED_PRIOR = 1.2
 
 
 def tuner_rates(stats, hope: float = 0.0) -> list[float]:
@@ -277,13 +283,15 @@ class PipelinedTuner:
     REJECTS = 3  # passes in a row not timed at one depth, after which the next one is
 
     def __init__(self, k_max: int, memory: dict | None = None, traced: Callable[[int], bool] | None = None,
-                 lag: int = 0, budget: int | None = None, first_rounds: bool = False):
+                 lag: int = 0, budget: int | None = None, first_rounds: bool = False, greedy: bool = True):
         """`traced(k)`: whether a round of depth k has a compiled trace in this process (None: every depth has).
         `lag`: how many passes after dispatching a round its acceptance reaches the rates next_k is given (the
         pipelined loop: 2). `budget`: the tokens this generation may still produce, one per pass of plain steps
-        (None: not told). `first_rounds`: this process has run no round of the model yet (FIRST_ROUNDS_S)."""
+        (None: not told). `first_rounds`: this process has run no round of the model yet (FIRST_ROUNDS_S; a sampled
+        generation, `greedy` False: FIRST_ROUNDS_SAMPLED_S)."""
         self.k_max, self.memory, self.lag = k_max, {} if memory is None else memory, lag
         self.budget, self.first_rounds, self.passes = budget, first_rounds, 0  # passes: of this generation
+        self.greedy = greedy
         self.held_gain = 0.0  # held by FIRST_ROUNDS_S: what each plain pass forgoes, added to memory["forgone"]
         self.below = 0  # decisions in a row that predicted no gain at any depth
         self.dispatched, self.carried = 0, False  # rounds dispatched in this generation; began in a carried stretch
@@ -499,17 +507,19 @@ class PipelinedTuner:
         Else, or where the first rounds were paid, nothing is held back. Decided once per generation: a generation
         that went on to speculate is not held at a later stretch's end."""
         plain = self.cost.get(0)
-        if not self.first_rounds or self.budget is None or FIRST_ROUNDS_S <= 0 or plain is None:
+        price, prior = (FIRST_ROUNDS_S, FIRST_ROUNDS_PRIOR) if self.greedy else \
+            (FIRST_ROUNDS_SAMPLED_S, FIRST_ROUNDS_SAMPLED_PRIOR)
+        if not self.first_rounds or self.budget is None or price <= 0 or plain is None:
             return True
         self.first_rounds = False
         rest = max(0, self.budget - self.passes)
-        gain = rest * plain * (1 - 1 / FIRST_ROUNDS_PRIOR)
+        gain = rest * plain * (1 - 1 / prior)
         forgone = float(self.memory.get("forgone", 0.0))
-        if forgone + gain >= FIRST_ROUNDS_S:
+        if forgone + gain >= price:
             return True
-        self.held_gain = plain * (1 - 1 / FIRST_ROUNDS_PRIOR)
+        self.held_gain = plain * (1 - 1 / prior)
         self.decisions.append(f"plain decoding for this generation's last {rest} tokens: the process's first rounds "
-                              f"(~{1e3 * FIRST_ROUNDS_S:.0f} ms) would not pay yet ({1e3 * (forgone + gain):.0f} ms "
+                              f"(~{1e3 * price:.0f} ms) would not pay yet ({1e3 * (forgone + gain):.0f} ms "
                               f"to gain so far)")
         self.log.append(f"{self.decisions[-1]}; {self._costs()}")
         self.left = 1 << 30  # the rest of the generation, however long (a round dispatched at its end, one pass ahead
