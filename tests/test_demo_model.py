@@ -30,6 +30,46 @@ def test_the_packed_weights_unpack_once_into_a_whole_checkpoint_folder(tmp_path,
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no half-written folder left
 
 
+def _packaged_copy(tmp_path, monkeypatch):
+    """A copy of the packaged demo folder that demo_model() reads instead, and an empty cache for it."""
+    import importlib
+    import shutil
+
+    load_module = importlib.import_module("lattice_mlx.load")  # (the package's `load` is the function)
+    copy = tmp_path / "package"
+    shutil.copytree(DEMO_MODEL, copy)
+    monkeypatch.setattr(load_module, "DEMO_MODEL", copy)
+    monkeypatch.setenv("LATTICE_CACHE", str(tmp_path / "cache"))
+    return copy
+
+
+def test_a_folder_lacking_a_file_is_replaced_and_any_packaged_file_changed_is_a_new_folder(tmp_path, monkeypatch):
+    copy = _packaged_copy(tmp_path, monkeypatch)
+    path = demo_model()
+    (path / "tokenizer.json").unlink()  # (a cleaner took a file)
+    assert demo_model() == path and (path / "tokenizer.json").read_bytes() == (copy / "tokenizer.json").read_bytes()
+    config = (copy / "config.json").read_text()
+    (copy / "config.json").write_text(config.replace("{", '{"_edited": 1, ', 1))
+    edited = demo_model()
+    assert edited != path and (edited / "config.json").read_text() == (copy / "config.json").read_text()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([path.name, edited.name])
+
+
+@pytest.mark.parametrize("damage", ["stream", "checksum", "truncated"])
+def test_a_damaged_archive_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, damage):
+    copy = _packaged_copy(tmp_path, monkeypatch)
+    data = bytearray((copy / "model.safetensors.gz").read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # (a byte of the deflate stream's start: zlib's error; one further on: the gzip checksum's)
+        data[20 if damage == "stream" else len(data) // 2] ^= 0xFF
+    (copy / "model.safetensors.gz").write_bytes(bytes(data))
+    with pytest.raises(LoadError, match="damaged") as e:
+        demo_model()
+    assert "\n" not in str(e.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 def test_an_unwritable_cache_falls_back_and_then_says_so_in_one_line(tmp_path, monkeypatch):
     import tempfile
 

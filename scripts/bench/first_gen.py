@@ -15,7 +15,7 @@ Usage: python scripts/bench/first_gen.py [--model demo|DIR] [--temps 0,0.7] [--m
          [--gens 2] [--legs plain,plain-aa,default[,default@NAME=VALUE]] [--profile DIR] [--out first_gen.json]
 Reported per leg: the generation's wall seconds (prefill included), the second generation's, all generations'
 together, the last's, the load's and the whole process's (Python's start to exit, as the driver times it; the child also
-records when its interpreter started, its imports ended and its generations ended, on the driver's clock); ratios are plain's
+records when its own code started, its imports ended and its generations ended, on the driver's clock); ratios are plain's
 over the leg's, per repetition, then the median.
 """
 
@@ -33,7 +33,7 @@ LEGS = ("plain", "plain-aa", "default")
 
 def child(args) -> None:
     t0 = float(os.environ.get("FIRST_GEN_T0", time.time()))
-    started_s = time.time() - t0  # the interpreter's start, as the driver's clock sees it
+    started_s = time.time() - t0  # this function's start (after the interpreter's and the script's own imports)
     import mlx.core as mx
 
     import lattice_mlx
@@ -181,6 +181,7 @@ def main() -> None:
                     f"busy {g['gpu_profile']['busy_ms']:.0f} span {g['gpu_profile']['span_ms']:.0f} ms"
                     for i, g in enumerate(profiled[-1]["generations"])), flush=True)
         groups.append({"temp": temp, "runs": runs, "profiled": profiled if args.profile else None})
+        Path(args.out).write_text(json.dumps({"meta": meta, "groups": groups}))  # (kept if a limit stops it)
         for rep in range(args.reps):
             order = list(legs) if rep % 2 == 0 else list(reversed(legs))
             for leg in order:

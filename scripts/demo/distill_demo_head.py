@@ -27,6 +27,7 @@ import random
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -349,26 +350,32 @@ def main() -> None:
 
 
 def install(head: dict[str, mx.array], model: str | None = None) -> None:
-    """Writes the head's tensors into the embedded demo checkpoint, or `model`'s (the rest of it unchanged),
-    atomically."""
-    path = resolve_path(model or demo_model()) / "model.safetensors"
-    weights, metadata = mx.load(str(path), return_metadata=True)
+    """Writes the head's tensors into the embedded demo checkpoint (its packaged model.safetensors.gz, whose cache
+    folder load.demo_model() then makes afresh: the cache is keyed by the package's files), or into `model`'s
+    model.safetensors (the rest of it unchanged), atomically."""
+    packed = DEMO_MODEL / "model.safetensors.gz"
+    source = resolve_path(model) if model else demo_model()
+    weights, metadata = mx.load(str(source / "model.safetensors"), return_metadata=True)
     own = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     wrong = sorted(set(head) ^ set(own)) + [k for k in head if k in own and
                                              (head[k].shape != own[k].shape or head[k].dtype != own[k].dtype)]
     if wrong:
         raise SystemExit(f"the head does not fit the embedded checkpoint (names, shapes or dtypes): {wrong[:4]}")
     weights.update(head)
-    tmp = path.with_suffix(".tmp.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata=metadata)
-    tmp.replace(path)
-    packed = DEMO_MODEL / "model.safetensors.gz"
-    if model is None and packed.exists():  # the package's own copy: gzipped, deterministically (no name, no time)
-        tmp = packed.with_suffix(".tmp")
-        with open(path, "rb") as src, open(tmp, "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        tmp.replace(packed)
+    if model or not packed.exists():
+        path = source / "model.safetensors"
+        tmp = path.with_suffix(".tmp.safetensors")
+        mx.save_safetensors(str(tmp), weights, metadata=metadata)
+        tmp.replace(path)
+    else:  # the package's own copy, gzipped deterministically (no name, no time); the cache is left as it is
         path = packed
+        with tempfile.TemporaryDirectory() as scratch:
+            plain = Path(scratch) / "model.safetensors"
+            mx.save_safetensors(str(plain), weights, metadata=metadata)
+            tmp = packed.with_suffix(".tmp")
+            with open(plain, "rb") as src, open(tmp, "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            tmp.replace(packed)
     print(f"installed the head into {path}")
 
 

@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,46 +31,84 @@ class LoadError(Exception):
     """A checkpoint problem the user can fix; the message says how."""
 
 
+_DEMO_DIGESTS: dict[tuple, str] = {}
+
+
+def _demo_digest(files: list[Path]) -> str:
+    """A digest of the packaged demo folder's files, names and bytes: any of them changed is another cache folder.
+    Kept per process, keyed by the files' sizes and times (hashing ~9 MB costs tens of milliseconds a load)."""
+    key = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _DEMO_DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        _DEMO_DIGESTS[key] = h.hexdigest()[:16]
+    return _DEMO_DIGESTS[key]
+
+
 def demo_model() -> Path:
     """The embedded demo checkpoint as a directory any loader reads (mlx-lm's, transformers', this one's). The
-    package ships its weights as model.safetensors.gz (a fifth smaller); the first call unpacks them, with the
-    folder's other files, into a cache keyed by the archive's digest ($LATTICE_CACHE, else
-    $XDG_CACHE_HOME/lattice_mlx or ~/.cache/lattice_mlx, else the temporary folder's), atomically: a second process
-    finds the whole folder or none of it."""
-
+    package ships its weights as model.safetensors.gz (18% smaller); the first call unpacks them, with the folder's
+    other files, into a cache keyed by all of their digest ($LATTICE_CACHE, else $XDG_CACHE_HOME/lattice_mlx or
+    ~/.cache/lattice_mlx, else the temporary folder's), atomically: a process finds the whole folder or none of it.
+    A folder there that lacks a file is replaced; a folder it cannot write is passed over for the next one."""
     packed = DEMO_MODEL / "model.safetensors.gz"
     if (DEMO_MODEL / "model.safetensors").exists() or not packed.exists():
         return DEMO_MODEL  # unpacked in place (a build that did so), or absent: load() says so
-    digest = hashlib.sha256(packed.read_bytes()).hexdigest()[:16]
+    files = sorted(f for f in DEMO_MODEL.iterdir() if f.is_file())
+    names = ["model.safetensors" if f == packed else f.name for f in files]
+    digest = _demo_digest(files)
     roots = [Path(settings.raw("cache"))] if settings.raw("cache") else []
-    roots += [Path(settings.raw("cache_home") or Path.home() / ".cache") / "lattice_mlx",
-              Path(tempfile.gettempdir()) / "lattice_mlx"]
+    try:
+        roots.append(Path(settings.raw("cache_home") or Path.home() / ".cache") / "lattice_mlx")
+    except RuntimeError:  # no home folder to be found
+        pass
+    roots.append(Path(tempfile.gettempdir()) / "lattice_mlx")
+    tried = []
     for root in roots:
         target = root / f"demo-{digest}"
-        if (target / "model.safetensors").exists():
-            return target
         try:
+            if all((target / n).is_file() for n in names):
+                return target
             root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=root))
-        except OSError:
+        except OSError as e:
+            tried.append(f"{root} ({e.strerror or type(e).__name__})")
             continue  # not writable: the next root
         try:
-            for f in DEMO_MODEL.iterdir():
-                if f.is_file() and f != packed:
+            for f in files:
+                if f == packed:
+                    with gzip.open(packed, "rb") as src, open(tmp / "model.safetensors", "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                else:
                     shutil.copyfile(f, tmp / f.name)
-            with gzip.open(packed, "rb") as src, open(tmp / "model.safetensors", "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+            os.chmod(tmp, 0o755)  # (mkdtemp's folder is its owner's alone; a shared cache is read by others)
+            if target.exists():  # a folder that lacks a file: moved aside whole, then removed
+                try:
+                    os.replace(target, tmp.with_name(tmp.name.replace(".demo-", ".stale-")))
+                except OSError:  # (another process moved it first)
+                    pass
+                shutil.rmtree(tmp.with_name(tmp.name.replace(".demo-", ".stale-")), ignore_errors=True)
             try:
                 os.replace(tmp, target)
             except OSError:  # another process got there first: its copy is the same
                 pass
-        except (OSError, EOFError, gzip.BadGzipFile) as e:
-            raise LoadError(f"cannot unpack the embedded demo model into {root} ({type(e).__name__}: {e})") from None
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise LoadError(f"the embedded demo model's weights are damaged ({type(e).__name__}): reinstall "
+                            "lattice_mlx") from None
+        except OSError as e:  # a full disk, say: the next root
+            tried.append(f"{root} ({e.strerror or type(e).__name__})")
+            continue
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        if (target / "model.safetensors").exists():
-            return target
-    raise LoadError("no writable folder to unpack the embedded demo model into: set LATTICE_CACHE to one")
+        try:
+            if all((target / n).is_file() for n in names):
+                return target
+        except OSError:
+            pass
+        tried.append(f"{root} (incomplete after unpacking)")
+    raise LoadError(f"cannot unpack the embedded demo model into {', '.join(tried)}: set LATTICE_CACHE to a writable "
+                    "folder")
 
 
 def resolve_path(path_or_repo: str | Path) -> Path:
