@@ -83,7 +83,8 @@ def demo_model() -> Path:
                 else:
                     shutil.copyfile(f, tmp / f.name)
             os.chmod(tmp, 0o755)  # (mkdtemp's folder is its owner's alone; a shared cache is read by others)
-            if target.exists():  # a folder that lacks a file: moved aside whole, then removed
+            if target.exists() and not all((target / n).is_file() for n in names):  # lacks a file: moved aside
+                # whole, then removed (a whole one there is another process's, made meanwhile: kept)
                 try:
                     os.replace(target, tmp.with_name(tmp.name.replace(".demo-", ".stale-")))
                 except OSError:  # (another process moved it first)
