@@ -81,9 +81,12 @@ def child(args) -> None:
                                    "tuner_log": spec.get("tuner_log") or []})
         if prof is not None:  # the whole generation as one step: totals, in ms, beside its wall time
             g = prof.summary(top=6)
+            n = max(1, len(ids))
             out["generations"][-1]["gpu_profile"] = {
                 "kernels": g["kernels_per_step"], "kernel_ms": g["kernel_us_per_step"] / 1e3,
                 "busy_ms": g["busy_us_per_step"] / 1e3, "span_ms": g["span_us_per_step"] / 1e3,
+                "per_token": {"kernels": g["kernels_per_step"] / n, "kernel_us": g["kernel_us_per_step"] / n,
+                              "busy_us": g["busy_us_per_step"] / n, "span_us": g["span_us_per_step"] / n},
                 "wall_ms": 1e3 * wall, "top_kernels": [[k["name"][:70], k["per_step"], round(k["us_per_step"] / 1e3, 2)]
                                                        for k in g["top_kernels"]]}
     out["peak_gb"] = mx.get_peak_memory() / 1e9

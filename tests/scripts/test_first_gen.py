@@ -22,6 +22,7 @@ def test_ratios_are_plains_time_over_the_legs_per_repetition_then_the_median():
     assert d["second_gen"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 2}
     assert d["process"] == {"median": 1.4, "min": 0.8, "max": 2.0, "n": 2}
     assert d["all_gens"] == {"median": 2.0, "min": 0.8, "max": 3.2, "n": 2}  # (2 / 2.5 and 4 / 1.25)
+    assert d["last_gen"] == d["second_gen"]  # (two generations per process: the last is the second)
     assert d["identical_tokens"] == 1
     assert s["plain-aa"]["first_gen"]["median"] == 1.25 and s["plain-aa"]["identical_tokens"] == 2
     assert "plain" not in s
